@@ -1,0 +1,324 @@
+"""The tier configuration: one dataclass per tier, loaded from TOML and validated.
+
+``load_config(path)`` reads a TOML file (``tomllib``); ``load_config()`` with no argument reads
+the file named by the ``TIERCKPT_CONFIG`` environment variable. Every problem raises
+:class:`~tierckpt.errors.ConfigError` with a one-line message naming the file, the section and
+the key. The same validation runs when a :class:`TierConfig` is built in Python.
+
+Sizes accept integers (bytes) or strings such as ``"512MiB"``, ``"8GiB"``, ``"64MB"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = [
+    "HostConfig",
+    "LocalConfig",
+    "S3Config",
+    "JobConfig",
+    "TierConfig",
+    "load_config",
+    "parse_size",
+    "node_name",
+    "CONFIG_ENV",
+]
+
+CONFIG_ENV = "TIERCKPT_CONFIG"
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+S3_MIN_PART = 5 * MiB
+S3_MAX_PART = 5 * GiB
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1024 * GiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, where: str = "size") -> int:
+    """Parse ``value`` (int bytes or a string like ``"8GiB"``) into a non-negative byte count.
+
+    ``where`` names the setting in the error message.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a size (integer bytes or a string like '512MiB'), got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{where}: size must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        if value.strip().startswith("-"):
+            raise ConfigError(f"{where}: size must not be negative, got {value!r}")
+        m = _SIZE_RE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{where}: cannot parse size {value!r} (use an integer or e.g. '512MiB', '8GiB', '64MB')"
+            )
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"{where}: expected a size (integer bytes or a string like '512MiB'), got {type(value).__name__}")
+
+
+def node_name() -> str:
+    """The name that fills ``{node}`` in ``[local] path``.
+
+    First of: ``TIERCKPT_NODE``, torchrun's ``GROUP_RANK``, ``NODE_RANK``, the host name.
+    """
+    for var in ("TIERCKPT_NODE", "GROUP_RANK", "NODE_RANK"):
+        v = os.environ.get(var)
+        if v:
+            return v
+    return socket.gethostname()
+
+
+@dataclass
+class HostConfig:
+    """``[host]``: the host-memory buffer pool that lazy capture copies into.
+
+    Attributes:
+        buffer_size: bytes of the pool, allocated once per process and reused by every save.
+        chunk_size: the unit of capture and flush; a tensor larger than this is split. Clamped to
+            a quarter of ``buffer_size`` so that capture and flush always overlap.
+        pinned: use page-locked memory when CUDA is available (ignored on CPU-only machines).
+    """
+
+    buffer_size: int = 1 * GiB
+    chunk_size: int = 32 * MiB
+    pinned: bool = True
+
+    def validate(self, where: str = "[host]") -> None:
+        if self.buffer_size < 2 * MiB:
+            raise ConfigError(f"{where} buffer_size: must be at least 2MiB, got {self.buffer_size}")
+        if self.chunk_size < 64 * KiB:
+            raise ConfigError(f"{where} chunk_size: must be at least 64KiB, got {self.chunk_size}")
+
+    @property
+    def effective_chunk_size(self) -> int:
+        """The chunk size actually used: ``chunk_size`` clamped to a quarter of the pool, 4 KiB aligned."""
+        c = min(self.chunk_size, self.buffer_size // 4)
+        return max(4096, c - c % 4096)
+
+
+@dataclass
+class LocalConfig:
+    """``[local]``: the local (usually node-local NVMe) tier.
+
+    Attributes:
+        path: root directory. ``{node}`` is replaced by :func:`node_name`, ``{hostname}`` by the
+            host name, so that ranks of different nodes (or simulated nodes) use different roots.
+        flush_threads: threads writing captured chunks to the rank's file.
+        keep: committed checkpoints kept on this tier (0 keeps all).
+        fsync: fsync data and metadata before commit (turn off only for throwaway tests).
+    """
+
+    path: str = ""
+    flush_threads: int = 4
+    keep: int = 3
+    fsync: bool = True
+
+    def validate(self, where: str = "[local]") -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError(f"{where} path: required, a directory path")
+        if self.flush_threads < 1 or self.flush_threads > 64:
+            raise ConfigError(f"{where} flush_threads: must be between 1 and 64, got {self.flush_threads}")
+        if self.keep < 0:
+            raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
+
+    def resolved_path(self) -> Path:
+        """``path`` with placeholders filled and ``~`` expanded."""
+        p = self.path.replace("{node}", node_name()).replace("{hostname}", socket.gethostname())
+        return Path(os.path.expanduser(p))
+
+
+@dataclass
+class S3Config:
+    """``[s3]``: the S3-compatible object-store tier.
+
+    Credentials are never part of the config: boto3's standard chain supplies them.
+
+    Attributes:
+        bucket: bucket name (required).
+        prefix: key prefix under which checkpoints live.
+        endpoint_url: e.g. ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty for AWS.
+        region: signing region.
+        part_size: multipart part size (5MiB..5GiB).
+        concurrency: concurrent part uploads / ranged GETs per process.
+        keep: committed checkpoints kept on this tier (0 keeps all).
+        keep_every: additionally keep forever every checkpoint whose step is a multiple of this (0: off).
+        max_attempts: botocore retry attempts for transient errors.
+        connect_timeout, read_timeout: seconds.
+        conditional_commit: write the commit object with ``If-None-Match: *``; servers that
+            reject the header fall back to check-then-put automatically.
+    """
+
+    bucket: str = ""
+    prefix: str = ""
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+    part_size: int = 64 * MiB
+    concurrency: int = 8
+    keep: int = 5
+    keep_every: int = 0
+    max_attempts: int = 8
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    conditional_commit: bool = True
+
+    def validate(self, where: str = "[s3]") -> None:
+        if not isinstance(self.bucket, str) or not self.bucket:
+            raise ConfigError(f"{where} bucket: required, the bucket name")
+        if not (S3_MIN_PART <= self.part_size <= S3_MAX_PART):
+            raise ConfigError(f"{where} part_size: must be between 5MiB and 5GiB (S3 limits), got {self.part_size}")
+        if self.concurrency < 1 or self.concurrency > 256:
+            raise ConfigError(f"{where} concurrency: must be between 1 and 256, got {self.concurrency}")
+        if self.keep < 0:
+            raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
+        if self.keep_every < 0:
+            raise ConfigError(f"{where} keep_every: must not be negative, got {self.keep_every}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"{where} max_attempts: must be at least 1, got {self.max_attempts}")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ConfigError(f"{where} connect_timeout/read_timeout: must be positive")
+        if self.prefix.startswith("/") or ".." in self.prefix.split("/"):
+            raise ConfigError(f"{where} prefix: must be relative and must not contain '..', got {self.prefix!r}")
+
+
+@dataclass
+class JobConfig:
+    """``[job]``: settings shared by the tiers.
+
+    Attributes:
+        commit_timeout: seconds the coordinator waits for every rank to report its data durable
+            before it gives up on a checkpoint (it then stays uncommitted).
+        log_level: level for the ``tierckpt`` logger ("" leaves logging alone).
+    """
+
+    commit_timeout: float = 600.0
+    log_level: str = ""
+
+    def validate(self, where: str = "[job]") -> None:
+        if self.commit_timeout <= 0:
+            raise ConfigError(f"{where} commit_timeout: must be positive, got {self.commit_timeout}")
+        if self.log_level and self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"{where} log_level: one of DEBUG, INFO, WARNING, ERROR, got {self.log_level!r}")
+
+
+@dataclass
+class TierConfig:
+    """The whole configuration: ``[job]``, ``[host]``, and at least one of ``[local]`` and ``[s3]``.
+
+    ``source`` names the file it came from (for messages); it is empty when built in Python.
+    """
+
+    host: HostConfig = field(default_factory=HostConfig)
+    local: LocalConfig | None = None
+    s3: S3Config | None = None
+    job: JobConfig = field(default_factory=JobConfig)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        pre = f"{self.source}: " if self.source else ""
+        if self.local is None and self.s3 is None:
+            raise ConfigError(f"{pre}at least one of the sections [local] and [s3] is required")
+        try:
+            self.host.validate()
+            self.job.validate()
+            if self.local is not None:
+                self.local.validate()
+            if self.s3 is not None:
+                self.s3.validate()
+        except ConfigError as e:
+            raise ConfigError(f"{pre}{e}") from None
+
+
+_SECTIONS: dict[str, type] = {"host": HostConfig, "local": LocalConfig, "s3": S3Config, "job": JobConfig}
+_SIZE_KEYS = {("host", "buffer_size"), ("host", "chunk_size"), ("s3", "part_size")}
+
+
+def _coerce(section: str, key: str, value: Any, ftype: str, where: str) -> Any:
+    if (section, key) in _SIZE_KEYS:
+        return parse_size(value, where)
+    if ftype == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if ftype == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if ftype == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if ftype == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise AssertionError(ftype)  # pragma: no cover - field types are fixed above
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "") -> TierConfig:
+    """Build and validate a :class:`TierConfig` from parsed TOML (``source`` names the file)."""
+    pre = f"{source}: " if source else ""
+    sections: dict[str, Any] = {}
+    for name, body in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"{pre}unknown section [{name}] (known: {', '.join('[' + s + ']' for s in _SECTIONS)})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{pre}[{name}] must be a table (a [{name}] section), got {type(body).__name__}")
+        cls = _SECTIONS[name]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in body.items():
+            where = f"{pre}[{name}] {key}"
+            if key not in fields:
+                raise ConfigError(f"{where}: unknown key (known: {', '.join(fields)})")
+            kwargs[key] = _coerce(name, key, value, str(fields[key].type), where)
+        for req in {"local": ["path"], "s3": ["bucket"]}.get(name, []):
+            if req not in kwargs:
+                raise ConfigError(f"{pre}[{name}] {req}: missing required key")
+        sections[name] = cls(**kwargs)
+    return TierConfig(
+        host=sections.get("host", HostConfig()),
+        local=sections.get("local"),
+        s3=sections.get("s3"),
+        job=sections.get("job", JobConfig()),
+        source=source,
+    )
+
+
+def load_config(path: str | os.PathLike | None = None) -> TierConfig:
+    """Load and validate the tier configuration file at ``path`` (or ``$TIERCKPT_CONFIG``)."""
+    if path is None:
+        path = os.environ.get(CONFIG_ENV)
+        if not path:
+            raise ConfigError(f"no configuration file given and {CONFIG_ENV} is not set")
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the configuration file: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    return config_from_dict(data, source=str(p))

@@ -1,0 +1,62 @@
+"""The error hierarchy of tierckpt.
+
+Every error raised on purpose by tierckpt derives from :class:`TierckptError`, and most
+also derive from the matching builtin so that callers' existing ``except`` clauses keep
+working (``CheckpointNotFound`` is a ``FileNotFoundError``, ``ConfigError`` a ``ValueError``).
+Messages name the file, key, rank or checkpoint at fault.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TierckptError",
+    "ConfigError",
+    "CheckpointNotFound",
+    "CorruptCheckpoint",
+    "ChecksumMismatch",
+    "CommitConflict",
+    "CaptureError",
+    "TornCaptureError",
+    "TierError",
+    "TierUnavailable",
+]
+
+
+class TierckptError(Exception):
+    """Root of every error tierckpt raises on purpose."""
+
+
+class ConfigError(TierckptError, ValueError):
+    """A tier configuration file or object is invalid; the message names file, section and key."""
+
+
+class CheckpointNotFound(TierckptError, FileNotFoundError):
+    """No committed checkpoint with that id (or no committed checkpoint at all for ``latest``)."""
+
+
+class CorruptCheckpoint(TierckptError, ValueError):
+    """A checkpoint's metadata or layout is malformed, hostile or inconsistent."""
+
+
+class ChecksumMismatch(CorruptCheckpoint):
+    """Bytes read back do not match the CRC32C written with them."""
+
+
+class CommitConflict(TierckptError, FileExistsError):
+    """Another writer already committed (or is committing) the same checkpoint id."""
+
+
+class CaptureError(TierckptError, RuntimeError):
+    """The background capture, flush, commit or promotion of a checkpoint failed."""
+
+
+class TornCaptureError(CaptureError):
+    """A tensor was modified in place while its copy to host memory was still pending."""
+
+
+class TierError(TierckptError, OSError):
+    """A storage tier operation failed (I/O error, disk full, S3 error after retries)."""
+
+
+class TierUnavailable(TierError):
+    """A tier cannot be reached or is not configured (e.g. an optional dependency is missing)."""

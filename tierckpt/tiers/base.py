@@ -1,0 +1,168 @@
+"""The byte layer: what every storage tier provides.
+
+A tier stores opaque objects under relative keys such as ``"step-100/rank-00000.data"`` or
+``"step-100/metadata.json"``. It never sees a DCP plan; the DCP layer (``writer.py``,
+``reader.py``, ``commit.py``) never touches file handles or boto3. A new tier is a new module
+implementing :class:`Tier`.
+
+Keys are validated by :func:`check_key`: relative, ``/``-separated, no ``..``, no empty parts,
+no backslashes, so that a hostile manifest can never name something outside the tier's root.
+
+Thread safety: every method may be called from several threads at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..errors import CorruptCheckpoint
+
+__all__ = ["Tier", "DataSink", "ObjectInfo", "check_key"]
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._\-=+@,]+$")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise :class:`CorruptCheckpoint`."""
+    if not isinstance(key, str) or not key or len(key) > 1024:
+        raise CorruptCheckpoint(f"invalid storage key {key!r}")
+    parts = key.split("/")
+    for part in parts:
+        if part in ("", ".", "..") or not _KEY_PART.match(part):
+            raise CorruptCheckpoint(f"invalid storage key {key!r}: part {part!r} is not allowed")
+    return key
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key (relative to the tier root), size in bytes, mtime (epoch s)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+class DataSink(abc.ABC):
+    """A large object written at known offsets, possibly from several threads at once.
+
+    Created by :meth:`Tier.open_sink` with the object's final size. ``write_at`` may be called
+    concurrently for disjoint ranges; ``close`` makes the bytes durable (fsync, or the multipart
+    completion) and visible under the key; ``abort`` discards everything written. After either,
+    the sink is unusable. Until ``close`` returns, nothing is visible under the key.
+    """
+
+    @abc.abstractmethod
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset``; blocks until the bytes are handed to the tier."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Make all written bytes durable and visible under the key."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard the partial object. Never raises."""
+
+
+class Tier(abc.ABC):
+    """A storage tier: put / ranged get / list / delete over relative keys.
+
+    Attributes:
+        name: short name used in logs and messages (``"local"``, ``"s3"``).
+        url: where it lives, for messages (a directory path or ``s3://bucket/prefix``).
+    """
+
+    name: str = "tier"
+    url: str = ""
+
+    # -- writes ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Store a small object atomically (readers see all of it or nothing).
+
+        With ``if_absent=True`` the put fails with :class:`~tierckpt.errors.CommitConflict` if the
+        key already exists; this is the commit primitive (rename-without-replace on file systems,
+        ``If-None-Match: *`` on object stores).
+        """
+
+    @abc.abstractmethod
+    def open_sink(self, key: str, size: int) -> DataSink:
+        """Start writing a large object of exactly ``size`` bytes at ``key``."""
+
+    def upload_file(self, key: str, path: str, *, progress: "callable | None" = None) -> None:  # type: ignore[valid-type]
+        """Copy a local file to ``key`` (promotion). The default streams it through a sink."""
+        import os
+
+        size = os.path.getsize(path)
+        sink = self.open_sink(key, size)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                off = 0
+                step = 8 << 20
+                buf = bytearray(min(step, max(size, 1)))
+                while off < size:
+                    n = f.readinto(memoryview(buf)[: min(step, size - off)])
+                    if not n:
+                        raise CorruptCheckpoint(f"{path}: file shrank while uploading to {self.url}/{key}")
+                    sink.write_at(off, memoryview(buf)[:n])
+                    off += n
+                    if progress is not None:
+                        progress(n)
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+
+    # -- reads ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Return bytes ``[start, end)`` of ``key`` (``end=None``: to the end of the object).
+
+        Raises :class:`~tierckpt.errors.CheckpointNotFound` if the key does not exist and
+        :class:`~tierckpt.errors.CorruptCheckpoint` if the range goes past the end.
+        """
+
+    def read_into(self, key: str, start: int, buf: memoryview) -> None:
+        """Fill ``buf`` with bytes ``[start, start+len(buf))`` of ``key``. Default uses ``get``."""
+        data = self.get(key, start, start + len(buf))
+        buf[:] = data
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object exists at ``key``."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Size in bytes of ``key`` (:class:`~tierckpt.errors.CheckpointNotFound` if absent)."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in no particular order."""
+
+    def list_dirs(self) -> list[str]:
+        """The first path components of all keys (checkpoint ids), sorted."""
+        return sorted({info.key.split("/", 1)[0] for info in self.list("") if "/" in info.key})
+
+    # -- deletes --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one object; a missing key is not an error."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix`` (which must end with ``/``); return how many."""
+        if not prefix.endswith("/"):
+            raise ValueError(f"delete_prefix needs a prefix ending with '/', got {prefix!r}")
+        n = 0
+        for info in list(self.list(prefix)):
+            self.delete(info.key)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        """Release clients, pools and handles. The tier may not be used afterwards."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

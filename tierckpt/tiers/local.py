@@ -1,0 +1,274 @@
+"""The local tier: a directory, usually on node-local NVMe, sometimes on a shared file system.
+
+Large objects are written with ``os.pwrite`` at planned offsets by several threads into a
+``.partial`` file, fsynced, then renamed into place; small objects go through a temp file,
+fsync and rename (``if_absent``: ``os.link``, which fails if the target exists). The directory
+is fsynced after each rename so that the rename itself is durable.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
+from .base import DataSink, ObjectInfo, Tier, check_key
+
+__all__ = ["LocalTier"]
+
+PARTIAL = ".partial"
+TMP = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tier_error(e: OSError, what: str) -> TierError:
+    hint = ""
+    if e.errno == errno.ENOSPC:
+        hint = " (disk full)"
+    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        hint = " (not writable)"
+    err = TierError(e.errno or 0, f"{what}: {e.strerror or e}{hint}")
+    return err
+
+
+class _FileSink(DataSink):
+    def __init__(self, tier: "LocalTier", key: str, size: int) -> None:
+        self._tier = tier
+        self._final = tier._path(key)
+        self._partial = self._final.with_name(self._final.name + PARTIAL)
+        self._size = size
+        self._closed = False
+        try:
+            self._final.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if size:
+                try:
+                    os.posix_fallocate(self._fd, 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    os.ftruncate(self._fd, size)
+        except OSError as e:
+            raise _tier_error(e, f"cannot create {self._partial}") from e
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        if offset < 0 or offset + len(data) > self._size:
+            raise CorruptCheckpoint(f"{self._partial}: write [{offset}, {offset + len(data)}) past size {self._size}")
+        mv = memoryview(data).cast("B") if data.format != "B" or data.ndim != 1 else data
+        try:
+            while len(mv):
+                n = os.pwrite(self._fd, mv, offset)
+                mv = mv[n:]
+                offset += n
+        except OSError as e:
+            raise _tier_error(e, f"cannot write {self._partial}") from e
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._tier.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            os.replace(self._partial, self._final)
+            if self._tier.fsync:
+                _fsync_dir(self._final.parent)
+        except OSError as e:
+            self.abort()
+            raise _tier_error(e, f"cannot commit {self._final}") from e
+
+    def abort(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        try:
+            os.unlink(self._partial)
+        except OSError:
+            pass
+        self._closed = True
+
+
+class LocalTier(Tier):
+    """A tier rooted at a directory. ``fsync=False`` skips fsyncs (tests, tmpfs)."""
+
+    name = "local"
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.fsync = fsync
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        final = self._path(key)
+        tmp = final.with_name(f"{TMP}{uuid.uuid4().hex}-{final.name}")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            if if_absent:
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    raise CommitConflict(f"{final} already exists: another writer committed it") from None
+                finally:
+                    os.unlink(tmp)
+            else:
+                os.replace(tmp, final)
+            if self.fsync:
+                _fsync_dir(final.parent)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(e, CommitConflict):
+                raise
+            raise _tier_error(e, f"cannot write {final}") from e
+
+    def open_sink(self, key: str, size: int) -> DataSink:
+        return _FileSink(self, key, size)
+
+    def upload_file(self, key: str, path: str, *, progress=None) -> None:
+        """Copy a local file into this tier (``.partial``, fsync, rename)."""
+        import shutil
+
+        final = self._path(key)
+        if Path(path).resolve() == final.resolve():
+            return
+        tmp = final.with_name(final.name + PARTIAL)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, tmp)
+            if self.fsync:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+            if self.fsync:
+                _fsync_dir(final.parent)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _tier_error(e, f"cannot copy {path} to {final}") from e
+        if progress is not None:
+            progress(os.path.getsize(final))
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if end is None:
+                    end = size
+                if start < 0 or end < start or end > size:
+                    raise CorruptCheckpoint(f"{path}: range [{start}, {end}) is outside the file ({size} bytes)")
+                return os.pread(f.fileno(), end - start, start) if end > start else b""
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{path}: no such file") from None
+        except CorruptCheckpoint:
+            raise
+        except OSError as e:
+            raise _tier_error(e, f"cannot read {path}") from e
+
+    def read_into(self, key: str, start: int, buf: memoryview) -> None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{path}: no such file") from None
+        except OSError as e:
+            raise _tier_error(e, f"cannot read {path}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if start < 0 or start + len(buf) > size:
+                raise CorruptCheckpoint(f"{path}: range [{start}, {start + len(buf)}) is outside the file ({size} bytes)")
+            mv = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+            off = start
+            while len(mv):
+                n = os.preadv(fd, [mv], off)
+                if n <= 0:
+                    raise CorruptCheckpoint(f"{path}: unexpected end of file at {off}")
+                mv = mv[n:]
+                off += n
+        except OSError as e:
+            raise _tier_error(e, f"cannot read {path}") from e
+        finally:
+            os.close(fd)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"{self._path(key)}: no such file") from None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if not self.root.is_dir():
+            return
+        base = self.root
+        start = base
+        if "/" in prefix:
+            start = base.joinpath(*prefix.rsplit("/", 1)[0].split("/"))
+            if not start.is_dir():
+                return
+        for dirpath, _dirs, files in os.walk(start):
+            for fn in files:
+                if fn.startswith(TMP) or fn.endswith(PARTIAL):
+                    continue
+                full = Path(dirpath) / fn
+                key = full.relative_to(base).as_posix()
+                if key.startswith(prefix):
+                    try:
+                        st = full.stat()
+                    except FileNotFoundError:
+                        continue
+                    yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list_dirs(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _tier_error(e, f"cannot delete {self._path(key)}") from e
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete a whole checkpoint directory (leftover ``.partial``/temp files included)."""
+        import shutil
+
+        if not prefix.endswith("/"):
+            raise ValueError(f"delete_prefix needs a prefix ending with '/', got {prefix!r}")
+        d = self._path(prefix.rstrip("/"))
+        if not d.is_dir():
+            return 0
+        n = sum(len(files) for _p, _d, files in os.walk(d))
+        shutil.rmtree(d, ignore_errors=True)
+        return n
