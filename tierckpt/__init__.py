@@ -1,7 +1,50 @@
-"""tierckpt: lazy, tiered checkpointing for torch.distributed.checkpoint."""
-from .config import HostConfig, JobConfig, LocalConfig, S3Config, TierConfig, load_config
-from .errors import *  # noqa: F401,F403
-from .errors import __all__ as _errors_all
+"""tierckpt: lazy, tiered checkpointing for ``torch.distributed.checkpoint``.
+
+Public surface::
+
+    from tierckpt import TieredWriter, TieredReader, TierConfig, load_config
+    dcp.save(state_dict, checkpoint_id="step-100", storage_writer=TieredWriter(cfg))
+    dcp.load(state_dict, checkpoint_id="latest", storage_reader=TieredReader(cfg))
+"""
+
+from .config import HostConfig, JobConfig, LocalConfig, S3Config, TierConfig, load_config, parse_size
+from .errors import (
+    CaptureError,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    CommitConflict,
+    ConfigError,
+    CorruptCheckpoint,
+    TierckptError,
+    TierError,
+    TierUnavailable,
+    TornCaptureError,
+)
+from .pipeline import SaveStats
+from .reader import TieredReader
+from .writer import TieredWriter
 
 __version__ = "0.1.0"
-__all__ = ["TierConfig", "HostConfig", "LocalConfig", "S3Config", "JobConfig", "load_config", *_errors_all]
+
+__all__ = [
+    "TieredWriter",
+    "TieredReader",
+    "TierConfig",
+    "HostConfig",
+    "LocalConfig",
+    "S3Config",
+    "JobConfig",
+    "SaveStats",
+    "load_config",
+    "parse_size",
+    "TierckptError",
+    "ConfigError",
+    "CheckpointNotFound",
+    "CorruptCheckpoint",
+    "ChecksumMismatch",
+    "CommitConflict",
+    "CaptureError",
+    "TornCaptureError",
+    "TierError",
+    "TierUnavailable",
+]

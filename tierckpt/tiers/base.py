@@ -130,6 +130,23 @@ class Tier(abc.ABC):
         data = self.get(key, start, start + len(buf))
         buf[:] = data
 
+    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+        """Fill consecutive buffers from ``start`` on (a scatter read of one contiguous range).
+
+        The default reads the whole range into one temporary buffer and splits it; tiers with
+        a native scatter read (``preadv``) override it.
+        """
+        if len(bufs) == 1:
+            self.read_into(key, start, bufs[0])
+            return
+        total = sum(len(b) for b in bufs)
+        tmp = bytearray(total)
+        self.read_into(key, start, memoryview(tmp))
+        at = 0
+        for b in bufs:
+            b[:] = memoryview(tmp)[at : at + len(b)]
+            at += len(b)
+
     @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """Whether an object exists at ``key``."""

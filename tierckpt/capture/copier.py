@@ -1,0 +1,105 @@
+"""The copy engine: moves item bytes into pool slots.
+
+Device tensors are copied on one dedicated CUDA stream per device, ordered after the compute
+stream's work at the moment of the save (an event recorded in ``write_data`` on the training
+thread), into pinned slots with ``non_blocking=True``; the returned event tells when the chunk
+has landed. Host tensors and serialized objects are copied synchronously by the capture thread
+(the CPU path that CI exercises). Sources stay referenced by the job until their copy landed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["Source", "Piece", "Copier"]
+
+
+@dataclass
+class Source:
+    """One item's bytes to capture.
+
+    ``tensor`` is a flat ``uint8`` view of a contiguous tensor (any device), or ``data`` holds a
+    serialized object. ``guard`` is the tensor whose ``_version`` must not move until the copy
+    landed, ``version`` its value at the save.
+    """
+
+    item: int
+    fqn: str
+    pos: int
+    length: int
+    tensor: torch.Tensor | None = None
+    data: memoryview | None = None
+    guard: torch.Tensor | None = None
+    version: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device if self.tensor is not None else torch.device("cpu")
+
+
+@dataclass
+class Piece:
+    """Bytes ``[src_off, src_off+n)`` of ``source`` go to ``[slot_off, slot_off+n)`` of a chunk's slot."""
+
+    source: Source
+    src_off: int
+    slot_off: int
+    n: int
+
+
+class Copier:
+    """Issues the copies of one chunk. One instance per engine; used by the capture thread only."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    @staticmethod
+    def record_ready(sources: list[Source]) -> dict[int, "torch.cuda.Event"]:
+        """On the training thread: an event per CUDA device marking 'state as of this save'."""
+        events: dict[int, torch.cuda.Event] = {}
+        for s in sources:
+            if s.tensor is not None and s.tensor.is_cuda:
+                idx = s.tensor.device.index
+                if idx not in events:
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(s.tensor.device))
+                    events[idx] = ev
+        return events
+
+    def _stream(self, idx: int, ready: dict[int, "torch.cuda.Event"]) -> "torch.cuda.Stream":
+        st = self._streams.get(idx)
+        if st is None:
+            st = self._streams[idx] = torch.cuda.Stream(device=idx)
+        return st
+
+    def copy(self, pieces: list[Piece], slot: torch.Tensor, ready: dict[int, "torch.cuda.Event"]) -> list:
+        """Copy ``pieces`` into ``slot``; return CUDA events to wait on before reading the slot."""
+        events = []
+        slot_np = None
+        waited: set[int] = set()
+        for p in pieces:
+            src = p.source
+            dst = slot[p.slot_off : p.slot_off + p.n]
+            if src.tensor is None:
+                if slot_np is None:
+                    slot_np = slot.numpy()
+                slot_np[p.slot_off : p.slot_off + p.n] = np.frombuffer(src.data, dtype=np.uint8, count=p.n, offset=p.src_off)
+            elif src.tensor.is_cuda:
+                idx = src.tensor.device.index
+                st = self._stream(idx, ready)
+                if idx not in waited:
+                    if idx in ready:
+                        st.wait_event(ready[idx])
+                    waited.add(idx)
+                with torch.cuda.stream(st):
+                    dst.copy_(src.tensor[p.src_off : p.src_off + p.n], non_blocking=True)
+            else:
+                dst.copy_(src.tensor[p.src_off : p.src_off + p.n])
+        for idx in waited:
+            ev = torch.cuda.Event()
+            ev.record(self._streams[idx])
+            events.append(ev)
+        return events

@@ -1,0 +1,91 @@
+"""The host buffer pool: one allocation per process, reused by every checkpoint.
+
+The pool is a single ``uint8`` tensor of ``buffer_size`` bytes (page-locked when CUDA is
+available and ``[host] pinned`` is set), cut into fixed slots of ``chunk_size`` bytes. Capture
+takes a slot per chunk and blocks when none is free (backpressure); the flush returns the slot
+once the chunk is written. Host memory is therefore bounded by the pool, whatever the state size.
+
+Pools are shared per process: :func:`get_pool` returns the same pool for the same settings, so
+a new ``TieredWriter`` per ``dcp.save`` call does not allocate again. ``HostPool.allocations``
+counts real allocations (tests assert it does not grow).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, ClassVar
+
+import torch
+
+from ..errors import CaptureError
+
+__all__ = ["HostPool", "get_pool"]
+
+log = logging.getLogger("tierckpt.capture")
+
+
+class HostPool:
+    """Fixed-size slots over one host buffer. Thread-safe."""
+
+    allocations: ClassVar[int] = 0
+
+    def __init__(self, buffer_size: int, chunk_size: int, pinned: bool) -> None:
+        if chunk_size <= 0 or buffer_size < chunk_size:
+            raise CaptureError(f"host pool: buffer_size {buffer_size} is smaller than chunk_size {chunk_size}")
+        self.chunk_size = chunk_size
+        self.nslots = buffer_size // chunk_size
+        self.pinned = bool(pinned and torch.cuda.is_available())
+        self.buffer = torch.empty(self.nslots * chunk_size, dtype=torch.uint8, pin_memory=self.pinned)
+        HostPool.allocations += 1
+        self._free = list(range(self.nslots - 1, -1, -1))
+        self._cv = threading.Condition()
+        self._touched = threading.Event()
+        log.info("host pool: %d slots of %d bytes (%s)", self.nslots, chunk_size, "pinned" if self.pinned else "pageable")
+
+    @property
+    def size(self) -> int:
+        return self.nslots * self.chunk_size
+
+    def prefault(self) -> None:
+        """Touch every page once (first touch of fresh memory is slow); called off the training thread."""
+        if not self._touched.is_set():
+            self.buffer.fill_(0)
+            self._touched.set()
+
+    def acquire(self, should_stop: Callable[[], bool] = lambda: False) -> int | None:
+        """Take a free slot, blocking until one is released; ``None`` if ``should_stop()`` turns true."""
+        with self._cv:
+            while not self._free:
+                if should_stop():
+                    return None
+                self._cv.wait(0.05)
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._cv:
+            self._free.append(slot)
+            self._cv.notify()
+
+    def free_slots(self) -> int:
+        with self._cv:
+            return len(self._free)
+
+    def slot(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        """The slot's bytes as a ``uint8`` tensor view (first ``nbytes`` of it)."""
+        start = slot * self.chunk_size
+        return self.buffer[start : start + (self.chunk_size if nbytes is None else nbytes)]
+
+
+_pools: dict[tuple[int, int, bool], HostPool] = {}
+_pools_lock = threading.Lock()
+
+
+def get_pool(buffer_size: int, chunk_size: int, pinned: bool) -> HostPool:
+    """The process-wide pool for these settings, allocated on first use."""
+    key = (buffer_size, chunk_size, bool(pinned))
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = HostPool(buffer_size, chunk_size, pinned)
+        return pool

@@ -1,0 +1,222 @@
+"""The cross-rank commit protocol, the ``latest`` resolution and the listing of checkpoints, per tier.
+
+Protocol for one checkpoint on one tier (run by background threads; no collective on the
+training process group is ever issued here):
+
+1. Every rank makes its data durable on the tier (fsync + rename, or multipart completion) and
+   publishes a *rank report* on the :class:`Channel`: its file size and the CRC32C pieces of its
+   items, or the error that stopped it.
+2. The coordinator (rank 0) waits for all reports (up to ``[job] commit_timeout``), merges them
+   into DCP's Metadata and publishes the *outcome*: the metadata JSON, or the reason for failure.
+3. Each rank reads the outcome. The *metadata writer* of each distinct tier root (the lowest
+   rank using it: one per node for node-local paths, one in all for a shared path or S3) writes
+   ``ID/metadata.json`` last, with create-if-absent (``os.link`` / ``If-None-Match``). That put
+   is the commit: before it, the checkpoint is never loaded, never ``latest``, and is never a
+   reason to delete an older one.
+
+The channel is the process group's key-value store (``dist`` default store), polled with short
+``check`` calls so the background thread never holds the store for long; in a single process it
+is an in-memory dict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterable
+
+from .errors import CaptureError, CheckpointNotFound, CorruptCheckpoint, TierckptError
+from .layout import METADATA, check_checkpoint_id, step_of
+from .tiers.base import Tier
+
+__all__ = ["Channel", "LocalChannel", "StoreChannel", "default_channel", "CheckpointInfo",
+           "list_checkpoints", "resolve_latest", "is_committed"]
+
+log = logging.getLogger("tierckpt.commit")
+
+
+class Channel:
+    """A tiny key-value rendezvous between the ranks of one job."""
+
+    def publish(self, key: str, value: bytes) -> None:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def try_get(self, key: str) -> bytes | None:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def wait_get(self, key: str, timeout: float, what: str, cancelled=lambda: False) -> bytes:
+        """Poll until ``key`` is published; raise :class:`CaptureError` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            v = self.try_get(key)
+            if v is not None:
+                return v
+            if cancelled():
+                raise CaptureError(f"{what}: cancelled")
+            if time.monotonic() > deadline:
+                raise CaptureError(f"{what}: nothing arrived within {timeout:.0f} s (a rank died or hung?)")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.05)
+
+
+class LocalChannel(Channel):
+    """In-process channel (``no_dist`` and single-process saves)."""
+
+    def __init__(self) -> None:
+        self._d: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def publish(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._d[key] = value
+
+    def try_get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._d.get(key)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._d.pop(key, None)
+
+
+class StoreChannel(Channel):
+    """A channel over a ``torch.distributed.Store`` (thread-safe client calls, never collectives)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def publish(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def try_get(self, key: str) -> bytes | None:
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key))
+
+    def delete(self, key: str) -> None:
+        try:
+            self._store.delete_key(key)
+        except Exception:  # noqa: BLE001 - some stores cannot delete; keys are small
+            pass
+
+
+_local_channel = LocalChannel()
+
+
+def default_channel(distributed: bool) -> Channel:
+    """The default process group's store when distributed, else the process-local channel."""
+    if distributed:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if dist.is_available() and dist.is_initialized():
+            return StoreChannel(c10d._get_default_store())
+    return _local_channel
+
+
+# -- what is on a tier --------------------------------------------------------------------
+
+@dataclass
+class CheckpointInfo:
+    """One checkpoint directory on one tier."""
+
+    checkpoint_id: str
+    committed: bool
+    mtime: float  # commit time for committed ones, newest file time otherwise
+    size: int
+    files: int
+    step: int | None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
+    """Every checkpoint on ``tier``, committed or not, oldest commit first (partials last)."""
+    by_id: dict[str, dict] = {}
+    for info in tier.list(""):
+        if "/" not in info.key:
+            continue
+        cid, rest = info.key.split("/", 1)
+        try:
+            check_checkpoint_id(cid)
+        except CorruptCheckpoint:
+            continue
+        d = by_id.setdefault(cid, {"committed": False, "mtime": 0.0, "size": 0, "files": 0, "commit_t": 0.0})
+        d["size"] += info.size
+        d["files"] += 1
+        d["mtime"] = max(d["mtime"], info.mtime)
+        if rest == METADATA:
+            d["committed"] = True
+            d["commit_t"] = info.mtime
+    out = [
+        CheckpointInfo(cid, d["committed"], d["commit_t"] if d["committed"] else d["mtime"], d["size"], d["files"], step_of(cid))
+        for cid, d in by_id.items()
+    ]
+    out.sort(key=lambda c: (not c.committed, c.mtime, c.step if c.step is not None else -1, c.checkpoint_id))
+    return out
+
+
+def committed_in_order(tier: Tier) -> list[CheckpointInfo]:
+    """Committed checkpoints, oldest commit first."""
+    return [c for c in list_checkpoints(tier) if c.committed]
+
+
+def resolve_latest(tier: Tier) -> str:
+    """The id of the newest committed checkpoint on ``tier`` (by commit time, then step)."""
+    done = committed_in_order(tier)
+    if not done:
+        raise CheckpointNotFound(f"{tier.url}: no committed checkpoint")
+    return done[-1].checkpoint_id
+
+
+def is_committed(tier: Tier, checkpoint_id: str) -> bool:
+    return tier.exists(f"{check_checkpoint_id(checkpoint_id)}/{METADATA}")
+
+
+# -- rank reports and outcomes ---------------------------------------------------------------
+
+def encode_report(ok: bool, *, size: int = 0, crcs: list[list[int]] | None = None, error: str = "") -> bytes:
+    return json.dumps({"ok": ok, "size": size, "crcs": crcs or [], "error": error}).encode()
+
+
+def decode_report(raw: bytes, who: str) -> dict:
+    try:
+        d = json.loads(raw)
+        if not isinstance(d, dict) or "ok" not in d:
+            raise ValueError("not a report")
+        return d
+    except ValueError as e:
+        raise TierckptError(f"{who}: malformed report on the commit channel ({e})") from None
+
+
+def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, what: str,
+                   cancelled=lambda: False) -> list[dict]:
+    """Coordinator: wait for every rank's report under ``prefix``; raise on the first failure."""
+    deadline = time.monotonic() + timeout
+    reports: list[dict] = []
+    for r in range(world):
+        left = max(0.0, deadline - time.monotonic())
+        raw = channel.wait_get(f"{prefix}/rank{r}", left, f"{what}: report of rank {r}", cancelled)
+        rep = decode_report(raw, f"{what} rank {r}")
+        if not rep["ok"]:
+            raise CaptureError(f"{what}: rank {r} failed: {rep['error']}")
+        reports.append(rep)
+    for r in range(world):
+        channel.delete(f"{prefix}/rank{r}")
+    return reports
+
+
+def iter_keys(prefix: str, world: int) -> Iterable[str]:
+    return (f"{prefix}/rank{r}" for r in range(world))
+
+
+_ = timedelta  # (kept for type readers: Store timeouts are timedeltas)

@@ -1,0 +1,362 @@
+"""The checkpoint format: ids, keys, item records, and DCP ``Metadata`` to/from JSON.
+
+On every tier a checkpoint ``ID`` is a directory (or key prefix) holding::
+
+    ID/rank-00000.data     one coalesced data file per rank: raw tensor bytes at aligned offsets
+    ID/rank-00001.data     (and the serialized non-tensor items), laid out before any byte is written
+    ID/metadata.json       the commit marker, written last: DCP's Metadata plus, for every item,
+                           its file, offset, length, dtype, shape and CRC32C pieces
+
+Checksums are CRC32C over *pieces*: an item's bytes cut at the file's chunk grid
+(multiples of ``chunk_size`` from the file start), so that each chunk's writer can checksum its
+part independently; a reader recomputes the same cut from ``chunk_size``.
+
+Metadata is JSON, never pickle: :func:`metadata_to_json` / :func:`metadata_from_json` rebuild
+DCP's ``Metadata`` and validate everything a hostile file could abuse (keys, sizes, dtypes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .errors import CorruptCheckpoint
+
+__all__ = [
+    "FORMAT",
+    "METADATA",
+    "ALIGN",
+    "ItemRecord",
+    "CheckpointManifest",
+    "check_checkpoint_id",
+    "data_key",
+    "metadata_key",
+    "rank_file",
+    "step_of",
+    "piece_bounds",
+    "metadata_to_json",
+    "metadata_from_json",
+    "DTYPES",
+]
+
+FORMAT = "tierckpt/1"
+METADATA = "metadata.json"
+ALIGN = 64  # every item starts at a multiple of this (cache line; any dtype's alignment)
+MAX_METADATA_BYTES = 1 << 30
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-=+@,]{0,199}$")
+_FILE_RE = re.compile(r"^rank-\d{5,7}(-[0-9a-f]{8})?\.data$")
+_RESERVED_IDS = {"latest"}
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex128, torch.complex64, torch.complex32,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.uint16, torch.uint32, torch.uint64, torch.bool,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    )
+}
+_MEMFMT = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
+           "preserve": torch.preserve_format, "channels_last_3d": torch.channels_last_3d}
+_MEMFMT_REV = {v: k for k, v in _MEMFMT.items()}
+
+
+def check_checkpoint_id(checkpoint_id: str) -> str:
+    """Return ``checkpoint_id`` if it is usable as a directory/prefix name, else raise ``CorruptCheckpoint``."""
+    if not isinstance(checkpoint_id, str) or not _ID_RE.match(checkpoint_id) or checkpoint_id in _RESERVED_IDS:
+        raise CorruptCheckpoint(
+            f"invalid checkpoint id {checkpoint_id!r}: use 1-200 characters of letters, digits and ._-=+@, "
+            "starting with a letter or digit (and not 'latest')"
+        )
+    return checkpoint_id
+
+
+def rank_file(rank: int, token: str = "") -> str:
+    """The data file of ``rank``; the save token's first 8 hex digits keep concurrent writers apart."""
+    return f"rank-{rank:05d}-{token[:8]}.data" if token else f"rank-{rank:05d}.data"
+
+
+def data_key(checkpoint_id: str, file: str) -> str:
+    return f"{checkpoint_id}/{file}"
+
+
+def metadata_key(checkpoint_id: str) -> str:
+    return f"{checkpoint_id}/{METADATA}"
+
+
+def step_of(checkpoint_id: str) -> int | None:
+    """The training step encoded in an id: its last run of digits (``step-000100`` -> 100)."""
+    m = re.findall(r"\d+", checkpoint_id)
+    return int(m[-1]) if m else None
+
+
+def piece_bounds(pos: int, length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The (start, end) file offsets of an item's CRC pieces: its range cut at the chunk grid."""
+    out = []
+    start, end = pos, pos + length
+    while start < end:
+        cut = min(end, (start // chunk_size + 1) * chunk_size)
+        out.append((start, cut))
+        start = cut
+    return out
+
+
+@dataclass
+class ItemRecord:
+    """Where one saved item (a tensor chunk or a serialized object) lives, and its checksums.
+
+    ``dtype``/``shape`` are empty for non-tensor (BYTE_IO) items. ``crcs`` has one CRC32C per
+    piece (see :func:`piece_bounds`); it is filled in after the bytes were flushed.
+    """
+
+    file: str
+    pos: int
+    length: int
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    crcs: list[int] = field(default_factory=list)
+
+    @property
+    def is_tensor(self) -> bool:
+        return bool(self.dtype)
+
+
+@dataclass
+class CheckpointManifest:
+    """What ``metadata.json`` holds besides DCP's Metadata."""
+
+    checkpoint_id: str
+    world_size: int
+    chunk_size: int
+    files: dict[str, int]  # file name -> size in bytes
+    created: float = field(default_factory=time.time)
+    committed: float = 0.0
+    step: int | None = None
+    save_token: str = ""
+
+
+# -- JSON encoding ------------------------------------------------------------------------
+
+def _enc_any(x: Any, where: str) -> Any:
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, tuple):
+        return {"__tuple__": [_enc_any(v, where) for v in x]}
+    if isinstance(x, list):
+        return [_enc_any(v, where) for v in x]
+    if isinstance(x, dict):
+        if not all(isinstance(k, str) for k in x):
+            raise CorruptCheckpoint(f"{where}: dict keys must be strings to be stored as JSON")
+        return {"__dict__": {k: _enc_any(v, where) for k, v in x.items()}}
+    raise CorruptCheckpoint(
+        f"{where}: a {type(x).__name__} cannot be stored in JSON metadata "
+        "(custom planners must keep planner_data to str/int/float/bool/None/list/tuple/dict)"
+    )
+
+
+def _dec_any(x: Any, depth: int = 0) -> Any:
+    if depth > 64:
+        raise CorruptCheckpoint("metadata: planner_data nested too deeply")
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [_dec_any(v, depth + 1) for v in x]
+    if isinstance(x, dict) and len(x) == 1:
+        if "__tuple__" in x and isinstance(x["__tuple__"], list):
+            return tuple(_dec_any(v, depth + 1) for v in x["__tuple__"])
+        if "__dict__" in x and isinstance(x["__dict__"], dict):
+            return {str(k): _dec_any(v, depth + 1) for k, v in x["__dict__"].items()}
+    raise CorruptCheckpoint("metadata: malformed planner_data")
+
+
+def _index_key(idx: MetadataIndex) -> list:
+    return [idx.fqn, list(idx.offset) if idx.offset is not None else None, idx.index]
+
+
+def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
+    """Serialize DCP ``Metadata`` (whose ``storage_data`` maps MetadataIndex -> ItemRecord)."""
+    sdm: dict[str, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            p = m.properties
+            sdm[fqn] = {
+                "type": "tensor",
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "requires_grad": bool(p.requires_grad),
+                "memory_format": _MEMFMT_REV.get(p.memory_format, "contiguous"),
+                "pin_memory": bool(p.pin_memory),
+                "size": list(m.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks],
+            }
+        elif isinstance(m, BytesStorageMetadata):
+            sdm[fqn] = {"type": "bytes"}
+        else:
+            raise CorruptCheckpoint(f"metadata: unsupported storage metadata {type(m).__name__} for {fqn!r}")
+    items = []
+    for idx, rec in (md.storage_data or {}).items():
+        items.append({
+            "index": _index_key(idx), "file": rec.file, "pos": rec.pos, "length": rec.length,
+            "dtype": rec.dtype, "shape": list(rec.shape), "crcs": rec.crcs,
+        })
+    sm = md.storage_meta
+    doc = {
+        "format": FORMAT,
+        "checkpoint_id": manifest.checkpoint_id,
+        "step": manifest.step,
+        "created": manifest.created,
+        "committed": manifest.committed,
+        "world_size": manifest.world_size,
+        "chunk_size": manifest.chunk_size,
+        "save_token": manifest.save_token,
+        "files": manifest.files,
+        "torch_version": torch.__version__,
+        "dcp": {
+            "version": getattr(md, "version", None),
+            "state_dict_metadata": sdm,
+            "planner_data": _enc_any(md.planner_data, "planner_data"),
+            "storage_meta": None if sm is None else {
+                "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+                "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules or []),
+            },
+        },
+        "items": items,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not (lo <= x <= hi):
+        raise CorruptCheckpoint(f"metadata: {what} must be an integer in [{lo}, {hi}], got {x!r}")
+    return x
+
+
+def _ints(xs: Any, what: str) -> list[int]:
+    if not isinstance(xs, list) or len(xs) > 64:
+        raise CorruptCheckpoint(f"metadata: {what} must be a list of at most 64 integers")
+    return [_int(v, what) for v in xs]
+
+
+def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointManifest]:
+    """Parse and validate ``metadata.json`` (``where`` names it in errors).
+
+    Rebuilds DCP ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to :class:`ItemRecord`.
+    Rejects unknown formats, file names outside the checkpoint, items past the end of their file,
+    and tensor lengths that do not match dtype and shape.
+    """
+    if len(raw) > MAX_METADATA_BYTES:
+        raise CorruptCheckpoint(f"{where}: metadata is larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpoint(f"{where}: not valid JSON metadata ({e}); is this a tierckpt checkpoint?") from None
+    try:
+        return _parse(doc, where)
+    except CorruptCheckpoint as e:
+        msg = str(e)
+        raise CorruptCheckpoint(msg if msg.startswith(where) else f"{where}: {msg}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpoint(f"{where}: malformed metadata ({type(e).__name__}: {e})") from None
+
+
+def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptCheckpoint(f"{where}: not a {FORMAT} metadata file")
+    cid = check_checkpoint_id(doc["checkpoint_id"])
+    chunk_size = _int(doc["chunk_size"], "chunk_size", 4096)
+    files_raw = doc["files"]
+    if not isinstance(files_raw, dict):
+        raise CorruptCheckpoint("metadata: 'files' must be an object")
+    files: dict[str, int] = {}
+    for name, size in files_raw.items():
+        if not isinstance(name, str) or not _FILE_RE.match(name):
+            raise CorruptCheckpoint(f"metadata: data file name {name!r} is not allowed")
+        files[name] = _int(size, f"size of {name}")
+    step = doc.get("step")
+    manifest = CheckpointManifest(
+        checkpoint_id=cid,
+        world_size=_int(doc["world_size"], "world_size", 1, 1 << 24),
+        chunk_size=chunk_size,
+        files=files,
+        created=float(doc["created"]),
+        committed=float(doc["committed"]),
+        step=None if step is None else _int(step, "step"),
+        save_token=str(doc.get("save_token", "")),
+    )
+    d = doc["dcp"]
+    sdm: dict[str, Any] = {}
+    for fqn, m in d["state_dict_metadata"].items():
+        if m["type"] == "bytes":
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        if m["type"] != "tensor" or m["dtype"] not in DTYPES:
+            raise CorruptCheckpoint(f"metadata: unsupported entry for {fqn!r}")
+        props = TensorProperties(
+            dtype=DTYPES[m["dtype"]],
+            requires_grad=bool(m["requires_grad"]),
+            memory_format=_MEMFMT.get(m["memory_format"], torch.contiguous_format),
+            pin_memory=bool(m["pin_memory"]),
+        )
+        chunks = [
+            ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"], "offsets")), sizes=torch.Size(_ints(c["sizes"], "sizes")))
+            for c in m["chunks"]
+        ]
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(_ints(m["size"], "size")), chunks=chunks)
+    storage: dict[MetadataIndex, ItemRecord] = {}
+    for it in doc["items"]:
+        fqn, off, index = it["index"]
+        if not isinstance(fqn, str) or fqn not in sdm:
+            raise CorruptCheckpoint(f"metadata: item for unknown key {fqn!r}")
+        file = it["file"]
+        if file not in files:
+            raise CorruptCheckpoint(f"metadata: item {fqn!r} names file {file!r} that is not part of the checkpoint")
+        pos, length = _int(it["pos"], "pos"), _int(it["length"], "length")
+        if pos + length > files[file]:
+            raise CorruptCheckpoint(f"metadata: item {fqn!r} [{pos}, {pos + length}) runs past the end of {file} ({files[file]} bytes)")
+        dtype = it["dtype"]
+        shape = tuple(_ints(it["shape"], "shape"))
+        if dtype:
+            if dtype not in DTYPES:
+                raise CorruptCheckpoint(f"metadata: item {fqn!r} has unsupported dtype {dtype!r}")
+            numel = 1
+            for s in shape:
+                numel *= s
+            if numel * DTYPES[dtype].itemsize != length:
+                raise CorruptCheckpoint(f"metadata: item {fqn!r} length {length} does not match {dtype}{list(shape)}")
+        crcs = it["crcs"]
+        if not isinstance(crcs, list) or len(crcs) != len(piece_bounds(pos, length, chunk_size)):
+            raise CorruptCheckpoint(f"metadata: item {fqn!r} has a wrong number of checksums")
+        rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape,
+                         crcs=[_int(c, "crc", 0, 0xFFFFFFFF) for c in crcs])
+        idx = MetadataIndex(fqn, None if off is None else _ints(off, "offset"), None if index is None else _int(index, "index"))
+        storage[idx] = rec
+    sm = d.get("storage_meta")
+    storage_meta = None
+    if sm is not None:
+        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
+                                   load_id=sm.get("load_id"), modules=[str(x) for x in sm.get("modules", [])])
+    kwargs: dict[str, Any] = dict(state_dict_metadata=sdm, planner_data=_dec_any(d.get("planner_data")),
+                                  storage_data=storage, storage_meta=storage_meta)
+    if "version" in Metadata.__dataclass_fields__:
+        kwargs["version"] = d.get("version")
+    return Metadata(**kwargs), manifest
+
+
+def iter_items(md: Metadata) -> Iterator[tuple[MetadataIndex, ItemRecord]]:
+    """Every (index, record) pair of a parsed checkpoint."""
+    yield from (md.storage_data or {}).items()

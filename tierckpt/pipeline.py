@@ -1,0 +1,545 @@
+"""One checkpoint's life on one rank: capture -> flush -> commit -> promote.
+
+The :class:`Engine` is process-wide per configuration (so a fresh ``TieredWriter`` per
+``dcp.save`` reuses the same pool and threads). It owns:
+
+* the host pool (:mod:`tierckpt.capture.pool`),
+* one *capture* thread: takes a pool slot per chunk (blocking when the pool is full), issues the
+  chunk's copies (CUDA side stream, or a plain copy on CPU), hands the chunk to the flush pool;
+* ``[local] flush_threads`` *flush* threads: wait for the chunk to land, checksum its pieces,
+  write it at its planned offset, release the slot; the last chunk closes (fsyncs) the file;
+* one *commit* thread: runs the commit protocol (:mod:`tierckpt.commit`) for each checkpoint in
+  order, then retention, then hands it to the promoter (S3), if any.
+
+Futures per checkpoint (:class:`RankSave`): ``captured`` (safe to mutate state), ``durable``
+(this rank's file is on disk), ``committed`` (metadata written on the first tier), ``promoted``
+(committed on S3). A failure sets the exception on every future not yet done, is logged at
+ERROR at once, and is raised by the next ``wait``/``wait_captured`` call (once).
+
+Threads here never call collectives; cross-rank agreement goes through a :class:`Channel`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import google_crc32c
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .capture.copier import Copier, Piece, Source
+from .capture.pool import HostPool, get_pool
+from .commit import Channel, encode_report, gather_reports
+from .config import TierConfig
+from .errors import CaptureError, TierckptError, TornCaptureError
+from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, piece_bounds
+from .retention import apply_local_retention
+from .tiers.base import DataSink, Tier
+
+__all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine"]
+
+log = logging.getLogger("tierckpt")
+
+
+@dataclass
+class RankAssign:
+    """What the coordinator decided for one rank in ``prepare_global_plan``."""
+
+    checkpoint_id: str
+    token: str
+    rank: int
+    world: int
+    file: str
+    meta_writer: bool  # writes metadata.json on this rank's local root
+    distributed: bool
+    created: float
+    step: int | None
+
+
+@dataclass
+class SaveStats:
+    """Per-checkpoint, per-rank figures (seconds and bytes). ``None`` until the stage ran."""
+
+    checkpoint_id: str
+    rank: int
+    bytes: int = 0
+    items: int = 0
+    chunks: int = 0
+    save_blocked_s: float = 0.0
+    prestep_wait_s: float = 0.0
+    capture_s: float | None = None
+    flush_s: float | None = None
+    commit_s: float | None = None
+    promote_s: float | None = None
+    error: str | None = None
+
+    def throughput(self, stage: str) -> float | None:
+        """Bytes per second of a stage (``capture``, ``flush``, ``promote``)."""
+        t = getattr(self, f"{stage}_s")
+        return self.bytes / t if t else None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class RankSave:
+    """This rank's part of one checkpoint, from ``write_data`` until it is committed everywhere."""
+
+    def __init__(self, assign: RankAssign, sources: list[Source], size: int, results: list[WriteResult], chunk_size: int) -> None:
+        self.assign = assign
+        self.sources = sources
+        self.size = size
+        self.results = results
+        self.chunk_size = chunk_size
+        self.captured: Future[None] = Future()
+        self.durable: Future[None] = Future()
+        self.committed: Future[None] = Future()
+        self.promoted: Future[None] = Future()
+        self.global_md: Future[tuple[Metadata, list[list[WriteResult]]]] = Future()
+        self.stats = SaveStats(assign.checkpoint_id, assign.rank, bytes=size, items=len(results))
+        self.crcs: list[list[int]] = [
+            [0] * len(piece_bounds(r.storage_data.pos, r.storage_data.length, chunk_size)) for r in results
+        ]
+        self.chunks = self._plan_chunks()
+        self.stats.chunks = len(self.chunks)
+        self.ready_events: dict = {}
+        self.sink: DataSink | None = None
+        self.metadata_json: bytes | None = None
+        self._lock = threading.Lock()
+        self._landed = 0
+        self._flushed = 0
+        self._failed: BaseException | None = None
+        self.t_start = time.perf_counter()
+        self.t_captured = 0.0
+
+    def _plan_chunks(self) -> list[list[Piece]]:
+        c = self.chunk_size
+        chunks: list[list[Piece]] = [[] for _ in range((self.size + c - 1) // c)]
+        for s in self.sources:
+            off = 0
+            while off < s.length:
+                at = s.pos + off
+                k = at // c
+                n = min(s.length - off, (k + 1) * c - at)
+                chunks[k].append(Piece(s, off, at - k * c, n))
+                off += n
+        return chunks
+
+    def chunk_len(self, k: int) -> int:
+        return min(self.chunk_size, self.size - k * self.chunk_size)
+
+    @property
+    def id(self) -> str:
+        return self.assign.checkpoint_id
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def fail(self, exc: BaseException) -> bool:
+        """Record the first failure; set it on every pending future. Returns True if it was the first."""
+        with self._lock:
+            if self._failed is not None:
+                return False
+            self._failed = exc
+        self.stats.error = str(exc)
+        for f in (self.captured, self.durable, self.committed, self.promoted):
+            if not f.done():
+                f.set_exception(exc)
+        if self.sink is not None:
+            self.sink.abort()
+        self.sources = []
+        return True
+
+    def landed(self) -> bool:
+        """Count one chunk as landed in host memory; True when it was the last one."""
+        with self._lock:
+            self._landed += 1
+            return self._landed == len(self.chunks)
+
+    def flushed(self) -> bool:
+        with self._lock:
+            self._flushed += 1
+            return self._flushed == len(self.chunks)
+
+    def check_versions(self) -> None:
+        """The torn-capture guard: no tensor may have been modified in place before its copy landed."""
+        for s in self.sources:
+            if s.guard is not None and s.guard._version != s.version:
+                raise TornCaptureError(
+                    f"checkpoint {self.id}: rank {self.assign.rank}: tensor {s.fqn!r} was modified in place "
+                    "while its copy to host memory was pending (call writer.attach(optimizer) or "
+                    "writer.wait_captured() before the optimizer step); the checkpoint will not be committed"
+                )
+
+
+class Engine:
+    """Process-wide pipeline for one configuration. Obtain it with :func:`get_engine`."""
+
+    def __init__(self, cfg: TierConfig) -> None:
+        self.cfg = cfg
+        self.chunk_size = cfg.host.effective_chunk_size
+        self.pool: HostPool = get_pool(cfg.host.buffer_size, self.chunk_size, cfg.host.pinned)
+        self.local: Tier | None = None
+        self.s3: Tier | None = None
+        if cfg.local is not None:
+            from .tiers.local import LocalTier
+
+            self.local = LocalTier(cfg.local.resolved_path(), fsync=cfg.local.fsync)
+        self._s3_lock = threading.Lock()
+        nflush = cfg.local.flush_threads if cfg.local is not None else (cfg.s3.concurrency if cfg.s3 else 4)
+        self.copier = Copier()
+        self._capture_q: queue.Queue[RankSave | None] = queue.Queue()
+        self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
+        self._flush = ThreadPoolExecutor(max_workers=nflush, thread_name_prefix="tierckpt-flush")
+        self._jobs: list[RankSave] = []
+        self._jobs_lock = threading.Lock()
+        self._errors: list[BaseException] = []
+        self.history: list[SaveStats] = []
+        self.promoter: Any = None
+        self._closed = False
+        self._capture_thread = threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
+        self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
+        self._capture_thread.start()
+        self._commit_thread.start()
+        if cfg.local is not None and cfg.s3 is not None:
+            from .promote import Promoter
+
+            self.promoter = Promoter(self)
+
+    # -- tiers ----------------------------------------------------------------------------
+    @property
+    def first_tier(self) -> Tier:
+        """Where captured chunks are flushed: the local tier, or S3 in direct mode."""
+        return self.local if self.local is not None else self.s3_tier()
+
+    def s3_tier(self) -> Tier:
+        with self._s3_lock:
+            if self.s3 is None:
+                if self.cfg.s3 is None:
+                    raise TierckptError("no [s3] section in the configuration")
+                from .tiers.s3 import S3Tier
+
+                self.s3 = S3Tier(self.cfg.s3)
+            return self.s3
+
+    # -- submission (training thread) -----------------------------------------------------
+    def submit(self, job: RankSave) -> None:
+        """Queue a checkpoint for capture. Returns at once (the copies are only enqueued)."""
+        if self._closed:
+            raise TierckptError("the tierckpt engine is closed")
+        job.ready_events = Copier.record_ready(job.sources)
+        with self._jobs_lock:
+            self._jobs.append(job)
+        self.history.append(job.stats)
+        self._capture_q.put(job)
+        self._commit_q.put(job)
+
+    def job_for_token(self, token: str) -> RankSave:
+        with self._jobs_lock:
+            for j in self._jobs:
+                if j.assign.token == token:
+                    return j
+        raise TierckptError(f"no checkpoint in flight with save token {token}")
+
+    def in_flight_ids(self) -> set[str]:
+        with self._jobs_lock:
+            return {j.id for j in self._jobs}
+
+    # -- capture --------------------------------------------------------------------------
+    def _capture_loop(self) -> None:
+        while True:
+            job = self._capture_q.get()
+            if job is None:
+                return
+            try:
+                self._capture(job)
+            except BaseException as e:  # noqa: BLE001 - every failure must reach the user
+                self._fail(job, e, "capture")
+
+    def _capture(self, job: RankSave) -> None:
+        tier = self.first_tier
+        if job.size:
+            job.sink = tier.open_sink(data_key(job.id, job.assign.file), job.size)
+        if not job.chunks:
+            self._capture_done(job)
+            self._durable(job)
+            return
+        for k, pieces in enumerate(job.chunks):
+            slot = self.pool.acquire(should_stop=lambda: job.failed)
+            if slot is None:
+                return
+            if job.failed:
+                self.pool.release(slot)
+                return
+            try:
+                n = job.chunk_len(k)
+                view = self.pool.slot(slot, n)
+                _zero_gaps(view, pieces)
+                events = self.copier.copy(pieces, view, job.ready_events)
+            except BaseException:
+                self.pool.release(slot)
+                raise
+            if not events and job.landed():
+                self._capture_done(job)
+            self._flush.submit(self._flush_chunk, job, k, slot, events)
+
+    def _capture_done(self, job: RankSave) -> None:
+        try:
+            job.check_versions()
+        except TornCaptureError as e:
+            self._fail(job, e, "capture")
+            return
+        job.t_captured = time.perf_counter()
+        job.stats.capture_s = job.t_captured - job.t_start
+        for s in job.sources:  # drop references to live state: the copies have landed
+            s.tensor = s.guard = None
+            s.data = None
+        if not job.captured.done():
+            job.captured.set_result(None)
+
+    # -- flush ----------------------------------------------------------------------------
+    def _flush_chunk(self, job: RankSave, k: int, slot: int, events: list) -> None:
+        try:
+            if events:
+                for ev in events:
+                    ev.synchronize()
+                if job.landed():
+                    self._capture_done(job)
+            if job.failed:
+                return
+            n = job.chunk_len(k)
+            view = self.pool.slot(slot, n)
+            arr = view.numpy()
+            c = self.chunk_size
+            for p in job.chunks[k]:
+                s = p.source
+                idx = k - s.pos // c
+                job.crcs[s.item][idx] = google_crc32c.value(arr[p.slot_off : p.slot_off + p.n])
+            assert job.sink is not None
+            job.sink.write_at(k * c, memoryview(arr))
+        except BaseException as e:  # noqa: BLE001
+            self._fail(job, e, "flush")
+            return
+        finally:
+            self.pool.release(slot)
+        if job.flushed():
+            try:
+                job.sink.close()
+                self._durable(job)
+            except BaseException as e:  # noqa: BLE001
+                self._fail(job, e, "flush")
+
+    def _durable(self, job: RankSave) -> None:
+        if job.failed:
+            return
+        job.stats.flush_s = time.perf_counter() - job.t_start
+        if not job.durable.done():
+            job.durable.set_result(None)
+
+    # -- commit ---------------------------------------------------------------------------
+    def channel(self, job: RankSave) -> Channel:
+        from .commit import default_channel
+
+        return default_channel(job.assign.distributed)
+
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._commit_q.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._commit(job)
+                job.stats.commit_s = time.perf_counter() - t0
+                if not job.committed.done():
+                    job.committed.set_result(None)
+                log.info("checkpoint %s committed on %s (rank %d, %d bytes, capture %.3fs, flush %.3fs)",
+                         job.id, self.first_tier.name, job.assign.rank, job.size,
+                         job.stats.capture_s or 0.0, job.stats.flush_s or 0.0)
+            except BaseException as e:  # noqa: BLE001
+                self._fail(job, e, "commit")
+            if self.promoter is not None and not job.failed:
+                self.promoter.submit(job)
+            else:
+                self._retire(job)
+
+    def _commit(self, job: RankSave) -> None:
+        """Run the commit protocol for ``job`` on the first tier (see :mod:`tierckpt.commit`)."""
+        a = job.assign
+        ch = self.channel(job)
+        prefix = f"tierckpt/{a.token}/{self.first_tier.name}"
+        timeout = self.cfg.job.commit_timeout
+        try:
+            job.durable.result(timeout=None)
+            ch.publish(f"{prefix}/rank{a.rank}", encode_report(True, size=job.size, crcs=job.crcs))
+        except BaseException as e:  # noqa: BLE001
+            ch.publish(f"{prefix}/rank{a.rank}", encode_report(False, error=f"{type(e).__name__}: {e}"))
+            if a.rank == 0:
+                ch.publish(f"{prefix}/outcome", b"E" + f"rank 0 failed: {e}".encode())
+            raise
+        if a.rank == 0:
+            try:
+                md, results = job.global_md.result(timeout=timeout)
+                reports = gather_reports(ch, prefix, a.world, timeout, f"checkpoint {a.checkpoint_id}")
+                job.metadata_json = build_metadata(md, results, reports, job, self.chunk_size)
+                ch.publish(f"{prefix}/outcome", b"M" + job.metadata_json)
+            except BaseException as e:
+                ch.publish(f"{prefix}/outcome", b"E" + str(e).encode())
+                raise
+        outcome = ch.wait_get(f"{prefix}/outcome", timeout + 30, f"checkpoint {a.checkpoint_id}: commit outcome")
+        if outcome[:1] != b"M":
+            raise CaptureError(f"checkpoint {a.checkpoint_id} was not committed: {outcome[1:].decode(errors='replace')}")
+        job.metadata_json = outcome[1:]
+        if a.meta_writer:
+            tier = self.first_tier
+            tier.put(metadata_key(a.checkpoint_id), job.metadata_json, if_absent=True)
+            if self.local is not None and tier is self.local and self.cfg.local is not None:
+                apply_local_retention(self, job)
+
+    def _retire(self, job: RankSave) -> None:
+        with self._jobs_lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+
+    def _fail(self, job: RankSave, exc: BaseException, stage: str) -> None:
+        if job.fail(exc):
+            if not isinstance(exc, TierckptError):
+                wrapped = CaptureError(f"checkpoint {job.id}: rank {job.assign.rank}: {stage} failed: {type(exc).__name__}: {exc}")
+                wrapped.__cause__ = exc
+                exc = wrapped
+            log.error("checkpoint %s: rank %d: %s failed: %s", job.id, job.assign.rank, stage, exc)
+            with self._jobs_lock:
+                self._errors.append(exc)
+
+    # -- waiting (training thread) ----------------------------------------------------------
+    def _pending(self) -> list[RankSave]:
+        with self._jobs_lock:
+            return list(self._jobs)
+
+    def raise_errors(self) -> None:
+        with self._jobs_lock:
+            errs, self._errors = self._errors, []
+        if errs:
+            if len(errs) > 1:
+                log.error("%d more background errors before this one: %s", len(errs) - 1, "; ".join(map(str, errs[1:])))
+            raise errs[0]
+
+    def wait_captured(self, raise_errors: bool = True) -> float:
+        """Block until every enqueued capture landed; return the seconds spent blocked."""
+        t0 = time.perf_counter()
+        jobs = [j for j in self._pending() if not j.captured.done()]
+        for j in jobs:
+            try:
+                j.captured.result()
+            except BaseException:  # noqa: BLE001 - reported through raise_errors
+                pass
+        waited = time.perf_counter() - t0
+        if jobs:
+            jobs[-1].stats.prestep_wait_s += waited
+        if raise_errors:
+            self.raise_errors()
+        return waited
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every checkpoint in flight is committed on every configured tier."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for j in self._pending():
+            fut = j.promoted if self.promoter is not None else j.committed
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                fut.result(timeout=left)
+            except TimeoutError:
+                raise CaptureError(f"checkpoint {j.id}: not committed after {timeout} s") from None
+            except BaseException:  # noqa: BLE001 - reported through raise_errors
+                pass
+        self.raise_errors()
+
+    def close(self) -> None:
+        """Wait for everything in flight, then stop the threads."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._capture_q.put(None)
+            self._commit_q.put(None)
+            if self.promoter is not None:
+                self.promoter.close()
+            self._flush.shutdown(wait=True)
+
+
+def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list[dict], job: RankSave, chunk_size: int) -> bytes:
+    """Coordinator: merge DCP's metadata, every rank's write results and reported CRCs into JSON."""
+    storage: dict = {}
+    files: dict[str, int] = {}
+    for r, (res, rep) in enumerate(zip(results, reports)):
+        crcs = rep["crcs"]
+        if len(crcs) != len(res):
+            raise CaptureError(f"checkpoint {job.id}: rank {r} reported {len(crcs)} checksums for {len(res)} items")
+        for wr, c in zip(res, crcs):
+            rec = replace(wr.storage_data, crcs=list(c))
+            storage[wr.index] = rec
+            files[rec.file] = rep["size"]
+    md = replace(md, storage_data=storage)
+    manifest = CheckpointManifest(
+        checkpoint_id=job.id, world_size=job.assign.world, chunk_size=chunk_size, files=files,
+        created=job.assign.created, committed=time.time(), step=job.assign.step, save_token=job.assign.token,
+    )
+    return metadata_to_json(md, manifest)
+
+
+def _zero_gaps(view: torch.Tensor, pieces: list[Piece]) -> None:
+    """Zero the alignment padding of a chunk (bytes no piece covers)."""
+    at = 0
+    for p in sorted(pieces, key=lambda p: p.slot_off):
+        if p.slot_off > at:
+            view[at : p.slot_off].zero_()
+        at = max(at, p.slot_off + p.n)
+    if at < len(view):
+        view[at:].zero_()
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _engine_key(cfg: TierConfig) -> str:
+    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, os.getpid()))
+
+
+def get_engine(cfg: TierConfig) -> Engine:
+    """The process-wide engine for ``cfg`` (equal configurations share one)."""
+    key = _engine_key(cfg)
+    with _engines_lock:
+        eng = _engines.get(key)
+        if eng is None or eng._closed:
+            eng = _engines[key] = Engine(cfg)
+        return eng
+
+
+def close_all() -> None:
+    """Close every engine (waits for in-flight checkpoints). Registered with ``atexit``."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for e in engines:
+        try:
+            e.close()
+        except TierckptError as err:
+            log.error("at exit: %s", err)
+
+
+import atexit  # noqa: E402
+
+atexit.register(close_all)
+
