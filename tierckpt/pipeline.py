@@ -58,7 +58,7 @@ class RankAssign:
     rank: int
     world: int
     file: str
-    meta_writer: bool  # writes metadata.json on this rank's local root
+    meta_writer_rank: int  # the rank that writes metadata.json on this rank's local root
     distributed: bool
     created: float
     step: int | None
@@ -399,11 +399,22 @@ class Engine:
         if outcome[:1] != b"M":
             raise CaptureError(f"checkpoint {a.checkpoint_id} was not committed: {outcome[1:].decode(errors='replace')}")
         job.metadata_json = outcome[1:]
-        if a.meta_writer:
+        written = f"{prefix}/written{a.meta_writer_rank}"
+        if a.meta_writer_rank == a.rank:
             tier = self.first_tier
-            tier.put(metadata_key(a.checkpoint_id), job.metadata_json, if_absent=True)
+            try:
+                tier.put(metadata_key(a.checkpoint_id), job.metadata_json, if_absent=True)
+            except BaseException as e:
+                ch.publish(written, b"E" + str(e).encode())
+                raise
+            ch.publish(written, b"OK")
             if self.local is not None and tier is self.local and self.cfg.local is not None:
                 apply_local_retention(self, job)
+        else:
+            ack = ch.wait_get(written, timeout + 30, f"checkpoint {a.checkpoint_id}: metadata write by rank {a.meta_writer_rank}")
+            if ack != b"OK":
+                raise CaptureError(f"checkpoint {a.checkpoint_id}: rank {a.meta_writer_rank} could not write its metadata: "
+                                   f"{ack[1:].decode(errors='replace')}")
 
     def _retire(self, job: RankSave) -> None:
         with self._jobs_lock:

@@ -20,6 +20,7 @@ logs which tier served what. Non-tensor items are unpickled with ``weights_only=
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import threading
@@ -172,9 +173,18 @@ class TieredReader(StorageReader):
             raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a committed copy")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=self.resolved_id)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Coordinator: every rank must have resolved the same checkpoint (``latest`` may race a commit)."""
+        ids = [p.storage_data for p in plans]
+        if len(set(ids)) > 1:
+            by_id: dict[str, list[int]] = {}
+            for r, i in enumerate(ids):
+                by_id.setdefault(str(i), []).append(r)
+            raise TierckptError("ranks resolved different checkpoints: "
+                                + "; ".join(f"{i} on ranks {rs}" for i, rs in by_id.items())
+                                + " (a commit raced the load, or a node's local tier is behind S3): pass an explicit checkpoint_id")
         return plans
 
     @classmethod

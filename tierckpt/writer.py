@@ -140,7 +140,7 @@ class TieredWriter(StorageWriter):
         for r, (p, i) in enumerate(zip(plans, infos)):
             assign = RankAssign(
                 checkpoint_id=cid, token=token, rank=r, world=len(plans), file=rank_file(r, token),
-                meta_writer=first_rank_of_root[i.root] == r, distributed=self._distributed,
+                meta_writer_rank=first_rank_of_root[i.root], distributed=self._distributed,
                 created=created, step=step_of(cid),
             )
             out.append(dataclasses.replace(p, storage_data=assign))
