@@ -21,13 +21,13 @@ is an in-memory dict.
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import CaptureError, CheckpointNotFound, CorruptCheckpoint, TierckptError
 from .layout import METADATA, check_checkpoint_id, step_of
@@ -39,17 +39,20 @@ __all__ = ["Channel", "LocalChannel", "StoreChannel", "default_channel", "Checkp
 log = logging.getLogger("tierckpt.commit")
 
 
-class Channel:
+class Channel(abc.ABC):
     """A tiny key-value rendezvous between the ranks of one job."""
 
+    @abc.abstractmethod
     def publish(self, key: str, value: bytes) -> None:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Make ``value`` visible to every rank under ``key``."""
 
+    @abc.abstractmethod
     def try_get(self, key: str) -> bytes | None:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """The value under ``key``, or ``None`` if not published yet."""
 
+    @abc.abstractmethod
     def delete(self, key: str) -> None:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Forget ``key`` (best effort)."""
 
     def wait_get(self, key: str, timeout: float, what: str, cancelled=lambda: False) -> bytes:
         """Poll until ``key`` is published; raise :class:`CaptureError` after ``timeout`` seconds."""
@@ -214,9 +217,3 @@ def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, wh
         channel.delete(f"{prefix}/rank{r}")
     return reports
 
-
-def iter_keys(prefix: str, world: int) -> Iterable[str]:
-    return (f"{prefix}/rank{r}" for r in range(world))
-
-
-_ = timedelta  # (kept for type readers: Store timeouts are timedeltas)

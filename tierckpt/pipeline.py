@@ -41,7 +41,7 @@ from .commit import Channel, encode_report, gather_reports
 from .config import TierConfig
 from .errors import CaptureError, TierckptError, TornCaptureError
 from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, piece_bounds
-from .retention import apply_local_retention
+from .retention import apply_local_retention, apply_s3_retention
 from .tiers.base import DataSink, Tier
 
 __all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine"]
@@ -408,8 +408,10 @@ class Engine:
                 ch.publish(written, b"E" + str(e).encode())
                 raise
             ch.publish(written, b"OK")
-            if self.local is not None and tier is self.local and self.cfg.local is not None:
+            if tier is self.local:
                 apply_local_retention(self, job)
+            else:
+                apply_s3_retention(self, job)
         else:
             ack = ch.wait_get(written, timeout + 30, f"checkpoint {a.checkpoint_id}: metadata write by rank {a.meta_writer_rank}")
             if ack != b"OK":

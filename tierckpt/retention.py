@@ -25,7 +25,7 @@ from .tiers.base import Tier
 if TYPE_CHECKING:
     from .pipeline import Engine, RankSave
 
-__all__ = ["RetentionPlan", "plan_retention", "apply_retention", "apply_local_retention"]
+__all__ = ["RetentionPlan", "plan_retention", "apply_retention", "apply_local_retention", "apply_s3_retention"]
 
 log = logging.getLogger("tierckpt.retention")
 
@@ -81,3 +81,19 @@ def apply_local_retention(engine: "Engine", job: "RankSave") -> int:
         protect |= engine.promoter.pending_ids()
     plan = plan_retention(list_checkpoints(engine.local), engine.cfg.local.keep, 0, protect, job.assign.created)
     return apply_retention(engine.local, plan)
+
+
+def apply_s3_retention(engine: "Engine", job: "RankSave") -> int:
+    """After ``job`` committed on S3 (rank 0): apply ``[s3] keep``/``keep_every``, abort stale uploads."""
+    s3 = engine.s3_tier()
+    cfg = engine.cfg.s3
+    assert cfg is not None
+    protect = engine.in_flight_ids() | {job.id}
+    plan = plan_retention(list_checkpoints(s3), cfg.keep, cfg.keep_every, protect, job.assign.created)
+    n = apply_retention(s3, plan)
+    abort = getattr(s3, "abort_stale_uploads", None)
+    if abort is not None:
+        aborted = abort("", older_than_s=engine.cfg.job.commit_timeout)
+        if aborted:
+            log.info("aborted %d stale multipart uploads on %s", aborted, s3.url)
+    return n

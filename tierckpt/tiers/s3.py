@@ -928,8 +928,11 @@ class _S3Sink(DataSink):
             self._usable()
         if not n:
             return
-        if self._single is not None:
-            self._single[offset : offset + n] = mv
+        if self._upload_id is None:
+            single = self._single
+            if single is None:  # aborted concurrently
+                raise TierError(f"{self._url}: the upload is {self._state}")
+            single[offset : offset + n] = mv
             with self._lock:
                 self._single_filled += n
             return
