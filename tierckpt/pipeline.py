@@ -42,6 +42,7 @@ from .config import TierConfig
 from .errors import CaptureError, TierckptError, TornCaptureError
 from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, piece_bounds
 from .retention import apply_local_retention, apply_s3_retention
+from .tiers import make_local, make_s3
 from .tiers.base import DataSink, Tier
 
 __all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine"]
@@ -187,13 +188,9 @@ class Engine:
     def __init__(self, cfg: TierConfig) -> None:
         self.cfg = cfg
         self.chunk_size = cfg.host.effective_chunk_size
-        self.pool: HostPool = get_pool(cfg.host.buffer_size, self.chunk_size, cfg.host.pinned)
-        self.local: Tier | None = None
+        self._pool: HostPool | None = None
+        self.local: Tier | None = make_local(cfg)
         self.s3: Tier | None = None
-        if cfg.local is not None:
-            from .tiers.local import LocalTier
-
-            self.local = LocalTier(cfg.local.resolved_path(), fsync=cfg.local.fsync)
         self._s3_lock = threading.Lock()
         nflush = cfg.local.flush_threads if cfg.local is not None else (cfg.s3.concurrency if cfg.s3 else 4)
         self.copier = Copier()
@@ -215,6 +212,13 @@ class Engine:
 
             self.promoter = Promoter(self)
 
+    @property
+    def pool(self) -> HostPool:
+        """The host pool, allocated on the first save (readers and tools never allocate it)."""
+        if self._pool is None:
+            self._pool = get_pool(self.cfg.host.buffer_size, self.chunk_size, self.cfg.host.pinned)
+        return self._pool
+
     # -- tiers ----------------------------------------------------------------------------
     @property
     def first_tier(self) -> Tier:
@@ -224,11 +228,9 @@ class Engine:
     def s3_tier(self) -> Tier:
         with self._s3_lock:
             if self.s3 is None:
-                if self.cfg.s3 is None:
+                self.s3 = make_s3(self.cfg)
+                if self.s3 is None:
                     raise TierckptError("no [s3] section in the configuration")
-                from .tiers.s3 import S3Tier
-
-                self.s3 = S3Tier(self.cfg.s3)
             return self.s3
 
     # -- submission (training thread) -----------------------------------------------------

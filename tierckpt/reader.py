@@ -38,6 +38,7 @@ from .commit import resolve_latest
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, metadata_from_json, metadata_key, piece_bounds
+from .tiers import make_tiers
 from .tiers.base import Tier
 
 __all__ = ["TieredReader", "open_tiers", "read_checkpoint_metadata"]
@@ -49,16 +50,8 @@ MAX_GAP = 256 << 10  # merge items separated by at most this many bytes
 
 
 def open_tiers(cfg: TierConfig) -> list[Tier]:
-    """The configured tiers, fastest first (local, then S3). Shares the writer's engine tiers."""
-    from .pipeline import get_engine
-
-    eng = get_engine(cfg)
-    tiers: list[Tier] = []
-    if eng.local is not None:
-        tiers.append(eng.local)
-    if cfg.s3 is not None:
-        tiers.append(eng.s3_tier())
-    return tiers
+    """The configured tiers, fastest first (local, then S3)."""
+    return make_tiers(cfg)
 
 
 def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Metadata, Any]:
