@@ -7,9 +7,11 @@ On every tier a checkpoint ``ID`` is a directory (or key prefix) holding::
     ID/metadata.json       the commit marker, written last: DCP's Metadata plus, for every item,
                            its file, offset, length, dtype, shape and CRC32C pieces
 
-Checksums are CRC32C over *pieces*: an item's bytes cut at the file's chunk grid
-(multiples of ``chunk_size`` from the file start), so that each chunk's writer can checksum its
-part independently; a reader recomputes the same cut from ``chunk_size``.
+Checksums are CRC32C over *pieces*: an item's bytes and the padding after it, cut at the file's
+chunk grid (multiples of ``chunk_size`` from the file start), so that each chunk's writer can
+checksum its part independently and every byte of a data file is covered; a reader recomputes the
+same cut from ``chunk_size``. ``metadata.json`` is a header line (format, length, CRC32C of the
+body) followed by the JSON body, so any corruption of it is detected too.
 
 Metadata is JSON, never pickle: :func:`metadata_to_json` / :func:`metadata_from_json` rebuild
 DCP's ``Metadata`` and validate everything a hostile file could abuse (keys, sizes, dtypes).
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import google_crc32c
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -48,6 +51,7 @@ __all__ = [
     "rank_file",
     "step_of",
     "piece_bounds",
+    "padded",
     "metadata_to_json",
     "metadata_from_json",
     "DTYPES",
@@ -106,8 +110,20 @@ def step_of(checkpoint_id: str) -> int | None:
     return int(m[-1]) if m else None
 
 
+def padded(length: int) -> int:
+    """An item's length rounded up to :data:`ALIGN`: its bytes plus the padding that follows it.
+
+    Items are laid out back to back at aligned offsets, so the padded ranges of a file's items
+    tile the whole file: checksumming padded ranges covers every byte of every data file.
+    """
+    return length + (-length) % ALIGN
+
+
 def piece_bounds(pos: int, length: int, chunk_size: int) -> list[tuple[int, int]]:
-    """The (start, end) file offsets of an item's CRC pieces: its range cut at the chunk grid."""
+    """The (start, end) file offsets of CRC pieces: ``[pos, pos+length)`` cut at the chunk grid.
+
+    Callers pass the *padded* length of an item (see :func:`padded`).
+    """
     out = []
     start, end = pos, pos + length
     while start < end:
@@ -237,7 +253,9 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
         },
         "items": items,
     }
-    return json.dumps(doc, separators=(",", ":")).encode()
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": google_crc32c.value(body)}).encode()
+    return header + b"\n" + body
 
 
 def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -261,10 +279,18 @@ def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointMani
     """
     if len(raw) > MAX_METADATA_BYTES:
         raise CorruptCheckpoint(f"{where}: metadata is larger than {MAX_METADATA_BYTES} bytes")
+    head, sep, body = bytes(raw).partition(b"\n")
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpoint(f"{where}: not valid JSON metadata ({e}); is this a tierckpt checkpoint?") from None
+        header = json.loads(head) if sep else None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise ValueError("no tierckpt header line")
+        if header.get("length") != len(body) or header.get("crc32c") != google_crc32c.value(body):
+            raise CorruptCheckpoint(f"{where}: metadata failed its CRC32C/length check (corrupted or truncated)")
+        doc = json.loads(body)
+    except CorruptCheckpoint:
+        raise
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{where}: not valid tierckpt metadata ({e}); is this a tierckpt checkpoint?") from None
     try:
         return _parse(doc, where)
     except CorruptCheckpoint as e:
@@ -326,8 +352,8 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
         if file not in files:
             raise CorruptCheckpoint(f"metadata: item {fqn!r} names file {file!r} that is not part of the checkpoint")
         pos, length = _int(it["pos"], "pos"), _int(it["length"], "length")
-        if pos + length > files[file]:
-            raise CorruptCheckpoint(f"metadata: item {fqn!r} [{pos}, {pos + length}) runs past the end of {file} ({files[file]} bytes)")
+        if pos % ALIGN or pos + padded(length) > files[file]:
+            raise CorruptCheckpoint(f"metadata: item {fqn!r} [{pos}, {pos + length}) is misaligned or runs past the end of {file} ({files[file]} bytes)")
         dtype = it["dtype"]
         shape = tuple(_ints(it["shape"], "shape"))
         if dtype:
@@ -339,7 +365,7 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
             if numel * DTYPES[dtype].itemsize != length:
                 raise CorruptCheckpoint(f"metadata: item {fqn!r} length {length} does not match {dtype}{list(shape)}")
         crcs = it["crcs"]
-        if not isinstance(crcs, list) or len(crcs) != len(piece_bounds(pos, length, chunk_size)):
+        if not isinstance(crcs, list) or len(crcs) != len(piece_bounds(pos, padded(length), chunk_size)):
             raise CorruptCheckpoint(f"metadata: item {fqn!r} has a wrong number of checksums")
         rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape,
                          crcs=[_int(c, "crc", 0, 0xFFFFFFFF) for c in crcs])

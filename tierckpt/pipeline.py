@@ -40,7 +40,7 @@ from .capture.pool import HostPool, get_pool
 from .commit import Channel, encode_report, gather_reports
 from .config import TierConfig
 from .errors import CaptureError, TierckptError, TornCaptureError
-from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, piece_bounds
+from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, padded, piece_bounds
 from .retention import apply_local_retention, apply_s3_retention
 from .tiers import make_local, make_s3
 from .tiers.base import DataSink, Tier
@@ -107,8 +107,9 @@ class RankSave:
         self.global_md: Future[tuple[Metadata, list[list[WriteResult]]]] = Future()
         self.stats = SaveStats(assign.checkpoint_id, assign.rank, bytes=size, items=len(results))
         self.crcs: list[list[int]] = [
-            [0] * len(piece_bounds(r.storage_data.pos, r.storage_data.length, chunk_size)) for r in results
+            [0] * len(piece_bounds(r.storage_data.pos, padded(r.storage_data.length), chunk_size)) for r in results
         ]
+        self.crc_pieces = self._plan_crc_pieces()
         self.chunks = self._plan_chunks()
         self.stats.chunks = len(self.chunks)
         self.ready_events: dict = {}
@@ -133,6 +134,17 @@ class RankSave:
                 chunks[k].append(Piece(s, off, at - k * c, n))
                 off += n
         return chunks
+
+    def _plan_crc_pieces(self) -> list[list[tuple[int, int, int, int]]]:
+        """Per chunk: (item, piece index, slot offset, length) of every checksummed piece in it."""
+        c = self.chunk_size
+        out: list[list[tuple[int, int, int, int]]] = [[] for _ in range((self.size + c - 1) // c)]
+        for i, r in enumerate(self.results):
+            rec = r.storage_data
+            for j, (a, b) in enumerate(piece_bounds(rec.pos, padded(rec.length), c)):
+                k = a // c
+                out[k].append((i, j, a - k * c, b - a))
+        return out
 
     def chunk_len(self, k: int) -> int:
         return min(self.chunk_size, self.size - k * self.chunk_size)
@@ -321,13 +333,10 @@ class Engine:
             n = job.chunk_len(k)
             view = self.pool.slot(slot, n)
             arr = view.numpy()
-            c = self.chunk_size
-            for p in job.chunks[k]:
-                s = p.source
-                idx = k - s.pos // c
-                job.crcs[s.item][idx] = google_crc32c.value(arr[p.slot_off : p.slot_off + p.n])
+            for item, j, off, n in job.crc_pieces[k]:
+                job.crcs[item][j] = google_crc32c.value(arr[off : off + n])
             assert job.sink is not None
-            job.sink.write_at(k * c, memoryview(arr))
+            job.sink.write_at(k * self.chunk_size, memoryview(arr))
         except BaseException as e:  # noqa: BLE001
             self._fail(job, e, "flush")
             return

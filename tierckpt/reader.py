@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .commit import resolve_latest
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, metadata_from_json, metadata_key, piece_bounds
+from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, metadata_from_json, metadata_key, padded, piece_bounds
 from .tiers import make_tiers
 from .tiers.base import Tier
 
@@ -73,6 +73,7 @@ class _Item:
     targets: list[torch.Tensor] = field(default_factory=list)
     scratch: torch.Tensor | None = None
     data: bytes | None = None
+    pad: bytearray = field(default_factory=bytearray)
 
 
 class TieredReader(StorageReader):
@@ -237,7 +238,10 @@ class TieredReader(StorageReader):
             if it.rec.pos > at:
                 bufs.append(memoryview(bytearray(it.rec.pos - at)))
             bufs.append(self._buffer(it))
-            at = it.rec.pos + it.rec.length
+            it.pad = bytearray(padded(it.rec.length) - it.rec.length)
+            if it.pad:
+                bufs.append(memoryview(it.pad))
+            at = it.rec.pos + padded(it.rec.length)
         tier = self._tier_for(file)
         try:
             tier.read_ranges(key, start, bufs)
@@ -261,10 +265,19 @@ class TieredReader(StorageReader):
                                  f"({', '.join(t.url for t in self._holding)})")
 
     def _verify(self, it: _Item) -> bool:
-        buf = _as_numpy(self._bufview(it))
-        cs = self.chunk_size
-        for (s, e), crc in zip(piece_bounds(it.rec.pos, it.rec.length, cs), it.rec.crcs):
-            if google_crc32c.value(buf[s - it.rec.pos : e - it.rec.pos]) != crc:
+        """Check every CRC piece of the item's bytes followed by its padding."""
+        data = _as_numpy(self._bufview(it))
+        pad = _as_numpy(memoryview(it.pad)) if it.pad else data[:0]
+        n = len(data)
+        for (s, e), crc in zip(piece_bounds(it.rec.pos, padded(it.rec.length), self.chunk_size), it.rec.crcs):
+            a, b = s - it.rec.pos, e - it.rec.pos
+            if b <= n:
+                got = google_crc32c.value(data[a:b])
+            elif a >= n:
+                got = google_crc32c.value(pad[a - n : b - n])
+            else:
+                got = google_crc32c.extend(google_crc32c.value(data[a:n]), pad[: b - n])
+            if got != crc:
                 return False
         return True
 
@@ -282,7 +295,7 @@ class TieredReader(StorageReader):
             if tier is exclude:
                 continue
             try:
-                tier.read_ranges(key, it.rec.pos, [self._bufview(it)])
+                tier.read_ranges(key, it.rec.pos, [self._bufview(it)] + ([memoryview(it.pad)] if it.pad else []))
             except (CorruptCheckpoint, CheckpointNotFound, OSError) as e:
                 log.error("checkpoint %s: %s from %s also failed: %s", self.resolved_id, file, tier.name, e)
                 continue
@@ -371,7 +384,7 @@ def _runs(items: list[_Item]) -> list[list[_Item]]:
         cur: list[_Item] = []
         for it in file_items:
             if cur:
-                end = cur[-1].rec.pos + cur[-1].rec.length
+                end = cur[-1].rec.pos + padded(cur[-1].rec.length)
                 if it.rec.pos - end > MAX_GAP or it.rec.pos + it.rec.length - cur[0].rec.pos > MAX_RUN or it.rec.pos < end:
                     runs.append(cur)
                     cur = []

@@ -892,6 +892,7 @@ class _S3Sink(DataSink):
         self._lock = threading.Condition()
         self._state = "open"  # open | failed | closed | aborted
         self._error: BaseException | None = None
+        self._abort_confirmed = False
         self._inflight = 0
         self._single: bytearray | None = None
         self._single_filled = 0
@@ -1028,10 +1029,14 @@ class _S3Sink(DataSink):
 
     def abort(self) -> None:
         """Discard everything: refuse further writes, let in-flight parts finish (bounded by the
-        read timeout) and abort the multipart upload. Never raises."""
+        read timeout) and abort the multipart upload. Never raises.
+
+        If the server could not be reached (the abort was not confirmed), a later call tries
+        again, so a caller can abort once more after an outage; otherwise it is a no-op.
+        """
         try:
             with self._lock:
-                if self._state in ("closed", "aborted"):
+                if self._state == "closed" or self._abort_confirmed:
                     return
                 self._state = "aborted"
                 self._bufs.clear()
@@ -1039,7 +1044,10 @@ class _S3Sink(DataSink):
                 deadline = time.monotonic() + self._tier.cfg.read_timeout
                 while self._inflight and time.monotonic() < deadline:
                     self._lock.wait(timeout=max(0.0, deadline - time.monotonic()))
+            confirmed = True
             if self._upload_id is not None:
-                self._tier._abort_upload(self._full, self._upload_id)
+                confirmed = self._tier._abort_upload(self._full, self._upload_id)
+            with self._lock:
+                self._abort_confirmed = confirmed
         except Exception as e:  # noqa: BLE001 - abort never raises
             log.warning("abort %s: %s: %s", self._url, type(e).__name__, e)
