@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -208,7 +208,7 @@ class Engine:
         self.copier = Copier()
         self._capture_q: queue.Queue[RankSave | None] = queue.Queue()
         self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
-        self._flush = ThreadPoolExecutor(max_workers=nflush, thread_name_prefix="tierckpt-flush")
+        self._flush = _Workers(nflush, "tierckpt-flush")
         self._jobs: list[RankSave] = []
         self._jobs_lock = threading.Lock()
         self._errors: list[BaseException] = []
@@ -499,7 +499,38 @@ class Engine:
             self._commit_q.put(None)
             if self.promoter is not None:
                 self.promoter.close()
-            self._flush.shutdown(wait=True)
+            self._flush.shutdown()
+
+
+class _Workers:
+    """A fixed set of daemon threads running submitted calls in FIFO order.
+
+    Unlike ``ThreadPoolExecutor`` it keeps accepting work during interpreter shutdown, so the
+    ``atexit`` handler can still drain checkpoints the user did not wait for.
+    """
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> None:
+        self._q.put((fn, args))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, args = item
+            fn(*args)  # callers catch their own errors (see Engine._flush_chunk)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
 
 
 def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list[dict], job: RankSave, chunk_size: int) -> bytes:
