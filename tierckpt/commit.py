@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CaptureError, CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import METADATA, check_checkpoint_id, step_of
+from .layout import METADATA, check_checkpoint_id, checkpoint_prefixes, split_key, step_of
 from .tiers.base import Tier
 
 __all__ = ["Channel", "LocalChannel", "StoreChannel", "default_channel", "CheckpointInfo",
-           "list_checkpoints", "resolve_latest", "is_committed"]
+           "list_checkpoints", "resolve_latest", "is_committed", "delete_checkpoint"]
 
 log = logging.getLogger("tierckpt.commit")
 
@@ -146,9 +146,10 @@ def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
     """Every checkpoint on ``tier``, committed or not, oldest commit first (partials last)."""
     by_id: dict[str, dict] = {}
     for info in tier.list(""):
-        if "/" not in info.key:
+        split = split_key(info.key)
+        if split is None:
             continue
-        cid, rest = info.key.split("/", 1)
+        cid, rest = split
         try:
             check_checkpoint_id(cid)
         except CorruptCheckpoint:
@@ -183,6 +184,14 @@ def resolve_latest(tier: Tier) -> str:
 
 def is_committed(tier: Tier, checkpoint_id: str) -> bool:
     return tier.exists(f"{check_checkpoint_id(checkpoint_id)}/{METADATA}")
+
+
+def delete_checkpoint(tier: Tier, checkpoint_id: str) -> int:
+    """Delete every object of a checkpoint on ``tier``: metadata first, so it stops being
+    committed before any of its data goes. Returns the number of objects removed."""
+    check_checkpoint_id(checkpoint_id)
+    tier.delete(f"{checkpoint_id}/{METADATA}")
+    return sum(tier.delete_prefix(p) for p in checkpoint_prefixes(checkpoint_id))
 
 
 # -- rank reports and outcomes ---------------------------------------------------------------

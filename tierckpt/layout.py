@@ -2,8 +2,9 @@
 
 On every tier a checkpoint ``ID`` is a directory (or key prefix) holding::
 
-    ID/rank-00000.data     one coalesced data file per rank: raw tensor bytes at aligned offsets
-    ID/rank-00001.data     (and the serialized non-tensor items), laid out before any byte is written
+    _00/ID/rank-00000-<token>.data   one coalesced data file per rank: raw tensor bytes at aligned
+    _01/ID/rank-00001-<token>.data   offsets (and serialized non-tensor items), laid out before any
+                                     byte is written; ``_XX`` spreads ranks over 16 key prefixes
     ID/metadata.json       the commit marker, written last: DCP's Metadata plus, for every item,
                            its file, offset, length, dtype, shape and CRC32C pieces
 
@@ -47,6 +48,9 @@ __all__ = [
     "CheckpointManifest",
     "check_checkpoint_id",
     "data_key",
+    "checkpoint_prefixes",
+    "split_key",
+    "FANOUT",
     "metadata_key",
     "rank_file",
     "step_of",
@@ -96,8 +100,37 @@ def rank_file(rank: int, token: str = "") -> str:
     return f"rank-{rank:05d}-{token[:8]}.data" if token else f"rank-{rank:05d}.data"
 
 
+FANOUT = 16  # data files are spread over this many key prefixes (S3 partitions request rates by prefix)
+
+
+def _rank_of(file: str) -> int:
+    m = re.match(r"^rank-(\d+)", file)
+    return int(m.group(1)) if m else 0
+
+
 def data_key(checkpoint_id: str, file: str) -> str:
-    return f"{checkpoint_id}/{file}"
+    """Where a data file lives: ``_XX/ID/file`` with ``XX`` = writer rank mod :data:`FANOUT` in hex.
+
+    The shard comes first so that the same :data:`FANOUT` key ranges carry the writes of every
+    checkpoint (S3 keeps them partitioned); ``_`` cannot start a checkpoint id, so shard
+    directories never look like checkpoints.
+    """
+    return f"_{_rank_of(file) % FANOUT:02x}/{checkpoint_id}/{file}"
+
+
+def checkpoint_prefixes(checkpoint_id: str) -> list[str]:
+    """Every key prefix that can hold objects of ``checkpoint_id`` (for deletion and listing)."""
+    return [f"{checkpoint_id}/"] + [f"_{i:02x}/{checkpoint_id}/" for i in range(FANOUT)]
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """``(checkpoint id, rest)`` of a tier key, or None for keys outside any checkpoint."""
+    parts = key.split("/")
+    if len(parts) >= 3 and re.match(r"^_[0-9a-f]{2}$", parts[0]):
+        return parts[1], "/".join(parts[2:])
+    if len(parts) >= 2 and not parts[0].startswith("_"):
+        return parts[0], "/".join(parts[1:])
+    return None
 
 
 def metadata_key(checkpoint_id: str) -> str:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .commit import CheckpointInfo, list_checkpoints
+from .commit import CheckpointInfo, delete_checkpoint, list_checkpoints
 from .tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
     n = 0
     for cid, why in plan.delete:
         log.info("retention on %s: deleting %s (%s)", tier.url, cid, why)
-        tier.delete_prefix(f"{cid}/")
+        delete_checkpoint(tier, cid)
         n += 1
     return n
 

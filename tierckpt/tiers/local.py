@@ -270,8 +270,10 @@ class LocalTier(Tier):
                 return
         for dirpath, _dirs, files in os.walk(start):
             for fn in files:
-                if fn.startswith(TMP) or fn.endswith(PARTIAL):
-                    continue
+                if fn.startswith(TMP):
+                    continue  # a small put in progress (or killed): never an object
+                # ``.partial`` files (a large object being written, or left by a crash) are listed
+                # under their own name so that cleanup can see half-written checkpoints.
                 full = Path(dirpath) / fn
                 key = full.relative_to(base).as_posix()
                 if key.startswith(prefix):

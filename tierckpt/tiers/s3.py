@@ -366,8 +366,11 @@ class S3Tier(Tier):
             raise self._client_error(e, what, url) from e
 
     # -- writes ---------------------------------------------------------------------------
-    def _put_object(self, full: str, body: bytes, crc: str, *, if_none_match: bool = False) -> Any:
-        """One PutObject with our CRC32C; ``ClientError`` propagates."""
+    def _put_object(
+        self, full: str, body: bytes, crc: str, *, if_none_match: bool = False, tries: list[int] | None = None
+    ) -> Any:
+        """One PutObject with our CRC32C; ``ClientError`` propagates. ``tries[0]`` counts the
+        requests this module sent (botocore's own retries come on top)."""
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": full,
@@ -377,7 +380,13 @@ class S3Tier(Tier):
         }
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
-        return self._retrying(lambda: self._client.put_object(**kwargs), "put", self._url_of(full), own_retry=True)
+
+        def call() -> Any:
+            if tries is not None:
+                tries[0] += 1
+            return self._client.put_object(**kwargs)
+
+        return self._retrying(call, "put", self._url_of(full), own_retry=True)
 
     def _same_content(self, full: str, body: bytes) -> bool:
         """Whether ``full`` exists and holds exactly ``body`` (best effort; False on any error)."""
@@ -394,7 +403,7 @@ class S3Tier(Tier):
         """Store ``data`` at ``key`` with one PutObject (server-verified CRC32C).
 
         ``if_absent=True`` uses ``If-None-Match: *``: a 412/409 raises :class:`CommitConflict`,
-        unless botocore had retried the request and the stored bytes equal ``data`` (our own
+        unless the request had been retried (by botocore or here) and the stored bytes equal ``data`` (our own
         earlier attempt landed and only its reply was lost; two writers putting identical bytes
         are indistinguishable from that and both succeed). A server that rejects the header as
         unsupported switches this instance to HEAD-then-put, which is not atomic.
@@ -404,12 +413,13 @@ class S3Tier(Tier):
         body = data if isinstance(data, bytes) else bytes(data)
         crc = crc32c_b64(body)
         if if_absent and self._conditional:
+            tries = [0]
             try:
-                self._put_object(full, body, crc, if_none_match=True)
+                self._put_object(full, body, crc, if_none_match=True, tries=tries)
                 return
             except ClientError as e:
                 if _is_conflict(e):
-                    if _err_retried(e) > 0 and self._same_content(full, body):
+                    if (_err_retried(e) > 0 or tries[0] > 1) and self._same_content(full, body):
                         log.debug("put %s: 412 after a retry, but the stored bytes are ours", url)
                         return
                     raise CommitConflict(f"{url} already exists: another writer committed it") from None
@@ -809,9 +819,33 @@ class S3Tier(Tier):
             log.warning("delete_prefix %s: cannot abort multipart uploads: %s", self._url_of(full_prefix), e)
         return sum(1 for k in keys if not k.endswith("/"))
 
+    def _last_part_time(self, key: str, upload_id: str) -> float | None:
+        """Epoch time of the most recently uploaded part of an upload (None: no parts, or the
+        upload vanished)."""
+        latest: float | None = None
+        try:
+            for page in self._client.get_paginator("list_parts").paginate(Bucket=self.bucket, Key=key, UploadId=upload_id):
+                for part in page.get("Parts", ()) or ():
+                    t = part["LastModified"].timestamp()
+                    latest = t if latest is None else max(latest, t)
+        except ClientError as e:
+            if _err_code(e) == "NoSuchUpload":
+                return None
+            raise self._client_error(e, "list parts of", self._url_of(key)) from e
+        except BotoCoreError as e:
+            raise self._transport_error(e, "list parts of", self._url_of(key)) from e
+        return latest
+
     def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0) -> int:
-        """Abort multipart uploads under ``prefix`` started at least ``older_than_s`` seconds
-        ago (by the server's clock); return how many were aborted."""
+        """Abort multipart uploads under ``prefix`` idle for at least ``older_than_s`` seconds;
+        return how many were aborted.
+
+        An upload is idle since its most recent event, by the server's clock: its initiation
+        or, when that is old enough, its most recently uploaded part (one ListParts per such
+        candidate), so that a long promotion still sending parts is never aborted. With
+        ``older_than_s=0`` every upload under the prefix is aborted without ListParts. (moto
+        reports a fixed 2010 initiation time, so there only part times protect an upload.)
+        """
         full_prefix = self._check_prefix(prefix)
         url = self._url_of(full_prefix)
         now = time.time()
@@ -827,7 +861,13 @@ class S3Tier(Tier):
             for up in page.get("Uploads", ()) or ():
                 initiated = up.get("Initiated")
                 age = now - initiated.timestamp() if initiated is not None else float("inf")
-                if age >= older_than_s and self._abort_upload(up["Key"], up["UploadId"]):
+                if age < older_than_s:
+                    continue
+                if older_than_s > 0:
+                    last = self._last_part_time(up["Key"], up["UploadId"])
+                    if last is not None and now - last < older_than_s:
+                        continue
+                if self._abort_upload(up["Key"], up["UploadId"]):
                     n += 1
         return n
 
