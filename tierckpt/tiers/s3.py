@@ -598,26 +598,36 @@ class S3Tier(Tier):
             raise self._client_error(e, "head", url) from e
         return int(resp["ContentLength"]), str(resp.get("ETag", "")).strip('"')
 
-    def _open_range(self, full: str, start: int, end: int | None) -> tuple[Any, int, int | None]:
-        """GET ``[start, end)`` (``end=None``: to the end). Returns (body, length, total size)."""
+    def _open_range(
+        self, full: str, start: int, end: int | None, if_match: str | None = None
+    ) -> tuple[Any, int, int | None, str | None]:
+        """GET ``[start, end)`` (``end=None``: to the end), only if the ETag is still ``if_match``
+        when given. Returns (body, length, total size if known, ETag)."""
         url = self._url_of(full)
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
         if start > 0 or end is not None:
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        resp = self._call(lambda: self._client.get_object(**kwargs), "get", url)
+        if if_match:
+            kwargs["IfMatch"] = if_match
+        try:
+            resp = self._retrying(lambda: self._client.get_object(**kwargs), "get", url, own_retry=False)
+        except ClientError as e:
+            if if_match and _is_conflict(e):
+                raise TierError(f"get {url}: the object changed while it was being read") from e
+            raise self._client_error(e, "get", url) from e
         total: int | None = None
         cr = resp.get("ContentRange")
         if cr and "/" in cr and not cr.endswith("/*"):
             total = int(cr.rsplit("/", 1)[1])
         elif "Range" not in kwargs:
             total = int(resp["ContentLength"])
-        return resp["Body"], int(resp["ContentLength"]), total
+        return resp["Body"], int(resp["ContentLength"]), total, resp.get("ETag")
 
     def _fetch(self, key: str, start: int, end: int | None, dest: memoryview | None) -> bytearray | None:
         """Read ``[start, end)`` of ``key`` into ``dest`` (or a new bytearray, returned).
 
-        A body that breaks while streaming is resumed from the first missing byte, at most
-        ``_OWN_ATTEMPTS`` times in all.
+        A body that breaks while streaming is resumed from the first missing byte (with
+        ``If-Match`` on the first response's ETag), at most ``_OWN_ATTEMPTS`` times in all.
         """
         full = self._full(key)
         url = self._url_of(full)
@@ -628,9 +638,11 @@ class S3Tier(Tier):
         result: bytearray | None = None
         got = 0
         attempt = 0
+        etag: str | None = None  # resumed requests must read the same object version
         while True:
             try:
-                body, length, total = self._open_range(full, start + got, end)
+                body, length, total, tag = self._open_range(full, start + got, end, etag)
+                etag = etag or tag
             except CorruptCheckpoint:
                 if end is None and got == 0:
                     head = self._head(full)
