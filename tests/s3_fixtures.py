@@ -18,10 +18,7 @@ import pytest
 
 from tierckpt.config import MiB, S3Config
 
-try:  # tests/ as a package
-    from . import s3servers  # type: ignore[no-redef]
-except ImportError:  # tests/ on sys.path (pytest's default rootdir-relative import)
-    import s3servers  # type: ignore[no-redef]
+import s3servers  # tools/s3servers.py (conftest puts tools/ on sys.path)
 
 __all__ = ["moto_endpoint", "seaweed_endpoint", "s3cfg", "S3CfgFactory"]
 

@@ -35,7 +35,6 @@ from tierckpt.tiers.base import Tier
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.s3 import MAX_PARTS, S3Tier, effective_part_size
 
-pytest_plugins = ["s3_fixtures"]
 
 PS = 5 * MiB
 SINK_SIZES = [0, 1, PS - 1, PS, 3 * PS + 7]
