@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .commit import encode_report, gather_reports
 from .errors import CaptureError
 from .layout import data_key, metadata_key
-from .retention import apply_s3_retention
+from .retention import apply_local_retention, apply_s3_retention
 
 if TYPE_CHECKING:
     from .pipeline import Engine, RankSave
@@ -79,6 +79,17 @@ class Promoter:
                 with self._lock:
                     self._pending.discard(job.id)
                 self.engine._retire(job)
+            self._local_retention(job)
+
+    def _local_retention(self, job: "RankSave") -> None:
+        """Local retention skipped checkpoints still waiting for promotion: apply it again now."""
+        eng = self.engine
+        if job.failed or job.assign.meta_writer_rank != job.assign.rank or eng.local is None:
+            return
+        try:
+            apply_local_retention(eng, job)
+        except Exception as e:  # noqa: BLE001 - retention is best effort; the next commit retries
+            log.warning("local retention after promoting %s failed: %s", job.id, e)
 
     def _promote(self, job: "RankSave") -> None:
         eng = self.engine
