@@ -157,20 +157,25 @@ class RankSave:
     def failed(self) -> bool:
         return self._failed is not None
 
-    def fail(self, exc: BaseException) -> bool:
-        """Record the first failure; set it on every pending future. Returns True if it was the first."""
+    def claim_failure(self, exc: BaseException) -> bool:
+        """Record ``exc`` as this checkpoint's failure; False if another failure came first."""
         with self._lock:
             if self._failed is not None:
                 return False
             self._failed = exc
         self.stats.error = str(exc)
+        return True
+
+    def settle_failure(self) -> None:
+        """After :meth:`claim_failure`: fail every pending future and discard the partial file."""
+        exc = self._failed
+        assert exc is not None
         for f in (self.captured, self.durable, self.committed, self.promoted):
             if not f.done():
                 f.set_exception(exc)
         if self.sink is not None:
-            self.sink.abort()
+            self.sink.abort()  # safe while flush workers still write: sinks refuse late writes
         self.sources = []
-        return True
 
     def landed(self) -> bool:
         """Count one chunk as landed in host memory; True when it was the last one."""
@@ -435,14 +440,18 @@ class Engine:
                 self._jobs.remove(job)
 
     def _fail(self, job: RankSave, exc: BaseException, stage: str) -> None:
-        if job.fail(exc):
-            if not isinstance(exc, TierckptError):
-                wrapped = CaptureError(f"checkpoint {job.id}: rank {job.assign.rank}: {stage} failed: {type(exc).__name__}: {exc}")
-                wrapped.__cause__ = exc
-                exc = wrapped
-            log.error("checkpoint %s: rank %d: %s failed: %s", job.id, job.assign.rank, stage, exc)
-            with self._jobs_lock:
-                self._errors.append(exc)
+        """Fail ``job`` once: the error is queued for the next wait *before* any future is set,
+        so a waiter woken by the future always finds it."""
+        if not isinstance(exc, TierckptError):
+            wrapped = CaptureError(f"checkpoint {job.id}: rank {job.assign.rank}: {stage} failed: {type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        if not job.claim_failure(exc):
+            return
+        log.error("%s", exc)
+        with self._jobs_lock:
+            self._errors.append(exc)
+        job.settle_failure()
 
     # -- waiting (training thread) ----------------------------------------------------------
     def _pending(self) -> list[RankSave]:

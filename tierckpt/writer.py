@@ -85,8 +85,10 @@ class TieredWriter(StorageWriter):
         self._is_coordinator = False
         self._rank = 0
         self._distributed = False
-        self._t0 = 0.0
-        self._job: RankSave | None = None
+        # Per DCP call sequence: dcp.async_save runs each save on its own thread, and two may
+        # overlap on one writer, so the save in progress is tracked per thread.
+        self._tls = threading.local()
+        self._last: RankSave | None = None
         self._async_tickets: list[Future] = []
 
     # -- DCP StorageWriter ----------------------------------------------------------------
@@ -94,7 +96,7 @@ class TieredWriter(StorageWriter):
         self.checkpoint_id = None if checkpoint_id is None else check_checkpoint_id(str(checkpoint_id))
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._t0 = time.perf_counter()
+        self._tls.t0 = time.perf_counter()
         if kwargs.get("use_collectives") is False:
             raise TierckptError("TieredWriter needs dcp.save(..., use_collectives=True) (the default)")
         self._is_coordinator = is_coordinator
@@ -179,9 +181,10 @@ class TieredWriter(StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=rec))
         size = pos
         job = RankSave(assign, sources, size, results, self.engine.chunk_size)
-        self._job = job
+        self._tls.job = job
+        self._last = job
         self.engine.submit(job)
-        job.stats.save_blocked_s = time.perf_counter() - self._t0
+        job.stats.save_blocked_s = time.perf_counter() - self._tls.t0
         for t in self._async_tickets:
             if not t.done():
                 t.set_result(job)
@@ -191,11 +194,12 @@ class TieredWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        job = self._job
+        job = getattr(self._tls, "job", None)
         if job is None:
-            raise TierckptError("finish() called before write_data()")
+            raise TierckptError("finish() called before write_data() on this thread")
+        self._tls.job = None
         job.global_md.set_result((metadata, results))
-        job.stats.save_blocked_s = time.perf_counter() - self._t0
+        job.stats.save_blocked_s = time.perf_counter() - self._tls.t0
         self.checkpoint_id = None  # a later save without an id must not reuse this one
 
     @classmethod
@@ -280,9 +284,15 @@ class TieredWriter(StorageWriter):
         return optimizer.register_step_pre_hook(_pre_step)
 
     @property
+    def last(self) -> RankSave | None:
+        """The last save through this writer on this rank: its futures ``captured``, ``durable``,
+        ``committed``, ``promoted`` and its ``stats``."""
+        return self._last
+
+    @property
     def stats(self) -> SaveStats | None:
         """Figures of the last checkpoint this writer saved (this rank)."""
-        return self._job.stats if self._job is not None else None
+        return self._last.stats if self._last is not None else None
 
     @property
     def history(self) -> list[SaveStats]:

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--digests", action="store_true", help="log the state digest with every checkpoint")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -175,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                 old = Path(args.dcp_dir) / f"step-{app.step - 2 * args.ckpt_every:06d}"
                 if rank == 0 and old.exists():
                     shutil.rmtree(old, ignore_errors=True)
-            event(event="save", step=app.step, checkpoint=cid, save_s=time.perf_counter() - t0)
+            saved = time.perf_counter() - t0
+            event(event="save", step=app.step, checkpoint=cid, save_s=saved,
+                  **({"digest": digest(model, optim)} if args.digests else {}))
     if writer is not None:
         writer.wait()
         hist = [s.to_json() for s in writer.history]

@@ -49,6 +49,10 @@ class _FileSink(DataSink):
         self._partial = self._final.with_name(self._final.name + PARTIAL)
         self._size = size
         self._closed = False
+        self._aborted = False
+        self._inflight = 0
+        self._fd = -1
+        self._state = threading.Lock()
         try:
             self._final.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -66,6 +70,10 @@ class _FileSink(DataSink):
         if offset < 0 or offset + len(data) > self._size:
             raise CorruptCheckpoint(f"{self._partial}: write [{offset}, {offset + len(data)}) past size {self._size}")
         mv = memoryview(data).cast("B") if data.format != "B" or data.ndim != 1 else data
+        with self._state:
+            if self._aborted or self._closed:
+                raise TierError(errno.ECANCELED, f"{self._partial}: write after the sink was closed or aborted")
+            self._inflight += 1
         try:
             while len(mv):
                 n = os.pwrite(self._fd, mv, offset)
@@ -73,15 +81,35 @@ class _FileSink(DataSink):
                 offset += n
         except OSError as e:
             raise _tier_error(e, f"cannot write {self._partial}") from e
+        finally:
+            with self._state:
+                self._inflight -= 1
+                last_out = self._aborted and self._inflight == 0
+            if last_out:
+                self._close_fd()
+
+    def _close_fd(self) -> None:
+        # Only once no write is in flight: a descriptor closed under a concurrent pwrite could be
+        # reused by the next open() and receive the late write.
+        with self._state:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._state:
+            if self._closed or self._aborted:
+                return
+            if self._inflight:
+                raise TierError(errno.EBUSY, f"{self._partial}: close() while writes are in flight")
+            self._closed = True
         try:
             if self._tier.fsync:
                 os.fsync(self._fd)
-            os.close(self._fd)
+            self._close_fd()
             os.replace(self._partial, self._final)
             if self._tier.fsync:
                 _fsync_dir(self._final.parent)
@@ -90,15 +118,17 @@ class _FileSink(DataSink):
             raise _tier_error(e, f"cannot commit {self._final}") from e
 
     def abort(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        with self._state:
+            if self._aborted:
+                return
+            self._aborted = True
+            idle = self._inflight == 0
+        if idle:
+            self._close_fd()
         try:
             os.unlink(self._partial)
         except OSError:
             pass
-        self._closed = True
 
 
 class LocalTier(Tier):
