@@ -363,7 +363,7 @@ def test_background_error_raised_by_the_first_wait(make_cfg):
             release.set()
     finally:
         logger.removeHandler(handler)
-        next_error(w, timeout=5)  # drain it so that it cannot leak into the teardown
+        next_error(w)  # drain it so that it cannot leak into the teardown
 
 
 # -- 4. the optimizer pre-step hook ---------------------------------------------------------------

@@ -448,10 +448,10 @@ class Engine:
             exc = wrapped
         if not job.claim_failure(exc):
             return
-        log.error("%s", exc)
         with self._jobs_lock:
             self._errors.append(exc)
         job.settle_failure()
+        log.error("%s", exc)
 
     # -- waiting (training thread) ----------------------------------------------------------
     def _pending(self) -> list[RankSave]:
