@@ -106,12 +106,10 @@ class RankSave:
         self.promoted: Future[None] = Future()
         self.global_md: Future[tuple[Metadata, list[list[WriteResult]]]] = Future()
         self.stats = SaveStats(assign.checkpoint_id, assign.rank, bytes=size, items=len(results))
-        self.crcs: list[list[int]] = [
-            [0] * len(piece_bounds(r.storage_data.pos, padded(r.storage_data.length), chunk_size)) for r in results
-        ]
-        self.crc_pieces = self._plan_crc_pieces()
-        self.chunks = self._plan_chunks()
-        self.stats.chunks = len(self.chunks)
+        # Filled by plan(), on the capture thread, to keep the training thread's share small.
+        self.crcs: list[list[int]] = []
+        self.crc_pieces: list[list[tuple[int, int, int, int]]] = []
+        self.chunks: list[list[Piece]] = []
         self.ready_events: dict = {}
         self.sink: DataSink | None = None
         self.metadata_json: bytes | None = None
@@ -121,6 +119,14 @@ class RankSave:
         self._failed: BaseException | None = None
         self.t_start = time.perf_counter()
         self.t_captured = 0.0
+
+    def plan(self) -> None:
+        """Cut the file into chunks and checksum pieces (capture thread, before the first copy)."""
+        c = self.chunk_size
+        self.crcs = [[0] * len(piece_bounds(r.storage_data.pos, padded(r.storage_data.length), c)) for r in self.results]
+        self.crc_pieces = self._plan_crc_pieces()
+        self.chunks = self._plan_chunks()
+        self.stats.chunks = len(self.chunks)
 
     def _plan_chunks(self) -> list[list[Piece]]:
         c = self.chunk_size
@@ -285,6 +291,7 @@ class Engine:
                 self._fail(job, e, "capture")
 
     def _capture(self, job: RankSave) -> None:
+        job.plan()
         tier = self.first_tier
         if job.size:
             job.sink = tier.open_sink(data_key(job.id, job.assign.file), job.size)
@@ -320,7 +327,7 @@ class Engine:
         job.t_captured = time.perf_counter()
         job.stats.capture_s = job.t_captured - job.t_start
         for s in job.sources:  # drop references to live state: the copies have landed
-            s.tensor = s.guard = None
+            s.tensor = s.guard = s._flat = None
             s.data = None
         if not job.captured.done():
             job.captured.set_result(None)

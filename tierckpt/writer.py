@@ -61,6 +61,16 @@ class _LocalInfo:
     committed_here: bool
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def _generate_id() -> str:
     global _gen_count
     with _gen_lock:
@@ -156,29 +166,29 @@ class TieredWriter(StorageWriter):
         sources: list[Source] = []
         results: list[WriteResult] = []
         pos = 0
+        file = assign.file
         for i, item in enumerate(plan.items):
             data = planner.resolve_data(item)
+            fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
-                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-                src = Source(item=i, fqn=item.index.fqn, pos=pos, length=len(buf), data=memoryview(bytes(buf)))
-                rec = ItemRecord(file=assign.file, pos=pos, length=len(buf))
+                raw = bytes(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+                n = len(raw)
+                if n:
+                    sources.append(Source(item=i, fqn=fqn, pos=pos, length=n, data=memoryview(raw)))
+                rec = ItemRecord(file=file, pos=pos, length=n)
             else:
                 t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data)
-                guard = t
+                guard: torch.Tensor | None = t
                 if not t.is_contiguous():
                     t = t.contiguous()  # a private snapshot: nothing can tear it
                     guard = None
-                nbytes = t.numel() * t.element_size()
-                flat = t.reshape(-1).view(torch.uint8) if nbytes else None
-                src = Source(item=i, fqn=item.index.fqn, pos=pos, length=nbytes, tensor=flat,
-                             guard=guard, version=guard._version if guard is not None else 0)
-                rec = ItemRecord(file=assign.file, pos=pos, length=nbytes,
-                                 dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
-            if src.length:
-                sources.append(src)
-            pos += src.length
-            pos += (-pos) % ALIGN
-            results.append(WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=rec))
+                n = t.numel() * t.element_size()
+                if n:
+                    sources.append(Source(item=i, fqn=fqn, pos=pos, length=n, tensor=t, guard=guard,
+                                          version=guard._version if guard is not None else 0))
+                rec = ItemRecord(file=file, pos=pos, length=n, dtype=_dtype_name(t.dtype), shape=tuple(t.shape))
+            pos += n + (-n) % ALIGN
+            results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=rec))
         size = pos
         job = RankSave(assign, sources, size, results, self.engine.chunk_size)
         self._tls.job = job

@@ -21,8 +21,8 @@ __all__ = ["Source", "Piece", "Copier"]
 class Source:
     """One item's bytes to capture.
 
-    ``tensor`` is a flat ``uint8`` view of a contiguous tensor (any device), or ``data`` holds a
-    serialized object. ``guard`` is the tensor whose ``_version`` must not move until the copy
+    ``tensor`` is a contiguous tensor (any device; its flat ``uint8`` view is made lazily by the
+    capture thread, keeping ``write_data`` cheap), or ``data`` holds a serialized object. ``guard`` is the tensor whose ``_version`` must not move until the copy
     landed, ``version`` its value at the save.
     """
 
@@ -34,6 +34,15 @@ class Source:
     data: memoryview | None = None
     guard: torch.Tensor | None = None
     version: int = 0
+    _flat: torch.Tensor | None = None
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The tensor's bytes as a flat ``uint8`` view (no copy)."""
+        if self._flat is None:
+            assert self.tensor is not None
+            self._flat = self.tensor.reshape(-1).view(torch.uint8)
+        return self._flat
 
     @property
     def device(self) -> torch.device:
@@ -95,9 +104,9 @@ class Copier:
                         st.wait_event(ready[idx])
                     waited.add(idx)
                 with torch.cuda.stream(st):
-                    dst.copy_(src.tensor[p.src_off : p.src_off + p.n], non_blocking=True)
+                    dst.copy_(src.flat[p.src_off : p.src_off + p.n], non_blocking=True)
             else:
-                dst.copy_(src.tensor[p.src_off : p.src_off + p.n])
+                dst.copy_(src.flat[p.src_off : p.src_off + p.n])
         for idx in waited:
             ev = torch.cuda.Event()
             ev.record(self._streams[idx])
