@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .commit import resolve_latest
+from .commit import committed_in_order
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, metadata_from_json, metadata_key, padded, piece_bounds
@@ -110,18 +110,28 @@ class TieredReader(StorageReader):
         self.metadata = None
 
     def resolve(self) -> str:
-        """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers."""
+        """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers.
+
+        On each tier the newest commit whose metadata is valid counts; a corrupt newest one is
+        logged and skipped (the next tier or an older checkpoint serves)."""
         if self.checkpoint_id != "latest":
             return self.checkpoint_id
         best: tuple[float, str] | None = None
         for tier in self.tiers:
             try:
-                cid = resolve_latest(tier)
-                _md, man = read_checkpoint_metadata(tier, cid)
-            except CheckpointNotFound:
+                done = committed_in_order(tier)
+            except TierckptError as e:
+                log.warning("tier %s unreachable while resolving latest: %s", tier.url, e)
                 continue
-            if best is None or man.committed > best[0]:
-                best = (man.committed, cid)
+            for info in reversed(done):
+                try:
+                    _md, man = read_checkpoint_metadata(tier, info.checkpoint_id)
+                except (CheckpointNotFound, CorruptCheckpoint) as e:
+                    log.error("skipping %s on %s for 'latest': %s", info.checkpoint_id, tier.url, e)
+                    continue
+                if best is None or man.committed > best[0]:
+                    best = (man.committed, info.checkpoint_id)
+                break
         if best is None:
             raise CheckpointNotFound("no committed checkpoint on any tier: " + ", ".join(t.url for t in self.tiers))
         return best[1]
@@ -204,7 +214,14 @@ class TieredReader(StorageReader):
                 it.targets = [planner.resolve_tensor(ri) for ri in it.reads]
                 if len(it.reads) == 1 and _is_whole(it.reads[0], it.rec) and _direct_ok(it.targets[0], it.rec):
                     it.direct = it.targets[0]
-        runs = _runs(items)
+        runs = _runs([it for it in items if it.rec.length])  # empty items have no bytes to read
+        for it in items:
+            if not it.rec.length:
+                if it.rec.is_tensor:
+                    it.scratch = torch.empty(0, dtype=torch.uint8)
+                else:
+                    it.data = b""
+                self._deliver(it)
         with ThreadPoolExecutor(max_workers=min(self.threads, max(1, len(runs))), thread_name_prefix="tierckpt-read") as ex:
             for f in [ex.submit(self._read_run, run) for run in runs]:
                 f.result()

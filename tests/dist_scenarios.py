@@ -1,0 +1,217 @@
+"""Extra multi-rank scenarios for tests/dist_worker.py (``SCENARIOS``: name -> fn(args, rank, world) -> dict).
+
+Run by ``distrun.run_world`` in real processes joined by a gloo process group. Every scenario
+returns JSON-able facts (mismatching keys, errors as text); the assertions live in the tests.
+The state is rebuilt from seeds in each process, so the test process can rebuild it too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tierckpt import TieredReader, TieredWriter  # noqa: E402
+from tierckpt.config import config_from_dict  # noqa: E402
+
+MiB = 1 << 20
+
+
+# -- deterministic state (shared with the tests) ----------------------------------------------
+
+def bits(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A tensor whose bytes are random (NaN payloads, -0, subnormals included for floats)."""
+    n = 1
+    for s in shape:
+        n *= s
+    g = torch.Generator().manual_seed(seed)
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def rank_state(rank: int, seed: int) -> dict:
+    s = seed * 1000 + rank * 10
+    return {
+        "f32": bits((300 + rank, 17), torch.float32, s),
+        "bf16": bits((65, 3 + rank), torch.bfloat16, s + 1),
+        "f16": bits((129,), torch.float16, s + 2),
+        "i64": bits((40, 2), torch.int64, s + 3),
+        "u8": bits((1000 + 7 * rank,), torch.uint8, s + 4),
+        "bool": bits((77,), torch.uint8, s + 5) > 127,
+        "c64": bits((9, 2), torch.complex64, s + 6),
+        "scalar": torch.tensor(float(rank) + 0.25),
+        "empty": torch.empty(0, 3),
+        "big": bits((MiB // 8 * 3 + rank,), torch.float32, s + 7),  # 1.5 MiB: spans 1 MiB chunks
+        "meta": {"rank": rank, "seed": seed, "tags": ["a", ("b", rank)]},
+    }
+
+
+def shared_state(seed: int) -> dict:
+    return {"rep": bits((33, 5), torch.float32, seed * 7 + 1), "obj": {"seed": seed, "name": "shared"}}
+
+
+def placeholder(x):
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x) if x.dtype != torch.bool else torch.zeros(x.shape, dtype=torch.bool)
+    if isinstance(x, dict):
+        return {k: placeholder(v) for k, v in x.items()}
+    return None
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def compare(expected: dict, got: dict, prefix: str = "") -> list[str]:
+    """Keys whose values differ (tensors: dtype, shape and raw bytes)."""
+    bad = []
+    for k, v in expected.items():
+        g = got.get(k)
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            bad += compare(v, g if isinstance(g, dict) else {}, name + ".")
+        elif isinstance(v, torch.Tensor):
+            if not isinstance(g, torch.Tensor) or g.dtype != v.dtype or g.shape != v.shape or not torch.equal(raw(g), raw(v)):
+                bad.append(name)
+        elif v != g:
+            bad.append(name)
+    return bad
+
+
+def cfg_of(args: dict):
+    return config_from_dict(args["config"])
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+def save_load_exact(args: dict, rank: int, world: int) -> dict:
+    """Each rank saves its own keys plus replicated ones, waits, then loads ``args['load']``.
+
+    load: "own" (its own keys), "peer" (the next rank's keys and the replicated ones: reads files
+    written by other ranks).
+    """
+    cfg = cfg_of(args)
+    seed = args.get("seed", 0)
+    sd = {f"r{rank}": rank_state(rank, seed), "shared": shared_state(seed), "world": world}
+    w = TieredWriter(cfg)
+    dcp.save(sd, checkpoint_id=args["id"], storage_writer=w)
+    w.wait()
+    peer = (rank + 1) % world if args.get("load", "own") == "peer" else rank
+    expected = {f"r{peer}": rank_state(peer, seed)}
+    if args.get("load") == "peer":
+        expected |= {"shared": shared_state(seed), "world": world}
+    target = placeholder(expected)
+    if "world" in target:
+        target["world"] = 0
+    r = TieredReader(cfg)
+    dcp.load(target, checkpoint_id=args.get("load_id", "latest"), storage_reader=r)
+    return {"mismatches": compare(expected, target), "resolved": r.resolved_id, "peer": peer,
+            "saved_id": w.stats.checkpoint_id if w.stats else None}
+
+
+def generated_ids(args: dict, rank: int, world: int) -> dict:
+    """One writer instance, several saves without checkpoint_id (and one with an explicit id)."""
+    cfg = cfg_of(args)
+    w = TieredWriter(cfg)
+    out: dict = {"errors": [], "ids": []}
+    plan = [None, None, "step-x", None]
+    for i, cid in enumerate(plan):
+        sd = {f"r{rank}": {"t": torch.full((5,), float(i))}, "i": i}
+        try:
+            if cid is None:
+                dcp.save(sd, storage_writer=w)
+            else:
+                dcp.save(sd, checkpoint_id=cid, storage_writer=w)
+            w.wait()
+            out["ids"].append(w.stats.checkpoint_id if w.stats else None)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out["errors"].append(f"save {i}: {_err(e)}")
+    return out
+
+
+def dtensor_full(seed: int) -> dict:
+    return {
+        "a": bits((10, 7), torch.float32, seed + 1),  # 10 rows on 4 ranks: 3, 3, 3, 1
+        "b": bits((3, 5), torch.bfloat16, seed + 2),  # 3 rows on 4 ranks: one rank holds nothing
+        "c": bits((17, 6), torch.int64, seed + 3),
+        "d": bits((8, 6), torch.float32, seed + 4),  # divisible
+        "e": bits((2, 9), torch.float16, seed + 5),
+        "v": bits((13,), torch.float32, seed + 6),  # 1-d
+    }
+
+
+def dtensor_save(args: dict, rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    cfg = cfg_of(args)
+    mesh = init_device_mesh("cpu", (world,))
+    full = dtensor_full(args.get("seed", 0))
+    model = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
+    model["rep"] = distribute_tensor(full["d"] + 1, mesh, [Replicate()], src_data_rank=None)
+    model["plain"] = full["e"].clone()  # an ordinary tensor, identical on every rank
+    w = TieredWriter(cfg)
+    dcp.save({"model": model, "step": 10}, checkpoint_id=args["id"], storage_writer=w)
+    w.wait()
+    return {"local_rows": {k: int(v.to_local().shape[0]) for k, v in model.items() if k not in ("rep", "plain")}}
+
+
+def dtensor_load(args: dict, rank: int, world: int) -> dict:
+    """Load a sharded checkpoint resharded: Shard(1) for matrices (Shard(0) for vectors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    cfg = cfg_of(args)
+    mesh = init_device_mesh("cpu", (world,))
+    full = dtensor_full(args.get("seed", 0))
+    full["rep"] = full["d"] + 1
+    full["plain"] = full["e"].clone()
+
+    def placement(t):
+        return [Shard(1) if t.dim() > 1 else Shard(0)]
+
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, placement(v), src_data_rank=None) for k, v in full.items()}
+    expected = {k: distribute_tensor(v, mesh, placement(v), src_data_rank=None).to_local() for k, v in full.items()}
+    state = {"model": target, "step": 0}
+    dcp.load(state, checkpoint_id=args["id"], storage_reader=TieredReader(cfg))
+    got = {k: v.to_local() for k, v in target.items()}
+    # every rank also checks the reassembled global tensors (float types only: gloo gathers)
+    whole = {k: target[k].full_tensor() for k in ("a", "d", "v", "rep")}
+    return {"mismatches": compare(expected, got), "step": state["step"],
+            "whole_mismatches": compare({k: full[k] for k in whole}, whole)}
+
+
+def commit_then_die(args: dict, rank: int, world: int) -> None:
+    """Commit ``step-1``; then start ``step-2`` (large state, tiny pool) and die right after dcp.save."""
+    cfg = cfg_of(args)
+    seed = args.get("seed", 0)
+    w = TieredWriter(cfg)
+    dcp.save({f"r{rank}": rank_state(rank, seed), "step": 1}, checkpoint_id="step-1", storage_writer=w)
+    w.wait()
+    n = args.get("big_mib", 16) * MiB // 4 // 8
+    big = {f"r{rank}": {f"t{i}": torch.arange(n, dtype=torch.float32) + i for i in range(8)}, "step": 2}
+    dcp.save(big, checkpoint_id="step-2", storage_writer=w)
+    os._exit(9)  # killed: no wait, no atexit drain, no barrier
+
+
+def error_report(args: dict, rank: int, world: int) -> dict:
+    """Run another scenario and report its exception as text instead of failing the process."""
+    try:
+        return {"ok": True, "result": SCENARIOS[args["inner"]](args, rank, world)}
+    except BaseException as e:  # noqa: BLE001
+        return {"ok": False, "error": _err(e), "tb": traceback.format_exc()[-3000:]}
+
+
+SCENARIOS = {f.__name__: f for f in [save_load_exact, generated_ids, dtensor_save, dtensor_load, commit_then_die,
+                                     error_report]}
+
