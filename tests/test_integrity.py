@@ -261,11 +261,6 @@ def test_truncated_data_file(saved):
     assert "step-5" in msg and file in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG reader.TieredReader._read_run/_recover: when the merged read of a run fails (here: the file "
-    "is shorter than the metadata says) every item of the run is marked bad and, with no other tier, "
-    "ChecksumMismatch is raised for the run's first item, an intact one, claiming it 'failed its "
-    "CRC32C check'; the I/O error (range outside the file / truncated) is only logged, not raised"))
 def test_truncated_data_file_error_names_the_cause(saved):
     cfg, _sd = saved
     _h, doc = read_meta(cfg, "step-5")

@@ -185,11 +185,6 @@ def test_partial_checkpoint_is_cleaned_up_after_next_commit(killed_job):
     assert not list(root.rglob("step-2")), list(root.rglob("step-2"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG writer.TieredWriter.write_data stores the assigned id in self.checkpoint_id on every rank, but "
-    "only the coordinator's finish() clears it: on other ranks the next dcp.save without checkpoint_id "
-    "sends the previous id from prepare_local_plan and the save fails with 'ranks passed different "
-    "checkpoint ids to dcp.save: [None, <previous id>]'"))
 def test_generated_ids_one_writer_per_rank(tmp_path):
     """Several saves without checkpoint_id through the same writer instance on every rank."""
     root = tmp_path / "ckpt"

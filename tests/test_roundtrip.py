@@ -461,11 +461,6 @@ def test_same_id_in_flight_twice_first_wins(cfg):
     assert_bits_equal(a_copy, out["w"], "w")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "BUG (race, timing dependent) pipeline.Engine._fail: job.fail() sets the exception on the job's "
-    "futures (and then aborts the sink and logs) before the error is appended to Engine._errors, so a "
-    "wait() blocked on that future can wake up, run raise_errors() on an empty list and return normally "
-    "although the checkpoint never committed; the error surfaces at a later wait() or only at exit"))
 def test_same_id_in_flight_twice_loser_wait_raises(tmp_path):
     """wait() returning normally must mean: committed. The losing save must raise CommitConflict."""
     for attempt in range(4):  # the failure mode is a race: give it a few chances to show

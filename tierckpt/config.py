@@ -238,6 +238,9 @@ class TierConfig:
         if self.local is None and self.s3 is None:
             raise ConfigError(f"{pre}at least one of the sections [local] and [s3] is required")
         try:
+            for name, section in (("host", self.host), ("job", self.job), ("local", self.local), ("s3", self.s3)):
+                if section is not None:
+                    _coerce_section(name, section)
             self.host.validate()
             self.job.validate()
             if self.local is not None:
@@ -274,20 +277,35 @@ def _coerce(section: str, key: str, value: Any, ftype: str, where: str) -> Any:
     raise AssertionError(ftype)  # pragma: no cover - field types are fixed above
 
 
+def _coerce_section(name: str, section: Any) -> None:
+    """Parse sizes and check types of a section built in Python (as TOML loading does)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        setattr(section, f.name, _coerce(name, f.name, value, str(f.type), f"[{name}] {f.name}"))
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def _nm(name: Any) -> str:
+    """A section or key name for a one-line message (quoted and escaped unless plain)."""
+    return name if isinstance(name, str) and _PLAIN.match(name) else repr(name)
+
+
 def config_from_dict(data: Mapping[str, Any], source: str = "") -> TierConfig:
     """Build and validate a :class:`TierConfig` from parsed TOML (``source`` names the file)."""
     pre = f"{source}: " if source else ""
     sections: dict[str, Any] = {}
     for name, body in data.items():
         if name not in _SECTIONS:
-            raise ConfigError(f"{pre}unknown section [{name}] (known: {', '.join('[' + s + ']' for s in _SECTIONS)})")
+            raise ConfigError(f"{pre}unknown section [{_nm(name)}] (known: {', '.join('[' + s + ']' for s in _SECTIONS)})")
         if not isinstance(body, dict):
             raise ConfigError(f"{pre}[{name}] must be a table (a [{name}] section), got {type(body).__name__}")
         cls = _SECTIONS[name]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in body.items():
-            where = f"{pre}[{name}] {key}"
+            where = f"{pre}[{name}] {_nm(key)}"
             if key not in fields:
                 raise ConfigError(f"{where}: unknown key (known: {', '.join(fields)})")
             kwargs[key] = _coerce(name, key, value, str(fields[key].type), where)

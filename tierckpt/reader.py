@@ -260,17 +260,19 @@ class TieredReader(StorageReader):
                 bufs.append(memoryview(it.pad))
             at = it.rec.pos + padded(it.rec.length)
         tier = self._tier_for(file)
+        read_err: BaseException | None = None
         try:
             tier.read_ranges(key, start, bufs)
             bad = [it for it in run if not self._verify(it)]
         except (CorruptCheckpoint, CheckpointNotFound, OSError) as e:
             log.error("checkpoint %s: reading %s from %s failed: %s", self.resolved_id, file, tier.name, e)
+            read_err = e
             bad = list(run)
         else:
             with self._lock:
                 self.served[file] = tier.name
         for it in bad:
-            self._recover(it, exclude=tier)
+            self._recover(it, failed=tier, read_err=read_err)
         for it in run:
             self._deliver(it)
 
@@ -305,24 +307,35 @@ class TieredReader(StorageReader):
             return memoryview(it.scratch.numpy())
         return memoryview(it.data)  # type: ignore[arg-type]
 
-    def _recover(self, it: _Item, exclude: Tier) -> None:
+    def _recover(self, it: _Item, failed: Tier, read_err: BaseException | None) -> None:
+        """Serve one item after its merged read failed (``read_err``) or its checksum did not match.
+
+        Tries the other tiers holding the checkpoint; after a read error also the same tier, item
+        by item (a truncated file still serves the items before the cut). Raises naming the
+        checkpoint, file, item and writing rank, with the real cause.
+        """
         file = it.rec.file
         key = data_key(self.resolved_id, file)
-        for tier in self._holding:
-            if tier is exclude:
-                continue
+        candidates = [t for t in self._holding if t is not failed] + ([failed] if read_err is not None else [])
+        last_err = read_err
+        for tier in candidates:
             try:
                 tier.read_ranges(key, it.rec.pos, [self._bufview(it)] + ([memoryview(it.pad)] if it.pad else []))
             except (CorruptCheckpoint, CheckpointNotFound, OSError) as e:
                 log.error("checkpoint %s: %s from %s also failed: %s", self.resolved_id, file, tier.name, e)
+                last_err = e
                 continue
             if self._verify(it):
-                log.warning("checkpoint %s: item %r of %s failed its checksum on %s; served from %s",
-                            self.resolved_id, it.index.fqn, file, exclude.name, tier.name)
+                if tier is not failed:
+                    log.warning("checkpoint %s: item %r of %s failed on %s; served from %s",
+                                self.resolved_id, it.index.fqn, file, failed.name, tier.name)
                 return
+            last_err = None
+        where = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])}) in {file} (written by rank {_writer_rank(file)})"
+        if last_err is not None:
+            raise CorruptCheckpoint(f"checkpoint {self.resolved_id}: cannot read {where}: {last_err}")
         raise ChecksumMismatch(
-            f"checkpoint {self.resolved_id}: item {it.index.fqn!r} (offset {list(it.index.offset or [])}) in {file} "
-            f"(written by rank {_writer_rank(file)}) failed its CRC32C check on {exclude.url}"
+            f"checkpoint {self.resolved_id}: {where} failed its CRC32C check on {failed.url}"
             + ("" if len(self._holding) < 2 else " and on every other tier")
         )
 

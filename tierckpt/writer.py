@@ -103,7 +103,10 @@ class TieredWriter(StorageWriter):
 
     # -- DCP StorageWriter ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
-        self.checkpoint_id = None if checkpoint_id is None else check_checkpoint_id(str(checkpoint_id))
+        """DCP passes the id of the save about to start (only when ``dcp.save`` got one)."""
+        cid = None if checkpoint_id is None else check_checkpoint_id(str(checkpoint_id))
+        self._tls.requested = cid
+        self.checkpoint_id = cid
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._tls.t0 = time.perf_counter()
@@ -120,13 +123,17 @@ class TieredWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=None)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # The id given to reset() is used by this save only: a later save without checkpoint_id
+        # must get a fresh id, never the previous one.
+        requested = getattr(self._tls, "requested", None)
+        self._tls.requested = None
         root = ""
         committed = False
         if self.engine.local is not None:
             root = str(self.engine.local.root.resolve())
-            if self.checkpoint_id is not None:
-                committed = is_committed(self.engine.local, self.checkpoint_id)
-        return dataclasses.replace(plan, storage_data=_LocalInfo(root, self.checkpoint_id, committed))
+            if requested is not None:
+                committed = is_committed(self.engine.local, requested)
+        return dataclasses.replace(plan, storage_data=_LocalInfo(root, requested, committed))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         infos: list[_LocalInfo] = [p.storage_data for p in plans]
@@ -210,7 +217,6 @@ class TieredWriter(StorageWriter):
         self._tls.job = None
         job.global_md.set_result((metadata, results))
         job.stats.save_blocked_s = time.perf_counter() - self._tls.t0
-        self.checkpoint_id = None  # a later save without an id must not reuse this one
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
