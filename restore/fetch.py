@@ -46,6 +46,7 @@ from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict
 from tierckpt.layout import check_checkpoint_id, data_key, metadata_from_json, metadata_key
 from tierckpt.tiers import make_local, make_s3
 from tierckpt.tiers.base import Tier
+from tierckpt.tiers.local import fsync_dir
 
 from .catalog import as_config, key_path, rank_of_file
 from .errors import UsageError
@@ -241,14 +242,6 @@ class _FilePlan:
             self.fd = None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_id: str = "latest",
                      ranks: Iterable[int] | None = None, progress: bool = True) -> FetchResult:
     """Copy committed checkpoint ``checkpoint_id`` (or ``"latest"`` on S3) from S3 to the local tier.
@@ -315,7 +308,7 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
             res.downloaded.append(p.file)
         if cfg.local.fsync:
             for d in sorted({p.final.parent for p in todo}):
-                _fsync_dir(d)
+                fsync_dir(d)
         if local_raw != raw:
             # Last: the local copy becomes committed only now, with S3's bytes (same commit time).
             local.put(mkey, raw, if_absent=local_raw is None)

@@ -26,7 +26,6 @@ __all__ = [
     "FileCheck",
     "Piece",
     "aligned_range_size",
-    "check_item",
     "crc_of",
     "files_items",
     "item_pieces",
@@ -45,24 +44,6 @@ def crc_of(view: memoryview | bytes | bytearray) -> int:
     if isinstance(view, bytes):
         return google_crc32c.value(view)
     return google_crc32c.value(np.frombuffer(view, dtype=np.uint8))
-
-
-def check_item(rec: ItemRecord, data: memoryview, pad: memoryview, chunk_size: int) -> bool:
-    """Whether ``data`` (the item's bytes) followed by ``pad`` (its padding) match its CRC pieces."""
-    d = np.frombuffer(data, dtype=np.uint8) if len(data) else np.zeros(0, np.uint8)
-    p = np.frombuffer(pad, dtype=np.uint8) if len(pad) else np.zeros(0, np.uint8)
-    n = len(d)
-    for (s, e), crc in zip(item_pieces(rec, chunk_size), rec.crcs):
-        a, b = s - rec.pos, e - rec.pos
-        if b <= n:
-            got = google_crc32c.value(d[a:b])
-        elif a >= n:
-            got = google_crc32c.value(p[a - n : b - n])
-        else:
-            got = google_crc32c.extend(google_crc32c.value(d[a:n]), p[: b - n])
-        if got != crc:
-            return False
-    return True
 
 
 def aligned_range_size(chunk_size: int, want: int) -> int:

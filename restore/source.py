@@ -19,11 +19,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from tierckpt.layout import CheckpointManifest, ItemRecord, data_key, padded
+from tierckpt.layout import CheckpointManifest, ItemRecord, data_key, item_intact, padded
 from tierckpt.tiers.base import Tier
 
 from .catalog import checkpoint_objects, holding_tiers, open_tiers, read_metadata_any, resolve_id
-from .pieces import check_item
 from .work import run_all, workers_for
 
 __all__ = ["MAX_GAP", "MAX_RUN", "CheckpointSource", "ReadRequest"]
@@ -121,7 +120,7 @@ class CheckpointSource:
             self._recover(r, key, tiers[1:], first)
 
     def _ok(self, r: ReadRequest) -> bool:
-        return check_item(r.rec, r.buf, memoryview(r.pad), self.manifest.chunk_size)
+        return item_intact(r.rec, r.buf, memoryview(r.pad), self.manifest.chunk_size)
 
     def _recover(self, r: ReadRequest, key: str, others: list[Tier], failed: Tier) -> None:
         for t in others:

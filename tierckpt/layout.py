@@ -56,6 +56,7 @@ __all__ = [
     "step_of",
     "piece_bounds",
     "padded",
+    "item_intact",
     "metadata_to_json",
     "metadata_from_json",
     "DTYPES",
@@ -164,6 +165,29 @@ def piece_bounds(pos: int, length: int, chunk_size: int) -> list[tuple[int, int]
         out.append((start, cut))
         start = cut
     return out
+
+
+def item_intact(rec: "ItemRecord", data, pad, chunk_size: int) -> bool:
+    """Whether ``data`` (an item's bytes) followed by ``pad`` (its padding) match its CRC pieces.
+
+    ``data`` and ``pad`` are byte buffers (memoryview, bytearray, numpy ``uint8``).
+    """
+    import numpy as np
+
+    d = np.frombuffer(data, dtype=np.uint8) if len(data) else np.zeros(0, np.uint8)
+    p = np.frombuffer(pad, dtype=np.uint8) if len(pad) else np.zeros(0, np.uint8)
+    n = len(d)
+    for (s, e), crc in zip(piece_bounds(rec.pos, padded(rec.length), chunk_size), rec.crcs):
+        a, b = s - rec.pos, e - rec.pos
+        if b <= n:
+            got = google_crc32c.value(d[a:b])
+        elif a >= n:
+            got = google_crc32c.value(p[a - n : b - n])
+        else:
+            got = google_crc32c.extend(google_crc32c.value(d[a:n]), p[: b - n])
+        if got != crc:
+            return False
+    return True
 
 
 @dataclass

@@ -24,11 +24,10 @@ import dataclasses
 import io
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .commit import committed_in_order
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, metadata_from_json, metadata_key, padded, piece_bounds
+from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, item_intact, metadata_from_json, metadata_key, padded
 from .tiers import make_tiers
 from .tiers.base import Tier
 
@@ -285,20 +284,7 @@ class TieredReader(StorageReader):
 
     def _verify(self, it: _Item) -> bool:
         """Check every CRC piece of the item's bytes followed by its padding."""
-        data = _as_numpy(self._bufview(it))
-        pad = _as_numpy(memoryview(it.pad)) if it.pad else data[:0]
-        n = len(data)
-        for (s, e), crc in zip(piece_bounds(it.rec.pos, padded(it.rec.length), self.chunk_size), it.rec.crcs):
-            a, b = s - it.rec.pos, e - it.rec.pos
-            if b <= n:
-                got = google_crc32c.value(data[a:b])
-            elif a >= n:
-                got = google_crc32c.value(pad[a - n : b - n])
-            else:
-                got = google_crc32c.extend(google_crc32c.value(data[a:n]), pad[: b - n])
-            if got != crc:
-                return False
-        return True
+        return item_intact(it.rec, self._bufview(it), memoryview(it.pad), self.chunk_size)
 
     def _bufview(self, it: _Item) -> memoryview:
         if it.direct is not None:

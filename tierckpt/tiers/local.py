@@ -18,13 +18,14 @@ from typing import Iterator
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
 from .base import DataSink, ObjectInfo, Tier, check_key
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "fsync_dir"]
 
 PARTIAL = ".partial"
 TMP = ".tmp-"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, making renames and creations in it durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -112,7 +113,7 @@ class _FileSink(DataSink):
             self._close_fd()
             os.replace(self._partial, self._final)
             if self._tier.fsync:
-                _fsync_dir(self._final.parent)
+                fsync_dir(self._final.parent)
         except OSError as e:
             self.abort()
             raise _tier_error(e, f"cannot commit {self._final}") from e
@@ -165,7 +166,7 @@ class LocalTier(Tier):
             else:
                 os.replace(tmp, final)
             if self.fsync:
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
         except OSError as e:
             try:
                 os.unlink(tmp)
@@ -194,7 +195,7 @@ class LocalTier(Tier):
                     os.fsync(f.fileno())
             os.replace(tmp, final)
             if self.fsync:
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
         except OSError as e:
             try:
                 os.unlink(tmp)
@@ -222,29 +223,7 @@ class LocalTier(Tier):
             raise _tier_error(e, f"cannot read {path}") from e
 
     def read_into(self, key: str, start: int, buf: memoryview) -> None:
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointNotFound(f"{path}: no such file") from None
-        except OSError as e:
-            raise _tier_error(e, f"cannot read {path}") from e
-        try:
-            size = os.fstat(fd).st_size
-            if start < 0 or start + len(buf) > size:
-                raise CorruptCheckpoint(f"{path}: range [{start}, {start + len(buf)}) is outside the file ({size} bytes)")
-            mv = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-            off = start
-            while len(mv):
-                n = os.preadv(fd, [mv], off)
-                if n <= 0:
-                    raise CorruptCheckpoint(f"{path}: unexpected end of file at {off}")
-                mv = mv[n:]
-                off += n
-        except OSError as e:
-            raise _tier_error(e, f"cannot read {path}") from e
-        finally:
-            os.close(fd)
+        self.read_ranges(key, start, [buf])
 
     def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
         """Scatter-read one contiguous range into ``bufs`` with ``preadv`` (no intermediate copy)."""
