@@ -268,13 +268,6 @@ class Engine:
         self._capture_q.put(job)
         self._commit_q.put(job)
 
-    def job_for_token(self, token: str) -> RankSave:
-        with self._jobs_lock:
-            for j in self._jobs:
-                if j.assign.token == token:
-                    return j
-        raise TierckptError(f"no checkpoint in flight with save token {token}")
-
     def in_flight_ids(self) -> set[str]:
         with self._jobs_lock:
             return {j.id for j in self._jobs}
