@@ -399,9 +399,6 @@ def test_outage_during_promotion(moto_endpoint, s3cfg, tmp_path, writers, caplog
             assert SECRET.encode() not in p.read_bytes(), p
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: Promoter._promote (tierckpt/promote.py) calls apply_s3_retention() unguarded after "
-    "the S3 commit; a retention error (here: ListObjectsV2 503) fails a promotion that did commit"))
 def test_outage_right_after_s3_commit_does_not_fail_the_promotion(moto_endpoint, s3cfg, tmp_path, writers):
     """S3 goes down right after ``metadata.json`` was put: the checkpoint *is* committed on S3, so
     the retention pass that follows (best effort, like local retention) must not turn it into a
@@ -540,10 +537,6 @@ def test_retention_keep_and_keep_every(moto_endpoint, s3cfg, tmp_path, writers):
     assert set(reader.served.values()) == {"s3"}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: Promoter._loop (tierckpt/promote.py) resolves job.promoted (what wait() waits "
-    "for) before _local_retention(job) runs, so a local checkpoint that was still protected as "
-    "'pending promotion' at the newest one's local commit is deleted only after wait() returned"))
 def test_local_retention_done_when_wait_returns(moto_endpoint, s3cfg, tmp_path, writers):
     """[local] keep=1: once wait() returns, only the newest checkpoint is left locally.
 

@@ -41,7 +41,7 @@ from .commit import Channel, encode_report, gather_reports
 from .config import TierConfig
 from .errors import CaptureError, TierckptError, TornCaptureError
 from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, padded, piece_bounds
-from .retention import apply_local_retention, apply_s3_retention
+from .retention import apply_local_retention, apply_s3_retention, best_effort_retention
 from .tiers import make_local, make_s3
 from .tiers.base import DataSink, Tier
 
@@ -226,6 +226,8 @@ class Engine:
         self.history: list[SaveStats] = []
         self.promoter: Any = None
         self._closed = False
+        if cfg.job.log_level:
+            logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
         self._capture_thread = threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
         self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
         self._capture_thread.start()
@@ -424,10 +426,7 @@ class Engine:
                 ch.publish(written, b"E" + str(e).encode())
                 raise
             ch.publish(written, b"OK")
-            if tier is self.local:
-                apply_local_retention(self, job)
-            else:
-                apply_s3_retention(self, job)
+            best_effort_retention(apply_local_retention if tier is self.local else apply_s3_retention, self, job)
         else:
             ack = ch.wait_get(written, timeout + 30, f"checkpoint {a.checkpoint_id}: metadata write by rank {a.meta_writer_rank}")
             if ack != b"OK":

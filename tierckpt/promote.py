@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .commit import encode_report, gather_reports
 from .errors import CaptureError
 from .layout import data_key, metadata_key
-from .retention import apply_local_retention, apply_s3_retention
+from .retention import apply_local_retention, apply_s3_retention, best_effort_retention
 
 if TYPE_CHECKING:
     from .pipeline import Engine, RankSave
@@ -61,6 +61,10 @@ class Promoter:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        try:
+            self.engine.s3_tier()  # build the client now, not during the first promotion
+        except Exception as e:  # noqa: BLE001 - reported by the first promotion that needs it
+            log.warning("S3 tier not ready yet: %s", e)
         while True:
             job = self._q.get()
             if job is None:
@@ -69,27 +73,25 @@ class Promoter:
             try:
                 self._promote(job)
                 job.stats.promote_s = time.perf_counter() - t0
-                if not job.promoted.done():
-                    job.promoted.set_result(None)
                 log.info("checkpoint %s promoted to %s (rank %d, %.1f MiB in %.2f s)", job.id,
                          self.engine.s3_tier().url, job.assign.rank, job.size / 2**20, job.stats.promote_s)
             except BaseException as e:  # noqa: BLE001 - every failure must reach the user
                 self.engine._fail(job, e, "promotion to S3")
-            finally:
-                with self._lock:
-                    self._pending.discard(job.id)
-                self.engine._retire(job)
+            with self._lock:
+                self._pending.discard(job.id)
             self._local_retention(job)
+            # Settled after retention, so that wait() returning means retention on both tiers ran;
+            # retired last, so that a wait() in between still finds the job.
+            if not job.failed and not job.promoted.done():
+                job.promoted.set_result(None)
+            self.engine._retire(job)
 
     def _local_retention(self, job: "RankSave") -> None:
         """Local retention skipped checkpoints still waiting for promotion: apply it again now."""
         eng = self.engine
         if job.failed or job.assign.meta_writer_rank != job.assign.rank or eng.local is None:
             return
-        try:
-            apply_local_retention(eng, job)
-        except Exception as e:  # noqa: BLE001 - retention is best effort; the next commit retries
-            log.warning("local retention after promoting %s failed: %s", job.id, e)
+        best_effort_retention(apply_local_retention, eng, job)
 
     def _promote(self, job: "RankSave") -> None:
         eng = self.engine
@@ -119,7 +121,7 @@ class Promoter:
             except BaseException as e:
                 ch.publish(f"{prefix}/outcome", b"E" + str(e).encode())
                 raise
-            apply_s3_retention(self.engine, job)
+            best_effort_retention(apply_s3_retention, self.engine, job)
         else:
             out = ch.wait_get(f"{prefix}/outcome", timeout + 30, f"checkpoint {a.checkpoint_id}: S3 commit outcome")
             if out != b"OK":

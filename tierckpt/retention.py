@@ -25,7 +25,8 @@ from .tiers.base import Tier
 if TYPE_CHECKING:
     from .pipeline import Engine, RankSave
 
-__all__ = ["RetentionPlan", "plan_retention", "apply_retention", "apply_local_retention", "apply_s3_retention"]
+__all__ = ["RetentionPlan", "plan_retention", "apply_retention", "apply_local_retention", "apply_s3_retention",
+           "best_effort_retention"]
 
 log = logging.getLogger("tierckpt.retention")
 
@@ -97,3 +98,12 @@ def apply_s3_retention(engine: "Engine", job: "RankSave") -> int:
         if aborted:
             log.info("aborted %d stale multipart uploads on %s", aborted, s3.url)
     return n
+
+
+def best_effort_retention(fn, engine: "Engine", job: "RankSave") -> None:
+    """Run a retention pass after ``job`` committed; a failure is logged, never fails the checkpoint
+    (it is committed already; the next commit retries retention)."""
+    try:
+        fn(engine, job)
+    except Exception as e:  # noqa: BLE001 - see docstring
+        log.warning("retention after committing %s failed (will retry after the next commit): %s", job.id, e)
