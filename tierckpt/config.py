@@ -205,14 +205,20 @@ class JobConfig:
         commit_timeout: seconds the coordinator waits for every rank to report its data durable
             before it gives up on a checkpoint (it then stays uncommitted).
         log_level: level for the ``tierckpt`` logger ("" leaves logging alone).
+        background_nice: niceness added to the flush, promotion and cleanup threads (Linux), so
+            that they use the cycles training leaves idle; the capture thread, which training
+            may wait for, keeps the process's priority. 0 turns it off.
     """
 
     commit_timeout: float = 600.0
     log_level: str = ""
+    background_nice: int = 10
 
     def validate(self, where: str = "[job]") -> None:
         if self.commit_timeout <= 0:
             raise ConfigError(f"{where} commit_timeout: must be positive, got {self.commit_timeout}")
+        if not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"{where} background_nice: must be between 0 and 19, got {self.background_nice}")
         if self.log_level and self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"{where} log_level: one of DEBUG, INFO, WARNING, ERROR, got {self.log_level!r}")
 

@@ -61,6 +61,9 @@ class Promoter:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        from .pipeline import lower_priority
+
+        lower_priority(self.engine.cfg.job.background_nice)
         try:
             self.engine.s3_tier()  # build the client now, not during the first promotion
         except Exception as e:  # noqa: BLE001 - reported by the first promotion that needs it

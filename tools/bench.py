@@ -57,6 +57,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from tierckpt import HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter  # noqa: E402
+from tierckpt.commit import delete_checkpoint  # noqa: E402
+from tierckpt.tiers.local import drain_deletions  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -403,7 +405,9 @@ def section_local(ctx: Ctx) -> dict:
     rawbuf = torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8)
 
     pools = [(512 * MiB, 32 * MiB), (1 * GiB, 64 * MiB)]
-    cfgs = {f"{size_label(p)}/{size_label(c)}": tiered_cfg(root / f"tiered-{p >> 20}m", p, c, keep=1)
+    # keep=0 and the previous checkpoint deleted before the timer starts: the same treatment as the
+    # other writers' outputs (retention would otherwise delete it inside the timed region).
+    cfgs = {f"{size_label(p)}/{size_label(c)}": tiered_cfg(root / f"tiered-{p >> 20}m", p, c, keep=0)
             for p, c in pools}
 
     # ---- saves -------------------------------------------------------------------------
@@ -417,6 +421,11 @@ def section_local(ctx: Ctx) -> dict:
             counter["n"] += 1
             cid = f"bench-{label.replace('/', '-')}-{counter['n']:03d}"
             w = TieredWriter(cfg)
+            prev = last_out.get(f"tiered {label}")
+            if prev is not None:
+                delete_checkpoint(w.engine.local, prev)
+                drain_deletions()
+            os.sync()
             t0 = now()
             dcp.save(sd, checkpoint_id=cid, storage_writer=w)
             t1 = now()
@@ -584,7 +593,7 @@ def section_local(ctx: Ctx) -> dict:
         f"ratio column: save bw / ceiling ({ceiling_name}), load: FileSystemReader time / this time",
         f"loads are {'cold (page cache dropped before each)' if cold else 'warm (drop_caches not permitted; every file pre-read)'}",
         "tiered save time = dcp.save start .. writer.wait() returned (fsynced, renamed, metadata committed, "
-        "retention with keep=1 run); the other writers delete their previous output before the timer starts, "
+        "keep=0); every writer's previous output is deleted before its timer starts, "
         "the TieredWriter deletes its previous checkpoint (retention) inside the timed commit; "
         "(info) ratios use the time until the data file was durable (fsync+rename), before the commit",
     ]

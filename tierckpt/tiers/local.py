@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import threading
 import uuid
 from pathlib import Path
@@ -18,10 +19,11 @@ from typing import Iterator
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
 from .base import DataSink, ObjectInfo, Tier, check_key
 
-__all__ = ["LocalTier", "fsync_dir"]
+__all__ = ["LocalTier", "fsync_dir", "drain_deletions"]
 
 PARTIAL = ".partial"
 TMP = ".tmp-"
+TRASH = ".trash-"
 
 
 def fsync_dir(path: Path) -> None:
@@ -277,7 +279,8 @@ class LocalTier(Tier):
             start = base.joinpath(*prefix.rsplit("/", 1)[0].split("/"))
             if not start.is_dir():
                 return
-        for dirpath, _dirs, files in os.walk(start):
+        for dirpath, dirs, files in os.walk(start):
+            dirs[:] = [d for d in dirs if not d.startswith(TRASH)]
             for fn in files:
                 if fn.startswith(TMP):
                     continue  # a small put in progress (or killed): never an object
@@ -295,7 +298,7 @@ class LocalTier(Tier):
     def list_dirs(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(TRASH))
 
     def delete(self, key: str) -> None:
         try:
@@ -306,14 +309,73 @@ class LocalTier(Tier):
             raise _tier_error(e, f"cannot delete {self._path(key)}") from e
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete a whole checkpoint directory (leftover ``.partial``/temp files included)."""
-        import shutil
+        """Delete a whole checkpoint directory (leftover ``.partial``/temp files included).
 
+        The directory is renamed away (``.trash-*``, invisible to listings) at once and removed
+        by a background thread: unlinking gigabytes takes seconds on some file systems, and the
+        commit path should not wait for it. Leftover trash from an earlier process is removed too.
+        """
         if not prefix.endswith("/"):
             raise ValueError(f"delete_prefix needs a prefix ending with '/', got {prefix!r}")
         d = self._path(prefix.rstrip("/"))
         if not d.is_dir():
             return 0
         n = sum(len(files) for _p, _d, files in os.walk(d))
-        shutil.rmtree(d, ignore_errors=True)
+        trash = d.with_name(f"{TRASH}{d.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(d, trash)
+        except OSError as e:
+            raise _tier_error(e, f"cannot delete {d}") from e
+        _janitor.remove(trash)
+        for old in d.parent.glob(f"{TRASH}*"):
+            if old != trash:
+                _janitor.remove(old)
         return n
+
+
+class _Janitor:
+    """One background thread removing renamed-away directories."""
+
+    def __init__(self) -> None:
+        self._q: "queue.Queue[Path]" = queue.Queue()
+        self._pending: set[Path] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def remove(self, path: Path) -> None:
+        with self._lock:
+            if path in self._pending:
+                return
+            self._pending.add(path)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="tierckpt-janitor", daemon=True)
+                self._thread.start()
+        self._q.put(path)
+
+    def _run(self) -> None:
+        import shutil
+
+        while True:
+            path = self._q.get()
+            shutil.rmtree(path, ignore_errors=True)
+            with self._lock:
+                self._pending.discard(path)
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every queued directory is gone (tests, shutdown)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return
+            time.sleep(0.01)
+
+
+_janitor = _Janitor()
+
+
+def drain_deletions(timeout: float = 600.0) -> None:
+    """Block until directories deleted by :meth:`LocalTier.delete_prefix` are really gone."""
+    _janitor.drain(timeout)
