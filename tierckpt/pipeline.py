@@ -287,7 +287,7 @@ class Engine:
     # -- capture --------------------------------------------------------------------------
     def _capture_loop(self) -> None:
         try:
-            self.pool.prefault()  # allocate and touch the pool now, not during the first save
+            self.pool  # noqa: B018 - allocate and touch the pool now, not during the first save
         except Exception as e:  # noqa: BLE001 - the first save reports it
             log.warning("host pool allocation failed: %s", e)
         while True:
@@ -519,11 +519,14 @@ class Engine:
             self.wait()
         finally:
             self._closed = True
+            # Stop in data-flow order: the capture thread may still hand chunks to the flush
+            # workers (a failed checkpoint's last chunks), and each chunk holds a pool slot.
             self._capture_q.put(None)
+            self._capture_thread.join(timeout=60)
+            self._flush.shutdown()
             self._commit_q.put(None)
             if self.promoter is not None:
                 self.promoter.close()
-            self._flush.shutdown()
 
 
 def lower_priority(nice: int) -> None:
@@ -547,12 +550,18 @@ class _Workers:
     def __init__(self, n: int, name: str, nice: int = 0) -> None:
         self._q: queue.Queue = queue.Queue()
         self._nice = nice
+        self._lock = threading.Lock()
+        self._stopped = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
 
     def submit(self, fn, *args) -> None:
-        self._q.put((fn, args))
+        with self._lock:
+            if not self._stopped:
+                self._q.put((fn, args))
+                return
+        fn(*args)  # after shutdown: run here, so that the task's slot is still released
 
     def _run(self) -> None:
         lower_priority(self._nice)
@@ -564,6 +573,8 @@ class _Workers:
             fn(*args)  # callers catch their own errors (see Engine._flush_chunk)
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
         for _ in self._threads:
             self._q.put(None)
         for t in self._threads:

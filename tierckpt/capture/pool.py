@@ -37,21 +37,17 @@ class HostPool:
         self.nslots = buffer_size // chunk_size
         self.pinned = bool(pinned and torch.cuda.is_available())
         self.buffer = torch.empty(self.nslots * chunk_size, dtype=torch.uint8, pin_memory=self.pinned)
+        # First touch of fresh memory is slow (1-4 GiB/s on some hosts): pay it here, once, before
+        # any slot is handed out (so that no capture ever races the zero-fill).
+        self.buffer.fill_(0)
         HostPool.allocations += 1
         self._free = list(range(self.nslots - 1, -1, -1))
         self._cv = threading.Condition()
-        self._touched = threading.Event()
         log.info("host pool: %d slots of %d bytes (%s)", self.nslots, chunk_size, "pinned" if self.pinned else "pageable")
 
     @property
     def size(self) -> int:
         return self.nslots * self.chunk_size
-
-    def prefault(self) -> None:
-        """Touch every page once (first touch of fresh memory is slow); called off the training thread."""
-        if not self._touched.is_set():
-            self.buffer.fill_(0)
-            self._touched.set()
 
     def acquire(self, should_stop: Callable[[], bool] = lambda: False) -> int | None:
         """Take a free slot, blocking until one is released; ``None`` if ``should_stop()`` turns true."""
