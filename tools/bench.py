@@ -19,6 +19,14 @@ Sections (each a function returning a dict; ratios are computed within the run):
   ``dcp.async_save`` (its default stager) and ``TieredWriter`` + ``attach(optimizer)``.
 * ``e2e``: a small GPT-style model trained on random tokens, a checkpoint every iteration: total
   wall time with no checkpoint, TieredWriter, sync FileSystemWriter, ``dcp.async_save``.
+* ``s3`` (only with ``--only``): per server (moto in a subprocess, SeaweedFS ``weed mini``), on a
+  ~256 MiB state (64 MiB ``--quick``), interleaved: raw boto3 multipart upload of our data file
+  (same part size/concurrency, no checksums) vs our promotion (``promote_s``); TieredReader from
+  S3 only vs raw parallel ranged GETs into preallocated buffers; s3torchconnector's DCP
+  ``S3StorageWriter``/``S3StorageReader`` when it is installed.
+* ``restore`` (only with ``--only``): node loss: ``fetch_checkpoint`` + ``dcp.load`` from the fetched
+  copy vs raw ranged GETs of the same objects; ``consolidate_checkpoint`` to .safetensors/.pt vs
+  ``dcp_to_torch_save`` of a FileSystemWriter copy, each in a fresh process (time, peak RSS).
 * ``rss``: peak RSS (psutil, sampled every 5 ms) of a fresh process during TieredWriter saves for
   pools of 1/4 and 1x of a ~1 GiB state (and ``dcp.async_save`` staging as a reference).
 
@@ -64,7 +72,8 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-SECTION_NAMES = ("local", "lazy", "e2e", "rss")
+SECTION_NAMES = ("local", "lazy", "e2e", "rss", "s3", "restore")
+DEFAULT_SECTIONS = ("local", "lazy", "e2e", "rss")  # s3/restore: only with --only (need S3 servers, add minutes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1149,8 +1158,419 @@ def section_rss(ctx: Ctx) -> dict:
     return {"rows": rows, "notes": notes, "children": raw}
 
 
+# ---------------------------------------------------------------------------------------------
+# E. S3 tier: promotion and S3 loads vs raw boto3 (moto in a subprocess, SeaweedFS)
+# ---------------------------------------------------------------------------------------------
+
+S3_PART = 16 * MiB
+S3_CONC = 4
+S3_BUCKET = "tierckpt-bench"
+
+_MOTO_CHILD = ("import sys, logging\n"
+               "from moto.server import ThreadedMotoServer\n"
+               "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
+               "s = ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False)\n"
+               "s.start()\n"
+               "sys.stdin.read()\n")
+
+
+def start_s3_server(kind: str, tmp: Path) -> tuple[str, Callable[[], None], str]:
+    """(endpoint, stop, note). moto runs in a child process (its own GIL), SeaweedFS as ``weed mini``."""
+    from tools.s3servers import ensure_dummy_credentials, make_bucket, start_seaweedfs
+
+    ensure_dummy_credentials()
+    if kind == "seaweedfs":
+        url, stop = start_seaweedfs(tmp)
+        note = f"SeaweedFS weed mini (separate process), ready after {start_seaweedfs.last_startup_s:.1f} s"
+    else:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-c", _MOTO_CHILD, str(port)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto child exited with {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError("moto child did not open its port")
+                time.sleep(0.1)
+
+        def stop() -> None:
+            with contextlib.suppress(Exception):
+                proc.stdin.close()  # type: ignore[union-attr]
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+        note = f"moto ThreadedMotoServer in a child process (pid {proc.pid}; own GIL, in-memory store)"
+    make_bucket(url, S3_BUCKET)
+    return url, stop, note
+
+
+def s3_tier_cfg(local: Path | None, url: str, prefix: str, pool: int, keep_s3: int = 0) -> TierConfig:
+    from tierckpt.config import S3Config
+
+    s3 = S3Config(bucket=S3_BUCKET, prefix=prefix, endpoint_url=url, part_size=S3_PART, concurrency=S3_CONC,
+                  keep=keep_s3)
+    lc = LocalConfig(path=str(local), flush_threads=4, keep=1) if local is not None else None
+    return TierConfig(host=HostConfig(buffer_size=pool, chunk_size=16 * MiB), local=lc, s3=s3)
+
+
+def raw_upload(client: Any, key: str, path: Path, part: int, conc: int) -> float:
+    """boto3 ``create_multipart_upload``/``upload_part`` (pread per part, no checksum) on a pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = now()
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        uid = client.create_multipart_upload(Bucket=S3_BUCKET, Key=key)["UploadId"]
+        n = -(-size // part)
+
+        def one(pn: int) -> dict:
+            off = (pn - 1) * part
+            data = os.pread(fd, min(part, size - off), off)
+            r = client.upload_part(Bucket=S3_BUCKET, Key=key, UploadId=uid, PartNumber=pn, Body=data)
+            return {"PartNumber": pn, "ETag": r["ETag"]}
+
+        with ThreadPoolExecutor(conc) as ex:
+            parts = list(ex.map(one, range(1, n + 1)))
+        client.complete_multipart_upload(Bucket=S3_BUCKET, Key=key, UploadId=uid, MultipartUpload={"Parts": parts})
+    finally:
+        os.close(fd)
+    return now() - t0
+
+
+def raw_download(client: Any, objs: list[tuple[str, int]], bufs: list[bytearray], part: int, conc: int) -> float:
+    """Parallel ranged GETs (``part`` bytes each, ``conc`` in flight) into preallocated buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tasks = [(i, off, min(part, size - off)) for i, (_, size) in enumerate(objs) for off in range(0, size, part)]
+
+    def one(t: tuple[int, int, int]) -> None:
+        i, off, n = t
+        resp = client.get_object(Bucket=S3_BUCKET, Key=objs[i][0], Range=f"bytes={off}-{off + n - 1}")
+        body = resp["Body"]
+        mv = memoryview(bufs[i])[off:off + n]
+        got = 0
+        while got < n:
+            k = body.readinto(mv[got:])
+            if not k:
+                raise RuntimeError("short read")
+            got += k
+        body.close()
+
+    t0 = now()
+    with ThreadPoolExecutor(conc) as ex:
+        list(ex.map(one, tasks))
+    return now() - t0
+
+
+def list_objects(client: Any, prefix: str) -> list[tuple[str, int]]:
+    out = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET, Prefix=prefix):
+        out += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
+    return out
+
+
+def s3tc_client(url: str) -> Any:
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+
+    return S3Client(region="us-east-1", endpoint=url, s3client_config=S3ClientConfig(force_path_style=True,
+                                                                                    part_size=S3_PART))
+
+
+def s3tc_probe() -> str | None:
+    """None if s3torchconnector's DCP classes import; else why not."""
+    try:
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter  # noqa: F401
+        from s3torchconnector import S3ClientConfig  # noqa: F401
+        from s3torchconnector._s3client import S3Client  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"s3torchconnector not usable: {type(e).__name__}: {e}"
+    return None
+
+
+def section_s3(ctx: Ctx) -> dict:
+    from tierckpt.tiers.s3 import make_client
+
+    size = (64 if ctx.quick else 256) * MiB
+    reps = 2 if ctx.quick else 3
+    sd = make_state(size, seed=5)
+    nbytes = tensor_bytes(sd)
+    pool = 256 * MiB if size <= 256 * MiB else 1 * GiB
+    rows: list[dict] = []
+    ratios: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    notes = [f"state {nbytes / MiB:.0f} MiB ({len([v for v in sd.values() if isinstance(v, torch.Tensor)])} tensors); "
+             f"[s3] part_size {S3_PART // MiB} MiB, concurrency {S3_CONC}; {reps} interleaved repeats; "
+             "raw upload = boto3 create_multipart_upload/upload_part on a ThreadPoolExecutor (pread per part, no "
+             "checksum; same botocore client config as the tier) of our local data file; raw download = ranged GETs "
+             f"of {S3_PART // MiB} MiB into preallocated bytearrays, {S3_CONC} in flight",
+             "promotion = writer.history[-1].promote_s (upload of the data file incl. CRC32C per part + "
+             "conditional PutObject of metadata.json + S3 retention; keep=0 so nothing is deleted); the promoter "
+             "thread runs at background_nice=10 (nothing else competes)"]
+    why_tc = s3tc_probe()
+    if why_tc:
+        notes.append(why_tc)
+    else:
+        notes.append("s3torchconnector 1.5.0 (pip; + tenacity it needs but does not declare here): S3FileSystem passes no "
+                     "endpoint to its S3Client, so the bench replaces writer.fs._client/reader.fs._client with "
+                     "S3Client(endpoint=..., S3ClientConfig(force_path_style=True, part_size=16MiB)) (private attribute); "
+                     "writer thread_count=4; not added to pyproject")
+    raw_res: dict[str, Any] = {}
+    for kind in ("moto", "seaweedfs"):
+        tmp = ctx.work / f"s3-{kind}"
+        tmp.mkdir()
+        try:
+            url, stop, snote = start_s3_server(kind, tmp)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"{kind}: skipped, cannot start: {e}"[:400])
+            rm(tmp)
+            continue
+        notes.append(f"{kind}: {snote}")
+        log(f"s3: {kind} at {url}")
+        try:
+            prefix = f"bench-{kind}"
+            cfg = s3_tier_cfg(tmp / "local", url, prefix, pool)
+            cfg_s3 = s3_tier_cfg(None, url, prefix, pool)
+            client = make_client(cfg.s3)
+            writer = TieredWriter(cfg)
+            t_up, t_prom, t_save, t_ld, t_rawdl, t_tcw, t_tcr = [], [], [], [], [], [], []
+            dest = empty_like_state(sd)
+            verified = False
+            for r in range(reps):
+                # (a) our save+promotion, then raw multipart upload of the same data file
+                cid = f"s3b-{r:02d}"
+                t0 = now()
+                dcp.save(sd, checkpoint_id=cid, storage_writer=writer)
+                writer.wait()
+                t_save.append(now() - t0)
+                t_prom.append(writer.history[-1].promote_s)
+                files = [p for p in (tmp / "local").rglob("*") if p.is_file() and cid in str(p) and p.stat().st_size > MiB]
+                assert len(files) == 1, files
+                t_up.append(raw_upload(client, f"raw/{kind}-{r}", files[0], S3_PART, S3_CONC))
+                # (b) load from S3 only, then raw ranged GETs of the same objects
+                zero_state(dest)
+                t0 = now()
+                dcp.load(dest, checkpoint_id=cid, storage_reader=TieredReader(cfg_s3))
+                t_ld.append(now() - t0)
+                if not verified:
+                    bad = compare_state(dest, sd)
+                    if bad:
+                        raise RuntimeError(f"S3 load mismatch: {bad[:5]}")
+                    verified = True
+                objs = [o for o in list_objects(client, f"{prefix}/") if f"/{cid}/" in o[0] and o[1] > MiB]
+                bufs = [bytearray(s) for _, s in objs]
+                t_rawdl.append(raw_download(client, objs, bufs, S3_PART, S3_CONC))
+                if not objs:
+                    raise RuntimeError(f"no data objects of {cid} found on S3")
+                del bufs
+                # (c) s3torchconnector DCP writer/reader
+                if not why_tc:
+                    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+                    path = f"s3://{S3_BUCKET}/tc-{kind}/{r}"
+                    w = S3StorageWriter(region="us-east-1", path=path, thread_count=S3_CONC)
+                    w.fs._client = s3tc_client(url)
+                    t0 = now()
+                    dcp.save(sd, storage_writer=w)
+                    t_tcw.append(now() - t0)
+                    zero_state(dest)
+                    rd = S3StorageReader(region="us-east-1", path=path)
+                    rd.fs._client = s3tc_client(url)
+                    t0 = now()
+                    dcp.load(dest, storage_reader=rd)
+                    t_tcr.append(now() - t0)
+                    if r == 0:
+                        bad = compare_state(dest, sd)
+                        if bad:
+                            notes.append(f"{kind}: s3torchconnector load mismatch: {bad[:3]}")
+                log(f"s3 {kind} rep {r}: promote {t_prom[-1]:.2f} raw up {t_up[-1]:.2f} load {t_ld[-1]:.2f} "
+                    f"raw dl {t_rawdl[-1]:.2f}" + (f" tc w {t_tcw[-1]:.2f} r {t_tcr[-1]:.2f}" if t_tcw else ""))
+            writer.close()
+            dsize = sum(s for _, s in objs)
+            up_ratio = med(t_up) / med(t_prom)
+            ld_ratio = med(t_rawdl) / med(t_ld)
+            rows += [
+                row(f"{kind}: raw boto3 multipart upload", t_up, dsize, note="ceiling (no checksums)"),
+                row(f"{kind}: tierckpt promotion (promote_s)", t_prom, dsize, ratio=up_ratio, note="ratio: raw/ours (time)"),
+                row(f"{kind}: tierckpt save->promoted (dcp.save..wait)", t_save, dsize,
+                    note="incl. capture + local durable + commit + promotion"),
+                row(f"{kind}: raw boto3 ranged GETs", t_rawdl, dsize, note="ceiling"),
+                row(f"{kind}: TieredReader from S3 only", t_ld, dsize, ratio=ld_ratio, note="ratio: raw/ours (time)"),
+            ]
+            ratios[f"{kind} promote raw/ours"] = up_ratio
+            ratios[f"{kind} S3 load raw/ours"] = ld_ratio
+            targets[f"{kind} promote raw/ours"] = (">=", 0.9)
+            targets[f"{kind} S3 load raw/ours"] = (">=", 0.9)
+            if t_tcw:
+                rows += [row(f"{kind}: s3torchconnector S3StorageWriter", t_tcw, dsize, ratio=med(t_tcw) / med(t_save),
+                             note="ratio: its save / our save->promoted"),
+                         row(f"{kind}: s3torchconnector S3StorageReader", t_tcr, dsize, ratio=med(t_tcr) / med(t_ld),
+                             note="ratio: its load / our S3 load")]
+            raw_res[kind] = {"upload": t_up, "promote": t_prom, "save": t_save, "load": t_ld, "raw_dl": t_rawdl,
+                             "tc_write": t_tcw, "tc_read": t_tcr}
+        finally:
+            stop()
+            rm(tmp)
+    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "raw": raw_res, "state_bytes": nbytes}
+
+
+# ---------------------------------------------------------------------------------------------
+# F. restore after node loss: fetch + load; consolidate (fresh processes, peak RSS)
+# ---------------------------------------------------------------------------------------------
+
+def consolidate_child(spec: dict) -> dict:
+    """One conversion in a fresh process; peak RSS by psutil sampling (5 ms) over the call (ru_maxrss
+    is inherited across fork/exec on Linux, so it would report the parent's high-water mark)."""
+    import psutil
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from restore.consolidate import consolidate_checkpoint
+
+    proc = psutil.Process()
+    gc.collect()
+    base = proc.memory_info().rss
+    peak = [base]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.005)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t0 = now()
+    try:
+        if spec["mode"] == "dcp_to_torch_save":
+            dcp_to_torch_save(spec["src"], spec["out"])
+        else:
+            cfg = TierConfig(local=LocalConfig(path=spec["src"]))
+            consolidate_checkpoint(cfg, spec["cid"], out=spec["out"], progress=False)
+        t = now() - t0
+    finally:
+        stop.set()
+        th.join()
+    peak[0] = max(peak[0], proc.memory_info().rss)
+    return {"time_s": t, "base_maxrss": base, "peak_maxrss": peak[0], "out_bytes": os.path.getsize(spec["out"])}
+
+
+def section_restore(ctx: Ctx) -> dict:
+    from restore.fetch import fetch_checkpoint
+    from tierckpt.tiers.s3 import make_client
+
+    size = (64 if ctx.quick else 256) * MiB
+    reps = 2 if ctx.quick else 3
+    sd = make_state(size, seed=6)
+    nbytes = tensor_bytes(sd)
+    rows: list[dict] = []
+    notes: list[str] = []
+    ratios: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    tmp = ctx.work / "restore"
+    tmp.mkdir()
+    server = None
+    for kind in ("seaweedfs", "moto"):
+        try:
+            url, stop, snote = start_s3_server(kind, tmp / kind)
+            server = kind
+            notes.append(f"server: {snote}")
+            break
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"{kind}: cannot start: {e}"[:300])
+    if server is None:
+        return {"rows": rows, "notes": notes}
+    try:
+        local = tmp / "local"
+        cfg = s3_tier_cfg(local, url, "restore", 256 * MiB if size <= 256 * MiB else GiB)
+        writer = TieredWriter(cfg)
+        dcp.save(sd, checkpoint_id="r-0001", storage_writer=writer)
+        writer.wait()
+        writer.close()
+        client = make_client(cfg.s3)
+        objs = [o for o in list_objects(client, "restore/") if "/r-0001/" in o[0] and o[1] > MiB]
+        dsize = sum(s for _, s in objs)
+        bufs = [bytearray(s) for _, s in objs]
+        dest = empty_like_state(sd)
+        t_fetch, t_load, t_total, t_raw = [], [], [], []
+        for r in range(reps):
+            rm(local)  # node loss
+            drop_caches()
+            zero_state(dest)
+            t0 = now()
+            fetch_checkpoint(cfg, "latest", progress=False)
+            t1 = now()
+            dcp.load(dest, checkpoint_id="latest", storage_reader=TieredReader(cfg))
+            t2 = now()
+            t_fetch.append(t1 - t0)
+            t_load.append(t2 - t1)
+            t_total.append(t2 - t0)
+            if r == 0:
+                bad = compare_state(dest, sd)
+                if bad:
+                    raise RuntimeError(f"restore mismatch: {bad[:5]}")
+            t_raw.append(raw_download(client, objs, bufs, S3_PART, S3_CONC))
+            log(f"restore rep {r}: fetch {t_fetch[-1]:.2f} load {t_load[-1]:.2f} raw {t_raw[-1]:.2f}")
+        del bufs
+        ratio = med(t_raw) / med(t_total)
+        rows += [row(f"{server}: raw boto3 ranged GETs (memory)", t_raw, dsize, note="ceiling"),
+                 row(f"{server}: fetch_checkpoint('latest')", t_fetch, dsize, ratio=med(t_raw) / med(t_fetch),
+                     note="ratio: raw/fetch; writes+fsyncs the local copy, CRC32C per piece"),
+                 row(f"{server}: dcp.load from fetched copy", t_load, dsize, note="TieredReader (local tier)"),
+                 row(f"{server}: fetch + load (restore)", t_total, dsize, ratio=ratio, note="ratio: raw/ours (time)")]
+        ratios["restore raw/ours"] = ratio
+        targets["restore raw/ours"] = (">=", 0.9)
+        # consolidate vs dcp_to_torch_save, fresh process each
+        fsw = tmp / "fsw"
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(fsw))
+        cases = [("consolidate -> .safetensors", "safetensors", str(local), "x.safetensors"),
+                 ("consolidate -> .pt", "pt", str(local), "x.pt"),
+                 ("dcp_to_torch_save (FileSystemWriter copy)", "dcp_to_torch_save", str(fsw), "y.pt")]
+        cres: dict[str, list[dict]] = {c[0]: [] for c in cases}
+        for r in range(2 if ctx.quick else reps):
+            for name, mode, src, outname in cases:
+                out = tmp / outname
+                spec = {"mode": mode, "src": src, "cid": "r-0001", "out": str(out)}
+                cp = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_consolidate-child", json.dumps(spec)],
+                                    capture_output=True, text=True, timeout=600)
+                rm(out)
+                if cp.returncode != 0:
+                    raise RuntimeError(f"consolidate child {mode} failed: {cp.stderr[-3000:]}")
+                cres[name].append(json.loads(cp.stdout.strip().splitlines()[-1]))
+        ref = med([c["time_s"] for c in cres[cases[2][0]]])
+        for name, _, _, _ in cases:
+            rs = cres[name]
+            peak = max(c["peak_maxrss"] - c["base_maxrss"] for c in rs)
+            ts = [c["time_s"] for c in rs]
+            rows.append(row(name, ts, nbytes, ratio=ref / med(ts),
+                            note=(f"peak RSS - base {peak / MiB:.0f} MiB (= {peak / nbytes:.2f}x state); "
+                                  f"abs peak {max(c['peak_maxrss'] for c in rs) / MiB:.0f} MiB; ratio: dcp_to_torch_save/this (time)"),
+                            peak_minus_base=peak))
+        notes.append(f"state {nbytes / MiB:.0f} MiB, data objects {dsize / MiB:.0f} MiB; node loss = local tier dir "
+                     f"removed (+ page cache dropped if permitted: {drop_caches()}); {reps} repeats; [s3] part "
+                     f"{S3_PART // MiB} MiB x {S3_CONC}")
+        notes.append("consolidate: each run in a fresh child process; RSS sampled every 5 ms (psutil): base after imports, "
+                     "peak during the call; ratio: dcp_to_torch_save time / this")
+    finally:
+        stop()
+    rm(tmp)
+    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "server": server}
+
+
 SECTIONS: dict[str, Callable[[Ctx], dict]] = {
     "local": section_local, "lazy": section_lazy, "e2e": section_e2e, "rss": section_rss,
+    "s3": section_s3, "restore": section_restore,
 }
 
 
@@ -1158,7 +1578,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=2.0, help="state size of section local (default 2)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench.json"), help="JSON output path")
-    ap.add_argument("--only", default=",".join(SECTION_NAMES), help=f"comma-separated sections of {SECTION_NAMES}")
+    ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma-separated sections of {SECTION_NAMES} (default: {','.join(DEFAULT_SECTIONS)})")
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="a temp dir is created (and removed) under it")
     ap.add_argument("--repeats", type=int, default=None, help="repeats in section local (default 3; 1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 repeat (development, < 2 minutes)")
@@ -1166,7 +1587,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="add this to the process niceness first (negative needs root: less noise from other jobs)")
     ap.add_argument("--_in-session", dest="in_session", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_rss-child", dest="rss_child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_consolidate-child", dest="cons_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+
+    if args.cons_child:
+        print(json.dumps(consolidate_child(json.loads(args.cons_child))))
+        return 0
 
     if args.rss_child:
         print(json.dumps(rss_child(json.loads(args.rss_child))))

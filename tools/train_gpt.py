@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--digests", action="store_true", help="log the state digest with every checkpoint")
+    p.add_argument("--chaos", default="", help="testing only: kill points inside the tiers (tools/chaos_tiers.py)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -141,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     writer = TieredWriter(cfg) if args.writer == "tiered" else None
     if writer is not None:
         writer.attach(optim)
+    if args.chaos and writer is not None:  # -- chaos hook (tools/chaos.py); inert without --chaos --
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import chaos_tiers
+
+        chaos_tiers.install(writer, args.chaos)
     event(event="start", world=world, writer=args.writer, params=sum(p.numel() for p in model.parameters()))
 
     if args.resume:
