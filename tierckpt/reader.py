@@ -44,7 +44,7 @@ __all__ = ["TieredReader", "open_tiers", "read_checkpoint_metadata"]
 
 log = logging.getLogger("tierckpt")
 
-MAX_RUN = 64 << 20  # bytes per merged read
+MAX_RUN = 16 << 20  # bytes per merged read: small enough to keep every reader thread busy
 MAX_GAP = 256 << 10  # merge items separated by at most this many bytes
 
 
@@ -166,6 +166,7 @@ class TieredReader(StorageReader):
         recs = list((metadata.storage_data or {}).values())
         self.chunk_size = getattr(recs[0], "chunk_size", 0) if recs else 0
         self._holding = []
+        self._file_tier: dict[str, Tier] = {}  # where each data file is read from (one lookup per file)
         for tier in self.tiers:
             try:
                 if tier.exists(metadata_key(self.resolved_id)):
@@ -276,8 +277,14 @@ class TieredReader(StorageReader):
             self._deliver(it)
 
     def _tier_for(self, file: str) -> Tier:
+        with self._lock:
+            tier = self._file_tier.get(file)
+        if tier is not None:
+            return tier
         for tier in self._holding:
             if tier.exists(data_key(self.resolved_id, file)):
+                with self._lock:
+                    self._file_tier[file] = tier
                 return tier
         raise CheckpointNotFound(f"checkpoint {self.resolved_id}: data file {file} is on no reachable tier "
                                  f"({', '.join(t.url for t in self._holding)})")
