@@ -1,9 +1,8 @@
 """The chaos harness (``tools/chaos.py``) in CI: a handful of trials per case, and the bugs it found.
 
 Each case runs a few seeded trials (``CHAOS_SEED`` overrides the seed) against moto; a case passes
-when every failure it reports is explained by an entry of ``chaos.KNOWN_BUGS``. Each known bug is
-also reproduced deterministically below as a strict xfail: once it is fixed, that test XPASSes
-(fails) and the entry must go, so a regression can no longer hide behind it.
+when every failure it reports is explained by an entry of ``chaos.KNOWN_BUGS`` (empty now). The
+two bugs the harness found are reproduced deterministically below, as regression tests.
 
 Larger runs: ``CHAOS_TRIALS=50 python -m pytest tests/test_chaos.py -k large`` (every case with
 that many trials), or the tool itself: ``python tools/chaos.py --trials 100 --cases crash``.
@@ -118,7 +117,6 @@ def test_cli_table_json_and_exit_status(tmp_path, monkeypatch, capsys):
 
 # -- the bugs the harness found, reproduced deterministically ---------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=chaos.KNOWN_BUGS["resume-without-checkpoint"])
 def test_known_bug_resume_without_checkpoint(env):
     """A trainer killed before its first commit must resume by starting fresh."""
     d = env.fresh("known-resume")
@@ -131,7 +129,6 @@ def test_known_bug_resume_without_checkpoint(env):
     assert rc == 0 and "fresh" in events and "done" in events, chaos.tail(d / "run.out")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=chaos.KNOWN_BUGS["error-to-other-writer"])
 def test_known_bug_error_to_other_writer(env):
     """Two writers with one configuration (one engine) save the same id: the one whose state is
     committed must see success, the other its CommitConflict."""

@@ -114,6 +114,7 @@ class RankSave:
         self.committed: Future[None] = Future()
         self.promoted: Future[None] = Future()
         self.global_md: Future[tuple[Metadata, list[list[WriteResult]]]] = Future()
+        self.owner: Any = None  # weakref to the TieredWriter that saved it (whose wait() gets its error)
         self.stats = SaveStats(assign.checkpoint_id, assign.rank, bytes=size, items=len(results))
         # Filled by plan(), on the capture thread, to keep the training thread's share small.
         self.crcs: list[list[int]] = []
@@ -232,7 +233,7 @@ class Engine:
         self._flush = _Workers(nflush, "tierckpt-flush", cfg.job.background_nice)
         self._jobs: list[RankSave] = []
         self._jobs_lock = threading.Lock()
-        self._errors: list[BaseException] = []
+        self._errors: list[tuple[Any, BaseException]] = []  # (owner weakref or None, error)
         self.history: list[SaveStats] = []
         self.promoter: Any = None
         self._closed = False
@@ -462,7 +463,7 @@ class Engine:
         if not job.claim_failure(exc):
             return
         with self._jobs_lock:
-            self._errors.append(exc)
+            self._errors.append((job.owner, exc))
         job.settle_failure()
         log.error("%s", exc)
 
@@ -471,15 +472,25 @@ class Engine:
         with self._jobs_lock:
             return list(self._jobs)
 
-    def raise_errors(self) -> None:
-        with self._jobs_lock:
-            errs, self._errors = self._errors, []
-        if errs:
-            if len(errs) > 1:
-                log.error("%d more background errors before this one: %s", len(errs) - 1, "; ".join(map(str, errs[1:])))
-            raise errs[0]
+    def raise_errors(self, owner: Any = None) -> None:
+        """Raise the first queued background error that belongs to ``owner`` (a writer).
 
-    def wait_captured(self, raise_errors: bool = True) -> float:
+        An error belongs to the writer whose save failed; errors of writers that no longer
+        exist (``dcp.save(..., storage_writer=TieredWriter(cfg))`` inline) go to whoever waits
+        next. With ``owner=None`` every queued error counts.
+        """
+        with self._jobs_lock:
+            mine = [(o, e) for o, e in self._errors
+                    if owner is None or o is None or o() is None or o() is owner]
+            if not mine:
+                return
+            self._errors = [x for x in self._errors if x not in mine]
+        errs = [e for _o, e in mine]
+        if len(errs) > 1:
+            log.error("%d more background errors before this one: %s", len(errs) - 1, "; ".join(map(str, errs[1:])))
+        raise errs[0]
+
+    def wait_captured(self, raise_errors: bool = True, owner: Any = None) -> float:
         """Block until every enqueued capture landed; return the seconds spent blocked."""
         t0 = time.perf_counter()
         jobs = [j for j in self._pending() if not j.captured.done()]
@@ -492,10 +503,10 @@ class Engine:
         if jobs:
             jobs[-1].stats.prestep_wait_s += waited
         if raise_errors:
-            self.raise_errors()
+            self.raise_errors(owner)
         return waited
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, owner: Any = None) -> None:
         """Block until every checkpoint in flight is committed on every configured tier."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for j in self._pending():
@@ -509,7 +520,7 @@ class Engine:
                 pass
         if self.local is not None:
             drain_deletions()  # retention's deletions are part of "everything done"
-        self.raise_errors()
+        self.raise_errors(owner)
 
     def close(self) -> None:
         """Wait for everything in flight, then stop the threads."""

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -200,6 +201,7 @@ class TieredWriter(StorageWriter):
         job = RankSave(assign, sources, size, results, self.engine.chunk_size)
         self._tls.job = job
         self._last = job
+        job.owner = weakref.ref(self)
         self.engine.submit(job)
         job.stats.save_blocked_s = time.perf_counter() - self._tls.t0
         for t in self._async_tickets:
@@ -273,15 +275,16 @@ class TieredWriter(StorageWriter):
         t0 = time.perf_counter()
         for t in list(self._async_tickets):
             t.result()
-        return self.engine.wait_captured() + (time.perf_counter() - t0)
+        return self.engine.wait_captured(owner=self) + (time.perf_counter() - t0)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every checkpoint in flight is committed on every configured tier.
 
-        Raises the first background error (capture, flush, commit or promotion) not yet raised.
+        Raises the first background error (capture, flush, commit or promotion) not yet raised
+        of this writer's saves, or of saves whose writer no longer exists.
         """
         self.wait_captured()
-        self.engine.wait(timeout)
+        self.engine.wait(timeout, owner=self)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Register a step pre-hook on ``optimizer`` that waits for the capture in flight.

@@ -167,19 +167,7 @@ def format_table(results: list[CaseResult]) -> str:
 # Bugs found by this harness (library or trainer code this harness may not change). Failures they
 # explain are still failures (the exit status says so); tests/test_chaos.py reproduces each one
 # deterministically as a strict xfail and tolerates only these in its random trials.
-KNOWN_BUGS = {
-    "resume-without-checkpoint": (
-        "tools/train_gpt.py main(): `--resume` catches CheckpointNotFound around dcp.load, but DCP 2.13 "
-        "re-raises a failed read_metadata as CheckpointException(AssertionError(text)), so a resume "
-        "with no committed checkpoint anywhere (killed before the first commit) crashes instead of "
-        "starting fresh"),
-    "error-to-other-writer": (
-        "tierckpt/pipeline.py Engine._fail/raise_errors: background errors go to one engine-wide "
-        "list that the next wait() of ANY writer sharing the engine (same config, same process) "
-        "drains; TieredWriter.wait() also waits for other writers' jobs. Two writers saving the "
-        "same id: the loser's CommitConflict is raised by the winner's wait(), and the loser's "
-        "wait() returns as if its state had been committed"),
-}
+KNOWN_BUGS: dict[str, str] = {}  # failures explained by an open library bug (none open now)
 
 
 # -- error helpers ------------------------------------------------------------------------------

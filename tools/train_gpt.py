@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             t0 = time.perf_counter()
             reader = TieredReader(cfg)
+            reader.resolve()  # CheckpointNotFound here, before DCP would wrap it in its own exception
             dcp.load(state, checkpoint_id="latest", storage_reader=reader, no_dist=no_dist)
             event(event="resumed", step=app.step, checkpoint=reader.resolved_id, digest=digest(model, optim),
                   load_s=time.perf_counter() - t0, served=reader.served)
