@@ -462,10 +462,18 @@ class Engine:
             exc = wrapped
         if not job.claim_failure(exc):
             return
+        durable = job.durable.done() and job.durable.exception() is None
         with self._jobs_lock:
             self._errors.append((job.owner, exc))
         job.settle_failure()
         log.error("%s", exc)
+        if durable and job.size and stage != "promotion to S3":
+            # The data file was complete but the checkpoint will never commit: remove it (its
+            # name carries this save's token, so no committed checkpoint's file is touched).
+            try:
+                self.first_tier.delete(data_key(job.id, job.assign.file))
+            except Exception as e:  # noqa: BLE001 - left for retention's partial cleanup
+                log.warning("could not remove the data file of failed checkpoint %s: %s", job.id, e)
 
     # -- waiting (training thread) ----------------------------------------------------------
     def _pending(self) -> list[RankSave]:
