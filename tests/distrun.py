@@ -27,8 +27,13 @@ def free_port() -> int:
 
 def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
               node_of: Callable[[int], str] | None = None, timeout: float = 180.0,
-              expect_ok: bool = True, extra_env: dict[str, str] | None = None) -> list[dict]:
-    """Run ``scenario`` (a function in tests/dist_worker.py) on ``world`` ranks; return their results."""
+              expect_ok: bool = True, extra_env: dict[str, str] | None = None,
+              script: Path | None = None) -> list[dict]:
+    """Run ``scenario`` on ``world`` ranks; return their results.
+
+    ``script`` is the worker module (default tests/dist_worker.py); it is run as
+    ``python SCRIPT SCENARIO ARGS_JSON RESULT_PATH``.
+    """
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -39,7 +44,7 @@ def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
                     "TIERCKPT_NODE": node_of(r) if node_of else "node0"})
         env.update(extra_env or {})
         out = open(workdir / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), scenario, json.dumps(args),
+        procs.append((subprocess.Popen([sys.executable, str(script or HERE / "dist_worker.py"), scenario, json.dumps(args),
                                         str(workdir / f"result{r}.json")], env=env, stdout=out, stderr=subprocess.STDOUT), out))
     codes = []
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from distrun import free_port  # noqa: E402
+
 from tierckpt import TieredReader, TieredWriter  # noqa: E402
 from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.layout import metadata_key  # noqa: E402
@@ -117,35 +116,9 @@ SCENARIOS = {f.__name__: f for f in [lazy_training_loop]}
 
 def run_lazy_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *, timeout: float = 120.0) -> list[dict]:
     """Run ``scenario`` of this module on ``world`` ranks; return their results (raise on any failure)."""
-    port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for r in range(world):
-        env = dict(os.environ)
-        env.update({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "TIERCKPT_NODE": "node0"})
-        out = open(workdir / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(Path(__file__).resolve()), scenario, json.dumps(args),
-                                        str(workdir / f"result{r}.json")], env=env, stdout=out, stderr=subprocess.STDOUT), out))
-    codes = []
-    try:
-        for p, _out in procs:
-            try:
-                codes.append(p.wait(timeout=timeout))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p, out in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            out.close()
-    logs = {r: (workdir / f"rank{r}.log").read_text()[-4000:] for r in range(world)}
-    if any(c != 0 for c in codes):
-        raise AssertionError(f"scenario {scenario} failed: exit codes {codes}\n"
-                             + "\n".join(f"--- rank {r}\n{text}" for r, text in logs.items()))
-    return [json.loads((workdir / f"result{r}.json").read_text()) for r in range(world)]
+    from distrun import run_world
+
+    return run_world(world, scenario, args, workdir, timeout=timeout, script=Path(__file__).resolve())
 
 
 def main() -> None:

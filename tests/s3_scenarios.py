@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -160,47 +158,13 @@ SCENARIOS: dict[str, Callable[[dict, int, int], dict]] = {f.__name__: f for f in
 
 # -- launcher (test process) ----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
               node_of: Callable[[int], str] | None = None, timeout: float = 120.0) -> list[dict]:
-    """Run ``scenario`` on ``world`` ranks (real processes, gloo); return each rank's result.
+    """Run ``scenario`` of this module on ``world`` ranks (real processes, gloo); return each rank's result."""
+    import distrun
 
-    Raises AssertionError with the ranks' log tails if any rank exits non-zero or hangs.
-    """
-    port = _free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for r in range(world):
-        env = dict(os.environ)
-        env.update({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "TIERCKPT_NODE": node_of(r) if node_of else "node0"})
-        out = open(workdir / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(Path(__file__).resolve()), scenario, json.dumps(args),
-                                        str(workdir / f"result{r}.json")], env=env, stdout=out, stderr=subprocess.STDOUT), out))
-    codes: list[int | None] = []
-    try:
-        for p, _out in procs:
-            try:
-                codes.append(p.wait(timeout=timeout))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p, out in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            out.close()
-    logs = {r: (workdir / f"rank{r}.log").read_text(errors="replace")[-4000:] for r in range(world)}
-    if any(c != 0 for c in codes):
-        raise AssertionError(f"scenario {scenario} failed: exit codes {codes}\n"
-                             + "\n".join(f"--- rank {r}\n{text}" for r, text in logs.items()))
-    return [json.loads((workdir / f"result{r}.json").read_text()) for r in range(world)]
+    return distrun.run_world(world, scenario, args, workdir, node_of=node_of, timeout=timeout,
+                             script=Path(__file__).resolve())
 
 
 # -- worker entry ---------------------------------------------------------------------------------
