@@ -23,6 +23,7 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from tierckpt.reader import read_checkpoint_metadata
 from tierckpt.retention import RetentionPlan, apply_retention, plan_retention
+from tierckpt.tiers.local import drain_deletions
 from tierckpt.tiers.base import Tier
 
 from .catalog import as_config, open_tiers
@@ -99,6 +100,8 @@ def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bo
                 abort = getattr(t, "abort_stale_uploads", None)
                 if abort is not None:
                     res.aborted_uploads += abort("", older_than_s=cfg.job.commit_timeout)
+        if not dry_run:
+            drain_deletions()  # local deletions finish in the background: gc returns when they are done
         return res
     finally:
         for t in tiers:
