@@ -117,6 +117,8 @@ class RankSave:
         self.size = inputs.size
         self.chunk_size = chunk_size
         self.sources: list[Source] = inputs.ready_sources()
+        self.hold: threading.Event | None = None  # set: the capture may start (see TieredWriter)
+        self.hold_timeout = 2.0
         self.captured: Future[None] = Future()
         self.durable: Future[None] = Future()
         self.committed: Future[None] = Future()
@@ -142,7 +144,10 @@ class RankSave:
     def plan(self) -> None:
         """Capture thread, before the first copy: every item's source, the pieces of every chunk
         and the CRC pieces (from the layout's cached plan; only this save's serialized items and
-        the sources are new)."""
+        the sources are new). First waits for ``hold`` (at most ``hold_timeout`` seconds): the
+        writer releases it once ``dcp.save`` no longer needs this process's CPU."""
+        if self.hold is not None:
+            self.hold.wait(self.hold_timeout)
         if self.inputs is None:  # failed before planning: nothing to capture
             return
         self.sources, self.chunks, self.crc_pieces, self.crcs = self.inputs.capture_plan()

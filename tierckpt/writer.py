@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -151,13 +152,94 @@ def _generate_id() -> str:
     return time.strftime("ckpt-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{n:04d}"
 
 
-def _invalidate_dcp_local_plan(planner: SavePlanner) -> None:
-    """Drop this rank's local plan from DCP's plan cache (if there is one), so that the next
-    save sends a fresh plan and the coordinator re-plans from it."""
-    cache = getattr(SavePlanner, "_cached_save_plan", None)
-    key = getattr(planner, "_cached_plans_key", None)
-    if isinstance(cache, dict) and key is not None:
-        cache.pop(key, None)
+_warned_stale: "weakref.WeakSet" = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
+
+# -- holding the capture until dcp.save is done with this process's CPU ------------------------
+#
+# After write_data, DCP still gathers the write results, runs finish() on the coordinator and
+# broadcasts the global metadata; with plan caching that is half of the call. Capture and flush
+# started at once would compete with it for the GIL and the cores, so a save's capture waits
+# (RankSave.hold) until DCP's last step: finish() attaches a _Release marker to the metadata, which
+# the coordinator pickles and every other rank unpickles for the broadcast. Also released by
+# wait_captured()/wait()/the optimizer pre-step hook, by the next save, and after HOLD_TIMEOUT.
+
+HOLD_TIMEOUT = 2.0  # seconds a capture waits at most for its release
+_holds: dict[str, threading.Event] = {}  # save token -> its job's hold (this process)
+_holds_lock = threading.Lock()
+
+
+def _hold(token: str) -> threading.Event:
+    ev = threading.Event()
+    with _holds_lock:
+        _holds[token] = ev
+    return ev
+
+
+def _release(token: str) -> None:
+    with _holds_lock:
+        ev = _holds.pop(token, None)
+    if ev is not None:
+        ev.set()
+
+
+def release_all() -> None:
+    """Let every held capture of this process start now."""
+    with _holds_lock:
+        evs = list(_holds.values())
+        _holds.clear()
+    for ev in evs:
+        ev.set()
+
+
+def _released(token: str) -> "_Release":
+    """Unpickling a :class:`_Release` (every rank but the coordinator, in DCP's broadcast)."""
+    _release(token)
+    return _Release(token)
+
+
+class _Release:
+    """The coordinator puts it in ``Metadata.storage_data`` in ``finish()`` (as DCP's own writers put
+    their storage data there); pickling it (coordinator) and unpickling it (every other rank) for
+    DCP's metadata broadcast releases that process's held capture of the save."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __reduce__(self) -> tuple:
+        _release(self.token)
+        return (_released, (self.token,))
+
+
+class _ResultsWorker:
+    """One background thread per process: after a save's release, expands the coordinator's
+    gathered results into per-item records (:func:`tierckpt.planning.expand_results`) and hands
+    them to the commit thread (``RankSave.global_md``)."""
+
+    def __init__(self) -> None:
+        self._q: "queue.SimpleQueue[tuple[RankSave, Metadata, list[list[WriteResult]]]]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: RankSave, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="tierckpt-results", daemon=True)
+                self._thread.start()
+        self._q.put((job, metadata, results))
+
+    def _run(self) -> None:
+        while True:
+            job, metadata, results = self._q.get()
+            if job.hold is not None:
+                job.hold.wait(HOLD_TIMEOUT)
+            try:
+                expanded, fixes = expand_results(job.id, job.assign.token, results)
+                job.global_md.set_result((patch_dtypes(metadata, fixes), expanded))
+            except BaseException as e:  # noqa: BLE001 - the commit thread reports it as this checkpoint's failure
+                job.global_md.set_exception(e)
+
+
+_results = _ResultsWorker()
 
 
 class TieredWriter(StorageWriter):
@@ -362,13 +444,19 @@ class TieredWriter(StorageWriter):
         resolve = planner.resolve_data
         datas = [resolve(it) for it in items]
         inputs = SaveInputs.prepare(items, datas, self._layouts)
-        if inputs.layout.props_stale:
+        if inputs.layout.props_stale and inputs.layout not in _warned_stale:
+            # DCP's plan cache compares shapes, not dtypes: its cached plan and metadata outlived a
+            # dtype change. The file and its records follow the tensors; the coordinator corrects
+            # the dtypes in the metadata of every such save.
+            _warned_stale.add(inputs.layout)
             log.warning("checkpoint %s: rank %d: DCP's cached plan names other dtypes than the tensors have "
-                        "(a dtype changed under plan caching); saving the real dtypes, re-planning next time",
+                        "(a dtype changed under plan caching); the checkpoint records the tensors' dtypes",
                         assign.checkpoint_id, ctx.rank)
-            _invalidate_dcp_local_plan(planner)
         results = inputs.results()
         job = RankSave(assign, inputs, self.engine.chunk_size)
+        release_all()  # an earlier save still held: this process is past its dcp.save
+        job.hold = _hold(assign.token)
+        job.hold_timeout = HOLD_TIMEOUT
         ctx.job = job
         self._last = job
         job.owner = weakref.ref(self)
@@ -390,8 +478,11 @@ class TieredWriter(StorageWriter):
         if job is None:
             raise TierckptError("finish() called before write_data() on this thread")
         ctx.job = None
-        threading.Thread(target=_complete_metadata, args=(job, metadata, results),
-                         name="tierckpt-results", daemon=True).start()
+        _results.submit(job, metadata, results)
+        if len(results) > 1:
+            metadata.storage_data = _Release(job.assign.token)  # see _Release
+        else:
+            _release(job.assign.token)  # one rank: DCP broadcasts nothing (or to itself) after this
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
 
     @classmethod
@@ -449,6 +540,7 @@ class TieredWriter(StorageWriter):
         t0 = time.perf_counter()
         for t in list(self._async_tickets):
             t.result()
+        release_all()
         return self.engine.wait_captured(owner=self) + (time.perf_counter() - t0)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -472,6 +564,7 @@ class TieredWriter(StorageWriter):
         def _pre_step(opt: Any, args: Any, kwargs: Any) -> None:
             for t in list(tickets):
                 t.result()
+            release_all()
             engine.wait_captured(raise_errors=False)
 
         return optimizer.register_step_pre_hook(_pre_step)
@@ -492,12 +585,3 @@ class TieredWriter(StorageWriter):
         """Figures of every checkpoint saved through this process's engine for this config."""
         return list(self.engine.history)
 
-
-def _complete_metadata(job: RankSave, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-    """Coordinator, background thread: expand every rank's compact results into per-item records
-    (correcting DCP's cached dtypes where a rank found them stale) and hand them to the commit."""
-    try:
-        expanded, fixes = expand_results(job.id, job.assign.token, results)
-        job.global_md.set_result((patch_dtypes(metadata, fixes), expanded))
-    except BaseException as e:  # noqa: BLE001 - the commit thread reports it as this checkpoint's failure
-        job.global_md.set_exception(e)
