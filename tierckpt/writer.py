@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from . import plancache
 from .commit import default_channel, is_committed
 from .config import TierConfig, load_config
 from .errors import CommitConflict, CorruptCheckpoint, TierckptError
@@ -78,14 +79,15 @@ class _LocalInfo:
     requested_id: str | None
     committed_here: bool
     seq: int = 0
+    global_rank: int = 0
 
     def encode(self) -> bytes:
-        return json.dumps([self.root, self.requested_id, self.committed_here, self.seq]).encode()
+        return json.dumps([self.root, self.requested_id, self.committed_here, self.seq, self.global_rank]).encode()
 
     @staticmethod
     def decode(raw: bytes) -> "_LocalInfo":
-        root, requested, committed, seq = json.loads(raw)
-        return _LocalInfo(str(root), None if requested is None else str(requested), bool(committed), int(seq))
+        root, requested, committed, seq, grank = json.loads(raw)
+        return _LocalInfo(str(root), None if requested is None else str(requested), bool(committed), int(seq), int(grank))
 
 
 @dataclass
@@ -96,6 +98,7 @@ class _PlanAssign:
     assign: RankAssign
     seq: int  # the local step of the rank this answers
     channel: str
+    coord_global: int  # the coordinator's global rank (persisted plans name it)
 
 
 class _Session:
@@ -142,6 +145,8 @@ class _SaveCtx:
         self.info: _LocalInfo | None = None
         self.own_assign: RankAssign | None = None
         self.job: RankSave | None = None
+        self.coord_global = 0
+        self.members: list[int] = []  # coordinator: the global rank of every group rank
 
 
 def _generate_id() -> str:
@@ -242,6 +247,22 @@ class _ResultsWorker:
 _results = _ResultsWorker()
 
 
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+_persisters: dict[str, plancache.Persister] = {}
+_persisters_lock = threading.Lock()
+
+
+def _persister(tier: Any) -> plancache.Persister:
+    with _persisters_lock:
+        p = _persisters.get(tier.url)
+        if p is None:
+            p = _persisters[tier.url] = plancache.Persister(tier)
+        return p
+
+
 class TieredWriter(StorageWriter):
     """DCP storage writer for tierckpt. See the module docstring for the call sequence.
 
@@ -259,6 +280,11 @@ class TieredWriter(StorageWriter):
         self._distributed = False
         self._root = str(self.engine.local.root.resolve()) if self.engine.local is not None else ""
         self._layouts = layout_cache(self.engine.chunk_size)
+        self._persister: plancache.Persister | None = None
+        if self.engine.local is not None and plancache.dcp_caches() is not None:
+            self._persister = _persister(self.engine.local)
+            if not plancache.status().attempted:  # a restarted job: read the plans this rank persisted
+                plancache.preload(self.engine.local, _global_rank())
         # Per DCP call sequence: dcp.async_save runs each save on its own thread, and two may
         # overlap on one writer, so the save in progress is tracked per thread.
         self._tls = threading.local()
@@ -294,6 +320,25 @@ class TieredWriter(StorageWriter):
         if rank is None:
             rank = dist.get_rank() if self._distributed else 0
         ctx.rank = self._rank = int(rank)
+        if not plancache.status().attempted:
+            self._seed_plans(is_coordinator)
+
+    def _seed_plans(self, is_coordinator: bool) -> None:
+        """First save of the process: put the plans persisted by the previous run of the job into
+        DCP's plan cache if every rank agrees (see :mod:`tierckpt.plancache`)."""
+        st = plancache.seed(
+            self.engine.local if self._persister is not None else None,
+            default_channel(True) if self._distributed else None,
+            distributed=self._distributed, is_coordinator=is_coordinator, global_rank=_global_rank(),
+            world=dist.get_world_size() if self._distributed else 1,
+            timeout=min(plancache.AGREE_TIMEOUT, self.cfg.job.commit_timeout))
+        if st.seeded:
+            log.info("reusing the plans persisted by the previous run (%s)", st.reason)
+            if st.channel is not None:
+                with _session.lock:
+                    _session.channel = st.channel
+        elif st.reason:
+            log.debug("not reusing persisted plans: %s", st.reason)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=None)
@@ -310,7 +355,7 @@ class TieredWriter(StorageWriter):
         if self.engine.local is not None and requested is not None:
             committed = is_committed(self.engine.local, requested)
         seq, channel = _session.next_seq()
-        info = ctx.info = _LocalInfo(self._root, requested, committed, seq)
+        info = ctx.info = _LocalInfo(self._root, requested, committed, seq, _global_rank())
         if channel is not None and self._distributed and not ctx.is_coordinator:
             default_channel(True).publish(_info_key(channel, ctx.rank), info.encode())
         return dataclasses.replace(plan, storage_data=info)
@@ -384,6 +429,7 @@ class TieredWriter(StorageWriter):
         world = len(plans)
         step = step_of(cid)
         mw = [first_rank_of_root[i.root] for i in infos]
+        me = _global_rank()
         out = []
         for r, (p, i) in enumerate(zip(plans, infos)):
             assign = RankAssign(
@@ -392,10 +438,12 @@ class TieredWriter(StorageWriter):
             )
             if r == ctx.rank:
                 ctx.own_assign = assign
-            out.append(dataclasses.replace(p, storage_data=_PlanAssign(assign, i.seq, channel)))
+            out.append(dataclasses.replace(p, storage_data=_PlanAssign(assign, i.seq, channel, me)))
+        ctx.coord_global = me
+        ctx.members = [i.global_rank for i in infos]
         if self._distributed and any(not p.usable for r, p in enumerate(plans) if r != ctx.rank):
             bundle = {"cid": cid, "token": token, "created": created, "step": step, "world": world, "mw": mw,
-                      "seqs": [i.seq for i in infos], "distributed": self._distributed}
+                      "seqs": [i.seq for i in infos], "distributed": self._distributed, "cg": me}
             default_channel(True).publish(_assign_key(channel), json.dumps(bundle).encode())
         return out
 
@@ -408,6 +456,7 @@ class TieredWriter(StorageWriter):
         if isinstance(sd, _PlanAssign) and ctx.info is not None and sd.seq == ctx.info.seq:
             with _session.lock:
                 _session.channel = sd.channel
+            ctx.coord_global = sd.coord_global
             return sd.assign
         channel = _session.channel
         if channel is None or not self._distributed or ctx.info is None:
@@ -419,6 +468,7 @@ class TieredWriter(StorageWriter):
             raise TierckptError(f"rank {ctx.rank}: the coordinator published no decision for this save on plan "
                                 f"channel {channel} (did this rank save through another process group?)")
         token = b["token"]
+        ctx.coord_global = int(b["cg"])
         return RankAssign(
             checkpoint_id=b["cid"], token=token, rank=ctx.rank, world=int(b["world"]), file=rank_file(ctx.rank, token),
             meta_writer_rank=int(b["mw"][ctx.rank]), distributed=bool(b["distributed"]), created=float(b["created"]),
@@ -460,6 +510,13 @@ class TieredWriter(StorageWriter):
         ctx.job = job
         self._last = job
         job.owner = weakref.ref(self)
+        if self._persister is not None:
+            snap = plancache.snapshot(planner, plan, assign.world, assign.rank, _global_rank(), ctx.coord_global)
+            if snap is not None:
+                coordinator = ctx.own_assign is not None
+                if coordinator:
+                    plancache.add_coordinator(snap, ctx.members)
+                self._persister.after_commit(job.committed, snap, coordinator)
         self.engine.submit(job)
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
         for t in self._async_tickets:
@@ -551,6 +608,8 @@ class TieredWriter(StorageWriter):
         """
         self.wait_captured()
         self.engine.wait(timeout, owner=self)
+        if self._persister is not None:
+            self._persister.drain(timeout)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Register a step pre-hook on ``optimizer`` that waits for the capture in flight.
