@@ -324,7 +324,7 @@ class Persister:
         if coordinator and snap.all_plans is None:
             return  # a coordinator without its part would leave the others' files unanswerable
         with self._lock:
-            if snap.ident() == self._last:
+            if snap.ident() in (self._last, _status.ident):
                 return
             self._pending += 1
 
@@ -420,6 +420,7 @@ class SeedStatus:
     seeded: bool = False
     reason: str = ""
     channel: str | None = None  # the plan channel the coordinator opened with its answer
+    ident: tuple | None = None  # Snapshot.ident() of the seeded plans (already on disk: not persisted again)
 
 
 _status = SeedStatus()
@@ -433,6 +434,7 @@ def status() -> SeedStatus:
 def _seed_caches(p: PersistedPlans) -> None:
     caches = dcp_caches()
     assert caches is not None
+    _status.ident = (p.key, p.world, p.rank, id(p.local), id(p.final), id(p.all_plans), id(p.global_plans), id(p.metadata))
     caches["_cached_save_plan"][p.key] = p.local
     caches["_cached_final_save_plan"][p.key] = p.final
     if p.is_coordinator:

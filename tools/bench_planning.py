@@ -3,6 +3,7 @@
 
     python tools/bench_planning.py [--ranks 2,4,8] [--tensors 600,6000] [--reps 5] [--mib 20]
                                    [--out bench-out/bench_planning.json] [--no-restart] [--quick]
+                                   [--nice -15]
 
 For every (ranks, tensors per rank) pair it starts ``ranks`` processes joined by a gloo process
 group (loopback, one CPU thread each). Every rank holds ``--tensors`` fp32 tensors (``--mib`` MiB
@@ -309,6 +310,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench_planning.json"))
     ap.add_argument("--dir", default=str(REPO / "bench-out"))
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--nice", type=int, default=0, help="add to the niceness of the bench processes (negative: root only)")
     # worker-only
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="main", help=argparse.SUPPRESS)
@@ -322,6 +324,8 @@ def main() -> None:
         return
     if a.quick:
         a.ranks, a.tensors, a.reps = "2", "600", 3
+    if a.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + a.nice)  # the workers inherit it
     Path(a.dir).mkdir(parents=True, exist_ok=True)
     runs = []
     started = time.time()
