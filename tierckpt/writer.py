@@ -247,6 +247,19 @@ class _ResultsWorker:
 _results = _ResultsWorker()
 
 
+def _multi_get(keys: list[str]) -> list[bytes | None]:
+    """The values of ``keys`` on the default store (None where absent): two round trips when all
+    are there (the protocol's case), whatever their number."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    if store.check(keys):
+        if hasattr(store, "multi_get"):
+            return [bytes(v) for v in store.multi_get(keys)]
+        return [bytes(store.get(k)) for k in keys]
+    return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
+
+
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -382,9 +395,8 @@ class TieredWriter(StorageWriter):
                 raise TierckptError(
                     f"rank(s) {missing} sent a cached DCP plan, but no tierckpt save planned it in this process: "
                     "DCP's plan cache was filled through another storage writer (use one planner per storage writer)")
-            ch = default_channel(True)
-            for r in missing:
-                raw = ch.try_get(_info_key(channel, r))
+            raws = _multi_get([_info_key(channel, r) for r in missing])
+            for r, raw in zip(missing, raws):
                 info = _LocalInfo.decode(raw) if raw is not None else None
                 with _session.lock:
                     if info is None or info.seq <= _session.seen.get(r, 0):

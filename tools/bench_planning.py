@@ -25,9 +25,10 @@ rank; the median over repetitions), process CPU seconds during that call (all th
 over ranks), and CPU seconds until the save was complete (the background work included).
 Ratios are taken within one run: ``tier`` over ``floor``, ``tier+cache`` over ``floor+cache``.
 
-``restart`` (unless ``--no-restart``): fresh processes on the same local tier (a job restarted
-with an unchanged model) load the latest checkpoint, then time their *first* ``tier+cache``
-save, then measure ``floor+cache`` (and steady ``tier+cache``) in the same processes.
+``restart`` (unless ``--no-restart``): ``--restarts`` times, fresh processes on the same local
+tier (a job restarted with an unchanged model) create their writer, load the latest checkpoint,
+then time their *first* ``tier+cache`` save (one sample per restart), then measure
+``floor+cache`` (and steady ``tier+cache``) in the same processes.
 
 Each plan-caching mode uses its own planner subclass, so DCP's process-wide plan cache (keyed by
 the planner's class name) never mixes writers. Writes JSON to ``--out`` and prints tables.
@@ -131,7 +132,7 @@ def _tier_config(root: str):
 
 def worker(a: argparse.Namespace) -> None:
     torch, dist, dcp, DefaultSavePlanner, FileSystemWriter, NullWriter, FloorCachePlanner, TierCachePlanner = _worker_imports()
-    from tierckpt import TieredReader, TieredWriter
+    from tierckpt import TieredReader, TieredWriter, plancache
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -191,10 +192,11 @@ def worker(a: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         dcp.load(target, checkpoint_id="latest", storage_reader=TieredReader(_tier_config(str(work / "tier"))))
         out["load_s"] = time.perf_counter() - t0
-        record("tier+cache first", run("tier+cache", "restart-first"))
+        record("tier+cache first", run("tier+cache", f"restart{a.tag}-first"))
+        out["seeded"] = plancache.status().seeded
         for rep in range(a.warmup + a.reps):
             for mode in ("floor+cache", "tier+cache"):
-                r = run(mode, f"restart-{mode.replace('+', '-')}-{rep:03d}")
+                r = run(mode, f"restart{a.tag}-{mode.replace('+', '-')}-{rep:03d}")
                 if rep >= a.warmup:
                     record(mode, r)
     tier.wait()
@@ -306,6 +308,7 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=20.0, help="MiB of tensors per rank")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--no-restart", action="store_true")
+    ap.add_argument("--restarts", type=int, default=3, help="restarted jobs per configuration (one first save each)")
     ap.add_argument("--quick", action="store_true", help="2 ranks, 600 tensors, 3 repetitions")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench_planning.json"))
     ap.add_argument("--dir", default=str(REPO / "bench-out"))
@@ -316,6 +319,7 @@ def main() -> None:
     ap.add_argument("--phase", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--tag", default="0", help=argparse.SUPPRESS)
     ap.add_argument("--tensors-one", type=int, dest="tensors_one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -340,9 +344,13 @@ def main() -> None:
                 main_res = launch(ranks, common + ["--phase", "main", "--modes", a.modes], work, a.timeout)
                 run: dict[str, Any] = {"ranks": ranks, "tensors": tensors, "main": summarize(main_res)}
                 if not a.no_restart and "tier+cache" in a.modes.split(","):
-                    res = launch(ranks, common + ["--phase", "restart"], work, a.timeout)
-                    run["restart"] = summarize(res)
-                    run["restart_load_s"] = max(r.get("load_s", 0.0) for r in res)
+                    restarts = [launch(ranks, common + ["--phase", "restart", "--tag", str(i), "--reps", str(max(1, a.reps // 2))],
+                                       work, a.timeout) for i in range(a.restarts)]
+                    merged = [{"modes": {m: {k: sum((rs[r]["modes"][m][k] for rs in restarts), []) for k in v}
+                                         for m, v in restarts[0][r]["modes"].items()}} for r in range(ranks)]
+                    run["restart"] = summarize(merged)
+                    run["restart_load_s"] = max(r.get("load_s", 0.0) for rs in restarts for r in rs)
+                    run["restart_seeded"] = [all(r.get("seeded") for r in rs) for rs in restarts]
                 run["ratios"] = ratios(run["main"]) | {k: v for k, v in ratios(run.get("restart", {})).items()
                                                        if k.startswith("restart")}
                 run["wall_s"] = round(time.time() - t0, 1)
