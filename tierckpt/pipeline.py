@@ -117,7 +117,7 @@ class RankSave:
         self.size = inputs.size
         self.chunk_size = chunk_size
         self.sources: list[Source] = inputs.ready_sources()
-        self.hold: threading.Event | None = None  # set: the capture may start (see TieredWriter)
+        self.hold: Any = None  # has wait(timeout): returns when the capture may start (see TieredWriter)
         self.hold_timeout = 2.0
         self.captured: Future[None] = Future()
         self.durable: Future[None] = Future()

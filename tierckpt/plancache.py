@@ -51,19 +51,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    BytesIOWriteData,
-    SavePlan,
-    SavePlanner,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+
+try:
+    from torch.distributed.checkpoint.planner import BytesIOWriteData
+except ImportError:  # a torch without it: its WriteItems have no bytes_io_data either
+    BytesIOWriteData = None  # type: ignore[assignment,misc]
 
 from .errors import CheckpointNotFound, CorruptCheckpoint
 from .tiers.base import Tier
 
-__all__ = ["PLAN_DIR", "PersistedPlans", "encode", "decode", "plan_hash", "preload", "seed", "status", "Persister"]
+__all__ = ["PLAN_DIR", "PersistedPlans", "encode_plan", "decode_plan", "encode_metadata", "decode_metadata",
+           "plan_hash", "preload", "seed", "status", "Persister"]
 
 log = logging.getLogger("tierckpt")
 
@@ -85,26 +84,24 @@ def dcp_caches() -> dict[str, dict] | None:
 
 
 # -- JSON codec for DCP plans and metadata -----------------------------------------------------
+#
+# Plans and metadata are stored column by column (one list per field, tensor properties in a
+# table), so that reading a file is json.loads plus one constructor call per object; a generic
+# tagged encoding covers the rest (StorageMeta, planner data other than DCP's key mappings).
 
-_CLASSES: dict[str, type] = {c.__name__: c for c in (
-    SavePlan, WriteItem, MetadataIndex, BytesIOWriteData, TensorWriteData, ChunkStorageMetadata, TensorProperties,
-    Metadata, TensorStorageMetadata, BytesStorageMetadata, StorageMeta)}
+_CLASSES: dict[str, type] = {c.__name__: c for c in (StorageMeta,)}
 _ENUMS: dict[str, type] = {"WriteItemType": WriteItemType}
 
 
 def encode(x: Any) -> Any:
-    """A JSON-able form of DCP plans and metadata (``storage_data`` dropped). Raises TypeError for
-    anything else (a custom planner's planner_data, say): such plans are not persisted."""
+    """A JSON-able form of plain values and a few DCP types. Raises TypeError for anything else
+    (a custom planner's planner data, say): such plans are not persisted."""
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, torch.Size):
         return {"$S": list(x)}
     if isinstance(x, torch.dtype):
         return {"$D": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.layout):
-        return {"$L": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.memory_format):
-        return {"$M": str(x).removeprefix("torch.")}
     if isinstance(x, enum.Enum):
         if type(x).__name__ not in _ENUMS:
             raise TypeError(f"cannot persist enum {type(x).__name__}")
@@ -117,10 +114,8 @@ def encode(x: Any) -> Any:
         if not all(isinstance(k, str) for k in x):
             raise TypeError("cannot persist a dict with non-string keys")
         return {"$d": {k: encode(v) for k, v in x.items()}}
-    if dataclasses.is_dataclass(x) and type(x).__name__ in _CLASSES and _CLASSES[type(x).__name__] is type(x):
-        fields = {f.name: encode(None if f.name == "storage_data" else getattr(x, f.name))
-                  for f in dataclasses.fields(x) if f.init}
-        return {"$": type(x).__name__, "f": fields}
+    if dataclasses.is_dataclass(x) and _CLASSES.get(type(x).__name__) is type(x):
+        return {"$": type(x).__name__, "f": {f.name: encode(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}}
     raise TypeError(f"cannot persist a {type(x).__name__}")
 
 
@@ -132,7 +127,7 @@ def _torch_attr(name: Any, kind: type) -> Any:
 
 
 def decode(x: Any, depth: int = 0) -> Any:
-    """Inverse of :func:`encode`; only the DCP classes above are ever built."""
+    """Inverse of :func:`encode`; only the classes above are ever built."""
     if depth > 64:
         raise CorruptCheckpoint("plan cache: nested too deeply")
     if x is None or isinstance(x, (bool, int, float, str)):
@@ -146,16 +141,11 @@ def decode(x: Any, depth: int = 0) -> Any:
         if cls is None or not isinstance(x.get("f"), dict):
             raise CorruptCheckpoint(f"plan cache: unknown class {x.get('$')!r}")
         names = {f.name for f in dataclasses.fields(cls) if f.init}
-        kwargs = {k: decode(v, depth + 1) for k, v in x["f"].items() if k in names}
-        return cls(**kwargs)
+        return cls(**{k: decode(v, depth + 1) for k, v in x["f"].items() if k in names})
     if "$S" in x:
         return torch.Size([int(v) for v in x["$S"]])
     if "$D" in x:
         return _torch_attr(x["$D"], torch.dtype)
-    if "$L" in x:
-        return _torch_attr(x["$L"], torch.layout)
-    if "$M" in x:
-        return _torch_attr(x["$M"], torch.memory_format)
     if "$E" in x:
         e = _ENUMS.get(x["$E"])
         if e is None or x.get("v") not in e.__members__:
@@ -168,6 +158,127 @@ def decode(x: Any, depth: int = 0) -> Any:
     raise CorruptCheckpoint("plan cache: malformed value")
 
 
+def _name(x: Any) -> str:
+    return str(x).removeprefix("torch.")
+
+
+class _PropsTable:
+    """Distinct TensorProperties of a plan or metadata, numbered."""
+
+    def __init__(self) -> None:
+        self.rows: list[list] = []
+        self._ids: dict[tuple, int] = {}
+
+    def id(self, p: TensorProperties) -> int:
+        key = (_name(p.dtype), _name(p.layout), bool(p.requires_grad), _name(p.memory_format), bool(p.pin_memory))
+        i = self._ids.get(key)
+        if i is None:
+            i = self._ids[key] = len(self.rows)
+            self.rows.append(list(key))
+        return i
+
+
+def _props(rows: list) -> list[TensorProperties]:
+    return [TensorProperties(dtype=_torch_attr(d, torch.dtype), layout=_torch_attr(lay, torch.layout),
+                             requires_grad=bool(rg), memory_format=_torch_attr(mf, torch.memory_format),
+                             pin_memory=bool(pin)) for d, lay, rg, mf, pin in rows]
+
+
+def _enc_planner_data(x: Any) -> Any:
+    if isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, tuple) and all(isinstance(e, (str, int)) for e in v)
+                                   for k, v in x.items()):
+        return {"keys": list(x), "paths": [list(v) for v in x.values()]}  # DCP's flattening mappings
+    return {"any": encode(x)}
+
+
+def _dec_planner_data(d: Any) -> Any:
+    if "keys" in d:
+        return {str(k): tuple(v) for k, v in zip(d["keys"], d["paths"])}
+    return decode(d["any"])
+
+
+_HAS_BYTES_IO = BytesIOWriteData is not None and "bytes_io_data" in getattr(WriteItem, "__dataclass_fields__", {})
+
+
+def encode_plan(plan: SavePlan) -> dict:
+    """A SavePlan, column by column (its storage data is not kept)."""
+    table = _PropsTable()
+    fqn, off, hint, typ, prop, size, coff, csz, bio = [], [], [], [], [], [], [], [], []
+    for it in plan.items:
+        ix = it.index
+        fqn.append(ix.fqn)
+        off.append(None if ix.offset is None else list(ix.offset))
+        hint.append(ix.index)
+        typ.append(it.type.name)
+        td = it.tensor_data
+        if td is None:
+            prop.append(-1)
+            size.append(None)
+            coff.append(None)
+            csz.append(None)
+        else:
+            prop.append(table.id(td.properties))
+            size.append(list(td.size))
+            coff.append(list(td.chunk.offsets))
+            csz.append(list(td.chunk.sizes))
+        b = getattr(it, "bytes_io_data", None)
+        bio.append(None if b is None else int(b.nbytes))
+    return {"fqn": fqn, "off": off, "hint": hint, "type": typ, "prop": prop, "size": size, "coff": coff, "csz": csz,
+            "bio": bio, "props": table.rows, "pd": _enc_planner_data(plan.planner_data), "usable": bool(plan.usable)}
+
+
+def decode_plan(d: dict) -> SavePlan:
+    props = _props(d["props"])
+    types = {n: WriteItemType[n] for n in set(d["type"])}
+    items = []
+    for f, o, h, t, p, sz, co, cs, b in zip(d["fqn"], d["off"], d["hint"], d["type"], d["prop"], d["size"], d["coff"],
+                                            d["csz"], d["bio"], strict=True):
+        idx = MetadataIndex(str(f), None if o is None else torch.Size(o), None if h is None else int(h))
+        td = None if p < 0 else TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(co), sizes=torch.Size(cs)), properties=props[p], size=torch.Size(sz))
+        if b is not None and _HAS_BYTES_IO:
+            items.append(WriteItem(index=idx, type=types[t], tensor_data=td, bytes_io_data=BytesIOWriteData(nbytes=int(b))))
+        else:
+            items.append(WriteItem(index=idx, type=types[t], tensor_data=td))
+    return SavePlan(items, planner_data=_dec_planner_data(d["pd"]), usable=bool(d["usable"]))
+
+
+def encode_metadata(md: Metadata) -> dict:
+    """DCP's global Metadata, column by column (its storage data is not kept)."""
+    table = _PropsTable()
+    keys, prop, size, chunks = [], [], [], []
+    for k, m in md.state_dict_metadata.items():
+        keys.append(k)
+        if isinstance(m, TensorStorageMetadata):
+            prop.append(table.id(m.properties))
+            size.append(list(m.size))
+            chunks.append([[list(c.offsets), list(c.sizes)] for c in m.chunks])
+        elif isinstance(m, BytesStorageMetadata):
+            prop.append(-1)
+            size.append(None)
+            chunks.append(None)
+        else:
+            raise TypeError(f"cannot persist storage metadata {type(m).__name__}")
+    return {"keys": keys, "prop": prop, "size": size, "chunks": chunks, "props": table.rows,
+            "pd": _enc_planner_data(md.planner_data), "sm": encode(md.storage_meta), "version": getattr(md, "version", None)}
+
+
+def decode_metadata(d: dict) -> Metadata:
+    props = _props(d["props"])
+    sdm: dict[str, Any] = {}
+    for k, p, sz, ch in zip(d["keys"], d["prop"], d["size"], d["chunks"], strict=True):
+        if p < 0:
+            sdm[str(k)] = BytesStorageMetadata()
+        else:
+            sdm[str(k)] = TensorStorageMetadata(properties=props[p], size=torch.Size(sz), chunks=[
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in ch])
+    kwargs: dict[str, Any] = dict(state_dict_metadata=sdm, planner_data=_dec_planner_data(d["pd"]),
+                                  storage_meta=decode(d["sm"]))
+    if "version" in Metadata.__dataclass_fields__:
+        kwargs["version"] = d.get("version")
+    return Metadata(**kwargs)
+
+
 def _digest(doc: Any) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -175,7 +286,7 @@ def _digest(doc: Any) -> str:
 def plan_hash(plan: SavePlan) -> str:
     """SHA-256 of a plan's items and planner data (keys, offsets, item types, sizes, chunks and
     tensor properties, dtypes included); its storage data does not count."""
-    return _digest(encode(plan))
+    return _digest(encode_plan(plan))
 
 
 # -- what a process persists -------------------------------------------------------------------
@@ -194,7 +305,7 @@ class PersistedPlans:
     final: SavePlan
     h_local: str
     h_final: str
-    # coordinator only
+    # coordinator only (its own local and final plans are all_plans[rank] and global_plans[rank])
     members: list[int] | None = None  # global rank of every group rank
     all_plans: list[SavePlan] | None = None
     global_plans: list[SavePlan] | None = None
@@ -210,50 +321,56 @@ def plan_key(global_rank: int) -> str:
     return f"{PLAN_DIR}/g{global_rank:05d}.json"
 
 
-def to_bytes(p: PersistedPlans) -> bytes:
-    body = {
-        "key": p.key, "torch": p.torch_version, "world": p.world, "rank": p.rank, "global_rank": p.global_rank,
-        "coord_global": p.coord_global, "local": encode(p.local), "final": encode(p.final),
-        "h_local": p.h_local, "h_final": p.h_final,
-    }
-    if p.is_coordinator:
-        body |= {"members": p.members, "all": encode(p.all_plans), "global": encode(p.global_plans),
-                 "metadata": encode(p.metadata), "hashes": p.hashes}
-    return json.dumps({"format": FORMAT, "sha256": _digest(body), "body": body}, separators=(",", ":")).encode()
+def _with_hash(enc: dict) -> tuple[dict, str]:
+    return enc, _digest(enc)
+
+
+def to_bytes(snap: "Snapshot") -> bytes:
+    """The file of a snapshot: a header line (format, SHA-256 and length of the body), the body."""
+    body: dict[str, Any] = {"key": snap.key, "torch": torch.__version__, "world": snap.world, "rank": snap.rank,
+                            "global_rank": snap.global_rank, "coord_global": snap.coord_global}
+    if snap.all_plans is not None and snap.global_plans is not None:
+        alls = [encode_plan(x) for x in snap.all_plans]
+        globs = [encode_plan(x) for x in snap.global_plans]
+        body |= {"members": snap.members, "all": alls, "global": globs, "metadata": encode_metadata(snap.metadata),
+                 "hashes": [[_digest(a), _digest(g)] for a, g in zip(alls, globs)]}
+    else:
+        loc, fin = encode_plan(snap.local), encode_plan(snap.final)
+        body |= {"local": loc, "final": fin, "h_local": _digest(loc), "h_final": _digest(fin)}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    head = json.dumps({"format": FORMAT, "sha256": hashlib.sha256(raw).hexdigest(), "length": len(raw)}).encode()
+    return head + b"\n" + raw
 
 
 def from_bytes(raw: bytes, where: str) -> PersistedPlans:
-    """Parse and verify a persisted plan file (its SHA-256, and every plan against its hash)."""
+    """Parse and verify a persisted plan file (the SHA-256 of its body)."""
+    head, sep, body_raw = bytes(raw).partition(b"\n")
     try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        h = json.loads(head) if sep else None
+        if not isinstance(h, dict) or h.get("format") != FORMAT:
             raise CorruptCheckpoint(f"{where}: not a {FORMAT} file")
-        body = doc["body"]
-        if _digest(body) != doc["sha256"]:
+        if h.get("length") != len(body_raw) or h.get("sha256") != hashlib.sha256(body_raw).hexdigest():
             raise CorruptCheckpoint(f"{where}: failed its SHA-256 check")
-        p = PersistedPlans(
-            key=str(body["key"]), torch_version=str(body["torch"]), world=int(body["world"]), rank=int(body["rank"]),
-            global_rank=int(body["global_rank"]), coord_global=int(body["coord_global"]),
-            local=decode(body["local"]), final=decode(body["final"]),
-            h_local=str(body["h_local"]), h_final=str(body["h_final"]))
+        body = json.loads(body_raw)
+        common = dict(key=str(body["key"]), torch_version=str(body["torch"]), world=int(body["world"]),
+                      rank=int(body["rank"]), global_rank=int(body["global_rank"]), coord_global=int(body["coord_global"]))
         if "all" in body:
-            p.members = [int(g) for g in body["members"]]
-            p.all_plans = decode(body["all"])
-            p.global_plans = decode(body["global"])
-            p.metadata = decode(body["metadata"])
-            p.hashes = [[str(a), str(b)] for a, b in body["hashes"]]
+            alls = [decode_plan(x) for x in body["all"]]
+            globs = [decode_plan(x) for x in body["global"]]
+            hashes = [[str(a), str(b)] for a, b in body["hashes"]]
+            r = common["rank"]
+            p = PersistedPlans(**common, local=alls[r], final=globs[r], h_local=hashes[r][0], h_final=hashes[r][1],
+                               members=[int(g) for g in body["members"]], all_plans=alls, global_plans=globs,
+                               metadata=decode_metadata(body["metadata"]), hashes=hashes)
+            if not (len(alls) == len(globs) == len(hashes) == len(p.members) == p.world):  # type: ignore[arg-type]
+                raise CorruptCheckpoint(f"{where}: plans for {len(alls)} ranks, world size {p.world}")
+        else:
+            p = PersistedPlans(**common, local=decode_plan(body["local"]), final=decode_plan(body["final"]),
+                               h_local=str(body["h_local"]), h_final=str(body["h_final"]))
     except CorruptCheckpoint:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise CorruptCheckpoint(f"{where}: malformed plan cache ({type(e).__name__}: {e})") from None
-    if plan_hash(p.local) != p.h_local or plan_hash(p.final) != p.h_final:
-        raise CorruptCheckpoint(f"{where}: a plan does not match its hash")
-    if p.is_coordinator:
-        assert p.all_plans is not None and p.global_plans is not None and p.hashes is not None and p.members is not None
-        if not (len(p.all_plans) == len(p.global_plans) == len(p.hashes) == len(p.members) == p.world):
-            raise CorruptCheckpoint(f"{where}: plans for {len(p.all_plans)} ranks, world size {p.world}")
-        if [[plan_hash(a), plan_hash(g)] for a, g in zip(p.all_plans, p.global_plans)] != p.hashes:
-            raise CorruptCheckpoint(f"{where}: a rank's plan does not match its hash")
     return p
 
 
@@ -357,14 +474,7 @@ class Persister:
             with self._lock:
                 if snap.ident() == self._last:
                     return
-            p = PersistedPlans(
-                key=snap.key, torch_version=torch.__version__, world=snap.world, rank=snap.rank,
-                global_rank=snap.global_rank, coord_global=snap.coord_global, local=snap.local, final=snap.final,
-                h_local=plan_hash(snap.local), h_final=plan_hash(snap.final))
-            if snap.all_plans is not None:
-                p.members, p.all_plans, p.global_plans, p.metadata = snap.members, snap.all_plans, snap.global_plans, snap.metadata
-                p.hashes = [[plan_hash(a), plan_hash(g)] for a, g in zip(snap.all_plans, snap.global_plans)]
-            self.tier.put(plan_key(snap.global_rank), to_bytes(p))
+            self.tier.put(plan_key(snap.global_rank), to_bytes(snap))
             with self._lock:
                 self._last = snap.ident()
         except TypeError as e:  # plans this codec does not know (custom planner data): not persisted

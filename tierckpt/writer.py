@@ -41,6 +41,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,41 +160,90 @@ def _generate_id() -> str:
 
 _warned_stale: "weakref.WeakSet" = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
 
-# -- holding the capture until dcp.save is done with this process's CPU ------------------------
+# -- holding the capture until dcp.save is done with the CPU ------------------------------------
 #
 # After write_data, DCP still gathers the write results, runs finish() on the coordinator and
 # broadcasts the global metadata; with plan caching that is half of the call. Capture and flush
 # started at once would compete with it for the GIL and the cores, so a save's capture waits
 # (RankSave.hold) until DCP's last step: finish() attaches a _Release marker to the metadata, which
-# the coordinator pickles and every other rank unpickles for the broadcast. Also released by
-# wait_captured()/wait()/the optimizer pre-step hook, by the next save, and after HOLD_TIMEOUT.
+# the coordinator pickles and every other rank unpickles for the broadcast. A rank's capture
+# thread, once released, says so on the store; the coordinator's waits for every other rank's
+# word (a blocking store wait, no polling), so it does not take the cores from ranks still
+# unpickling. Also released at once by wait_captured()/wait()/the optimizer pre-step hook and by
+# the next save; every wait ends after HOLD_TIMEOUT.
 
-HOLD_TIMEOUT = 2.0  # seconds a capture waits at most for its release
-_holds: dict[str, threading.Event] = {}  # save token -> its job's hold (this process)
+HOLD_TIMEOUT = 2.0  # seconds a capture waits at most for its release (and the coordinator for the others)
+
+
+class _Hold:
+    """One save's capture hold on one rank; :meth:`wait` is called by the capture thread
+    (``RankSave.plan``) and, on the coordinator, by the results worker."""
+
+    def __init__(self, assign: RankAssign, coordinator: bool) -> None:
+        self.token = assign.token
+        self.rank = assign.rank
+        self.world = assign.world if assign.distributed else 1
+        self.coordinator = coordinator
+        self.event = threading.Event()
+        self.urgent = False  # released by a wait: start now, wait for no other rank
+        self._done = threading.Event()
+
+    def release(self, urgent: bool = False) -> None:
+        self.urgent = self.urgent or urgent
+        self.event.set()
+
+    def _key(self, rank: int) -> str:
+        return f"tierckpt/release/{self.token}/r{rank}"
+
+    def wait(self, timeout: float) -> None:
+        """Until this rank is out of ``dcp.save`` (and, on the coordinator, every rank is)."""
+        if self._done.is_set():
+            return
+        self.event.wait(timeout)
+        if self.world > 1:
+            try:
+                from datetime import timedelta
+
+                from torch.distributed import distributed_c10d as c10d
+
+                store = c10d._get_default_store()
+                if not self.coordinator:
+                    store.set(self._key(self.rank), b"1")
+                elif not self.urgent:
+                    others = [self._key(r) for r in range(self.world) if r != self.rank]
+                    store.wait(others, timedelta(seconds=timeout))
+                    for k in others:
+                        store.delete_key(k)
+            except Exception:  # noqa: BLE001 - a rank that never says so only delays this capture
+                pass
+        self._done.set()
+
+
+_holds: dict[str, _Hold] = {}  # save token -> its job's hold (this process)
 _holds_lock = threading.Lock()
 
 
-def _hold(token: str) -> threading.Event:
-    ev = threading.Event()
+def _hold(assign: RankAssign, coordinator: bool) -> _Hold:
+    h = _Hold(assign, coordinator)
     with _holds_lock:
-        _holds[token] = ev
-    return ev
+        _holds[assign.token] = h
+    return h
 
 
 def _release(token: str) -> None:
     with _holds_lock:
-        ev = _holds.pop(token, None)
-    if ev is not None:
-        ev.set()
+        h = _holds.pop(token, None)
+    if h is not None:
+        h.release()
 
 
-def release_all() -> None:
+def release_all(urgent: bool = True) -> None:
     """Let every held capture of this process start now."""
     with _holds_lock:
-        evs = list(_holds.values())
+        hs = list(_holds.values())
         _holds.clear()
-    for ev in evs:
-        ev.set()
+    for h in hs:
+        h.release(urgent)
 
 
 def _released(token: str) -> "_Release":
@@ -216,9 +266,9 @@ class _Release:
 
 
 class _ResultsWorker:
-    """One background thread per process: after a save's release, expands the coordinator's
-    gathered results into per-item records (:func:`tierckpt.planning.expand_results`) and hands
-    them to the commit thread (``RankSave.global_md``)."""
+    """One background thread per process: once a save's file is durable on the coordinator,
+    expands the gathered results into per-item records (:func:`tierckpt.planning.expand_results`)
+    and hands them to the commit thread (``RankSave.global_md``)."""
 
     def __init__(self) -> None:
         self._q: "queue.SimpleQueue[tuple[RankSave, Metadata, list[list[WriteResult]]]]" = queue.SimpleQueue()
@@ -235,8 +285,8 @@ class _ResultsWorker:
     def _run(self) -> None:
         while True:
             job, metadata, results = self._q.get()
-            if job.hold is not None:
-                job.hold.wait(HOLD_TIMEOUT)
+            # Not needed before this rank's file is durable (the commit waits for that first).
+            futures_wait([job.durable])
             try:
                 expanded, fixes = expand_results(job.id, job.assign.token, results)
                 job.global_md.set_result((patch_dtypes(metadata, fixes), expanded))
@@ -516,8 +566,8 @@ class TieredWriter(StorageWriter):
                         assign.checkpoint_id, ctx.rank)
         results = inputs.results()
         job = RankSave(assign, inputs, self.engine.chunk_size)
-        release_all()  # an earlier save still held: this process is past its dcp.save
-        job.hold = _hold(assign.token)
+        release_all(urgent=False)  # an earlier save still held: this process is past its dcp.save
+        job.hold = _hold(assign, coordinator=ctx.own_assign is not None)
         job.hold_timeout = HOLD_TIMEOUT
         ctx.job = job
         self._last = job

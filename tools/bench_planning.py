@@ -11,7 +11,8 @@ in all, rank-unique keys under ``model.``, as sharded training state is) and one
 non-tensor item. Each process saves the same state with every mode below, interleaved (the
 order rotates per repetition) after one warm-up round; before each timed call the ranks meet at
 a barrier, and after it each mode waits until its save is complete (so no save runs into the
-next). Modes:
+next); before the barrier each process runs ``gc.collect()`` (untimed), so that no mode pays for
+the previous one's garbage (with torch loaded a full collection takes ~0.1 s). Modes:
 
 * ``floor``       a no-op StorageWriter (resolves every item, stores nothing): DCP's own cost
 * ``floor+cache`` the same with ``DefaultSavePlanner(enable_plan_caching=True)``
@@ -37,6 +38,7 @@ the planner's class name) never mixes writers. Writes JSON to ``--out`` and prin
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -145,6 +147,7 @@ def worker(a: argparse.Namespace) -> None:
 
     def run(mode: str, cid: str) -> tuple[float, float, float, float]:
         """(blocked wall, CPU during it, CPU until complete, wall until complete) of one save."""
+        gc.collect()  # every mode starts without the previous one's garbage (a full collection is ~0.1 s here)
         dist.barrier()
         c0, t0 = cpu_seconds(), time.perf_counter()
         fut = None
