@@ -11,8 +11,9 @@ in all, rank-unique keys under ``model.``, as sharded training state is) and one
 non-tensor item. Each process saves the same state with every mode below, interleaved (the
 order rotates per repetition) after one warm-up round; before each timed call the ranks meet at
 a barrier, and after it each mode waits until its save is complete (so no save runs into the
-next); before the barrier each process runs ``gc.collect()`` (untimed), so that no mode pays for
-the previous one's garbage (with torch loaded a full collection takes ~0.1 s). Modes:
+next); before the barrier each process runs ``gc.collect()`` (untimed; ``--no-gc-collect`` to
+skip), so that no mode pays for the previous one's garbage: with torch loaded a full collection
+takes ~0.1 s, and without this they land at random in the timed calls. Modes:
 
 * ``floor``       a no-op StorageWriter (resolves every item, stores nothing): DCP's own cost
 * ``floor+cache`` the same with ``DefaultSavePlanner(enable_plan_caching=True)``
@@ -147,7 +148,8 @@ def worker(a: argparse.Namespace) -> None:
 
     def run(mode: str, cid: str) -> tuple[float, float, float, float]:
         """(blocked wall, CPU during it, CPU until complete, wall until complete) of one save."""
-        gc.collect()  # every mode starts without the previous one's garbage (a full collection is ~0.1 s here)
+        if a.gc_collect:
+            gc.collect()  # every mode starts without the previous one's garbage (a full collection is ~0.1 s here)
         dist.barrier()
         c0, t0 = cpu_seconds(), time.perf_counter()
         fut = None
@@ -317,6 +319,8 @@ def main() -> None:
     ap.add_argument("--dir", default=str(REPO / "bench-out"))
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--nice", type=int, default=0, help="add to the niceness of the bench processes (negative: root only)")
+    ap.add_argument("--no-gc-collect", dest="gc_collect", action="store_false",
+                    help="do not run gc.collect() before each timed save (full collections then land at random)")
     # worker-only
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="main", help=argparse.SUPPRESS)
@@ -342,7 +346,7 @@ def main() -> None:
             work = Path(tempfile.mkdtemp(prefix=f"planning-{ranks}r-{tensors}t-", dir=a.dir))
             try:
                 common = ["--work", str(work), "--tensors-one", str(tensors), "--mib", str(a.mib),
-                          "--reps", str(a.reps), "--warmup", str(a.warmup)]
+                          "--reps", str(a.reps), "--warmup", str(a.warmup)] + ([] if a.gc_collect else ["--no-gc-collect"])
                 t0 = time.time()
                 main_res = launch(ranks, common + ["--phase", "main", "--modes", a.modes], work, a.timeout)
                 run: dict[str, Any] = {"ranks": ranks, "tensors": tensors, "main": summarize(main_res)}
@@ -366,7 +370,8 @@ def main() -> None:
     doc = {"bench": "planning", "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
            "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
                     "load_avg_start": load0, "load_avg_end": os.getloadavg()},
-           "mib_per_rank": a.mib, "reps": a.reps, "warmup": a.warmup, "elapsed_s": round(time.time() - started, 1),
+           "mib_per_rank": a.mib, "reps": a.reps, "warmup": a.warmup, "gc_collect_before_each_save": a.gc_collect,
+           "restarts": a.restarts, "nice": a.nice, "elapsed_s": round(time.time() - started, 1),
            "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
