@@ -215,3 +215,24 @@ def test_cached_saves_in_one_process(tmp_path):
         dcp.load(out, checkpoint_id=f"s{i}", storage_reader=TieredReader(cfg), no_dist=True)
         assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"]) and out["s"] == sd["s"], i
     assert builds == [1, 0, 1, 1, 0]
+
+
+def test_store_channel_carries_values_over_the_tcpstore_limit():
+    """The merged metadata of a big checkpoint exceeds TCPStore's 8 MiB value limit: the channel
+    splits it (a too large value would drop the store connection of every later commit)."""
+    import datetime
+
+    from distrun import free_port
+    from torch.distributed import TCPStore
+
+    from tierckpt.commit import StoreChannel
+
+    store = TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
+    ch = StoreChannel(store)
+    big = bytes(range(256)) * (20 * 4096 + 7)  # ~20 MiB
+    ch.publish("k/outcome", big)
+    assert ch.try_get("k/outcome") == big
+    ch.publish("k/small", b"M{}")
+    assert ch.try_get("k/small") == b"M{}"
+    ch.delete("k/outcome")
+    assert ch.try_get("k/outcome") is None and not store.check(["k/outcome/#0"])
