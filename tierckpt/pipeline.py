@@ -36,12 +36,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .capture.copier import Copier, Piece, Source
-from .planning import SaveInputs
 from .capture.pool import HostPool, get_pool
 from .commit import Channel, encode_report, gather_reports
 from .config import TierConfig
 from .errors import CaptureError, TierckptError, TornCaptureError
 from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json
+from .planning import SaveInputs
 from .retention import apply_local_retention, apply_s3_retention, best_effort_retention
 from .tiers import make_local, make_s3
 from .tiers.local import drain_deletions
