@@ -201,6 +201,13 @@ def commit_then_die(args: dict, rank: int, world: int) -> None:
     n = args.get("big_mib", 16) * MiB // 4 // 8
     big = {f"r{rank}": {f"t{i}": torch.arange(n, dtype=torch.float32) + i for i in range(8)}, "step": 2}
     dcp.save(big, checkpoint_id="step-2", storage_writer=w)
+    # The capture starts once dcp.save is done with the process: let it open its file first, so
+    # that the kill leaves a partial step-2 behind (the pool is far too small for it to complete).
+    import time
+
+    deadline = time.monotonic() + 60
+    while w.last is not None and w.last.sink is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     os._exit(9)  # killed: no wait, no atexit drain, no barrier
 
 
