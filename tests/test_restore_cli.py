@@ -171,7 +171,7 @@ def data_files(root: Path, checkpoint_id: str) -> list[Path]:
 
 
 def ids_on(root: Path) -> list[str]:
-    from tierckpt.commit import list_checkpoints
+    from tierckpt.catalog import list_checkpoints
     from tierckpt.tiers.local import LocalTier
 
     return sorted(c.checkpoint_id for c in list_checkpoints(LocalTier(root)))
@@ -239,7 +239,7 @@ def test_verify_ok_then_flipped_byte(local_ckpts):
     assert "step-2 on local" in p.stdout and "OK" in p.stdout
 
     from restore import verify_checkpoint
-    from tierckpt.reader import read_checkpoint_metadata
+    from tierckpt.catalog import read_checkpoint_metadata
     from tierckpt.tiers.local import LocalTier
 
     md, _man = read_checkpoint_metadata(LocalTier(root), "step-2")

@@ -138,6 +138,11 @@ class LocalConfig:
         if self.keep < 0:
             raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
 
+    @property
+    def node_local(self) -> bool:
+        """Whether each node has its own root (``{node}`` or ``{hostname}`` in ``path``)."""
+        return "{node}" in self.path or "{hostname}" in self.path
+
     def resolved_path(self) -> Path:
         """``path`` with placeholders filled and ``~`` expanded."""
         p = self.path.replace("{node}", node_name()).replace("{hostname}", socket.gethostname())

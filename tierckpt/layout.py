@@ -43,6 +43,9 @@ from .errors import CorruptCheckpoint
 __all__ = [
     "FORMAT",
     "METADATA",
+    "CommitHeader",
+    "read_header",
+    "HEADER_MAX",
     "ALIGN",
     "ItemRecord",
     "CheckpointManifest",
@@ -222,6 +225,7 @@ class CheckpointManifest:
     committed: float = 0.0
     step: int | None = None
     save_token: str = ""
+    seq: int = 0  # commit sequence: 1 + the highest seq the job had seen when it committed (the order)
 
 
 # -- JSON encoding ------------------------------------------------------------------------
@@ -297,6 +301,7 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
         "world_size": manifest.world_size,
         "chunk_size": manifest.chunk_size,
         "save_token": manifest.save_token,
+        "seq": manifest.seq,
         "files": manifest.files,
         "torch_version": torch.__version__,
         "dcp": {
@@ -311,8 +316,51 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
         "items": items,
     }
     body = json.dumps(doc, separators=(",", ":")).encode()
-    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": google_crc32c.value(body)}).encode()
+    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": google_crc32c.value(body),
+                         "seq": manifest.seq, "step": manifest.step, "committed": manifest.committed}).encode()
     return header + b"\n" + body
+
+
+HEADER_MAX = 1024  # bytes of metadata.json that always hold its header line
+
+
+@dataclass(frozen=True)
+class CommitHeader:
+    """The order-relevant fields of a ``metadata.json`` header line (read without the body).
+
+    The body repeats them under its CRC32C; :func:`metadata_from_json` checks that both agree, so
+    a header that lies makes the checkpoint unloadable, never silently misordered on load.
+    """
+
+    seq: int
+    step: int | None
+    committed: float
+
+    def order_key(self) -> tuple:
+        """How checkpoints are ordered everywhere: commit sequence, then commit time, then step."""
+        return (self.seq, self.committed, -1 if self.step is None else self.step)
+
+
+def read_header(prefix: bytes) -> CommitHeader | None:
+    """The :class:`CommitHeader` in the first line of ``prefix`` (the first bytes of a
+    ``metadata.json``), or None if it is not a valid tierckpt header."""
+    line, sep, _ = bytes(prefix[:HEADER_MAX]).partition(b"\n")
+    if not sep:
+        return None
+    try:
+        h = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        return None
+    seq, step, committed = h.get("seq", 0), h.get("step"), h.get("committed", 0.0)
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        return None
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        return None
+    if isinstance(committed, bool) or not isinstance(committed, (int, float)) or committed != committed:
+        return None
+    return CommitHeader(seq=seq, step=step, committed=float(committed))
 
 
 def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -344,6 +392,8 @@ def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointMani
         if header.get("length") != len(body) or header.get("crc32c") != google_crc32c.value(body):
             raise CorruptCheckpoint(f"{where}: metadata failed its CRC32C/length check (corrupted or truncated)")
         doc = json.loads(body)
+        if isinstance(doc, dict) and any(k in header and header[k] != doc.get(k) for k in ("seq", "step", "committed")):
+            raise CorruptCheckpoint(f"{where}: the metadata header does not match its body (seq/step/commit time)")
     except CorruptCheckpoint:
         raise
     except (UnicodeDecodeError, ValueError) as e:
@@ -380,6 +430,7 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
         committed=float(doc["committed"]),
         step=None if step is None else _int(step, "step"),
         save_token=str(doc.get("save_token", "")),
+        seq=_int(doc.get("seq", 0), "seq"),
     )
     d = doc["dcp"]
     sdm: dict[str, Any] = {}

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .capture.copier import Source
-from .commit import is_committed
+from .catalog import is_committed
 from .config import TierConfig, load_config
 from .errors import CommitConflict, CorruptCheckpoint, TierckptError
 from .layout import ALIGN, ItemRecord, check_checkpoint_id, rank_file, step_of

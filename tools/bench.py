@@ -65,7 +65,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from tierckpt import HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter  # noqa: E402
-from tierckpt.commit import delete_checkpoint  # noqa: E402
+from tierckpt.retention import delete_checkpoint  # noqa: E402
 from tierckpt.tiers.local import drain_deletions  # noqa: E402
 
 KiB = 1024

@@ -83,7 +83,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import chaos_tiers  # noqa: E402
 import s3servers  # noqa: E402
 from tierckpt import CheckpointNotFound, CommitConflict, TierckptError, TieredReader, TieredWriter  # noqa: E402
-from tierckpt.commit import list_checkpoints  # noqa: E402
+from tierckpt.catalog import list_checkpoints  # noqa: E402
 from tierckpt.config import TierConfig, config_from_dict  # noqa: E402
 from tierckpt.layout import split_key, step_of  # noqa: E402
 from tierckpt.tiers import make_local, make_s3  # noqa: E402

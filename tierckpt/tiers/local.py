@@ -35,6 +35,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_new(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode: int = 0o644) -> int:
+    """``os.open`` a file to create, making its parent directories first. Deletions prune
+    directories they leave empty, so one may vanish between the mkdir and the open: retried."""
+    for attempt in range(8):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.open(path, flags, mode)
+        except FileNotFoundError:
+            if attempt == 7:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _tier_error(e: OSError, what: str) -> TierError:
     hint = ""
     if e.errno == errno.ENOSPC:
@@ -57,8 +70,7 @@ class _FileSink(DataSink):
         self._fd = -1
         self._state = threading.Lock()
         try:
-            self._final.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = open_new(self._partial)
             if size:
                 try:
                     os.posix_fallocate(self._fd, 0, size)
@@ -138,11 +150,13 @@ class LocalTier(Tier):
     """A tier rooted at a directory. ``fsync=False`` skips fsyncs (tests, tmpfs)."""
 
     name = "local"
+    cheap_listing = True
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True, node_local: bool = False) -> None:
         self.root = Path(root)
         self.url = str(self.root)
         self.fsync = fsync
+        self.node_local = node_local
         self._lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
@@ -152,8 +166,7 @@ class LocalTier(Tier):
         final = self._path(key)
         tmp = final.with_name(f"{TMP}{uuid.uuid4().hex}-{final.name}")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            with open(open_new(tmp), "wb") as f:
                 f.write(data)
                 f.flush()
                 if self.fsync:
@@ -177,6 +190,32 @@ class LocalTier(Tier):
             if isinstance(e, CommitConflict):
                 raise
             raise _tier_error(e, f"cannot write {final}") from e
+
+    def put_volatile(self, key: str, data: bytes) -> None:
+        """Atomic replace without fsync (leases: they only matter while their holder lives)."""
+        final = self._path(key)
+        tmp = final.with_name(f"{TMP}{uuid.uuid4().hex}-{final.name}")
+        try:
+            with open(open_new(tmp), "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _tier_error(e, f"cannot write {final}") from e
+
+    def free_bytes(self) -> int | None:
+        import shutil
+
+        p = self.root
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            return None
 
     def open_sink(self, key: str, size: int) -> DataSink:
         return _FileSink(self, key, size)
@@ -301,12 +340,57 @@ class LocalTier(Tier):
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(TRASH))
 
     def delete(self, key: str) -> None:
+        """Unlink one file, then remove the directories it leaves empty."""
+        path = self._path(key)
         try:
-            self._path(key).unlink()
+            path.unlink()
         except FileNotFoundError:
-            pass
+            return
         except OSError as e:
-            raise _tier_error(e, f"cannot delete {self._path(key)}") from e
+            raise _tier_error(e, f"cannot delete {path}") from e
+        self._prune(path.parent)
+
+    def _prune(self, d: Path) -> None:
+        """Remove ``d`` and its parents up to the root while they are empty. A writer that
+        creates a file in one meanwhile retries its mkdir (see :func:`open_new`)."""
+        while d != self.root and d.is_relative_to(self.root):
+            try:
+                d.rmdir()
+            except OSError:
+                return
+            d = d.parent
+
+    def delete_many(self, keys: "list[str]") -> int:
+        """Move exactly these files into a ``.trash-*`` directory at the root (one rename each,
+        cheap and atomic), remove directories left empty, and let the background janitor unlink
+        the bytes (slow for large files) at background priority."""
+        trash: Path | None = None
+        parents: set[Path] = set()
+        n = 0
+        for key in keys:
+            p = self._path(key)
+            if trash is None:
+                trash = self.root / f"{TRASH}{uuid.uuid4().hex[:8]}"
+                try:
+                    trash.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise _tier_error(e, f"cannot delete {p}") from e
+            try:
+                os.rename(p, trash / f"{n:06d}-{p.name}")
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise _tier_error(e, f"cannot delete {p}") from e
+            n += 1
+            parents.add(p.parent)
+        for d in sorted(parents, key=lambda d: -len(d.parts)):
+            self._prune(d)  # only when empty: a save that started since keeps its directory
+        if trash is not None:
+            _janitor.remove(trash)
+            for old in self.root.glob(f"{TRASH}*"):
+                if old != trash:
+                    _janitor.remove(old)
+        return n
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete a whole checkpoint directory (leftover ``.partial``/temp files included).
@@ -355,6 +439,12 @@ class _Janitor:
     def _run(self) -> None:
         import shutil
 
+        if hasattr(os, "setpriority"):  # unlinking gigabytes is background work
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+            except OSError:
+                pass
         while True:
             path = self._q.get()
             shutil.rmtree(path, ignore_errors=True)

@@ -806,6 +806,18 @@ class S3Tier(Tier):
                     + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
                 )
 
+    def delete_many(self, keys: list[str]) -> int:
+        """Delete exactly these keys with DeleteObjects (missing ones are not an error), then the
+        empty directory entries some servers (SeaweedFS) keep for their parents. Returns how many
+        keys were asked for (S3 does not tell which existed)."""
+        full = [self._full(k) for k in keys]
+        if not full:
+            return 0
+        self._delete_keys(full)
+        dirs = {k.rsplit("/", 1)[0] + "/" for k in full if "/" in k}
+        self._delete_keys(sorted(dirs, key=lambda d: (-d.count("/"), d)), best_effort=True)
+        return len(full)
+
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix`` (which must end with ``/``); return how many.
 
