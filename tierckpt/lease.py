@@ -24,7 +24,9 @@ before its first file is created; a deletion only removes objects it listed, so 
 starts after the listing is never touched.
 
 Lease expiry uses the holder's wall clock, compared with the deleter's: keep clocks within a
-fraction of :data:`LEASE_TTL` (NTP does). Leases never decide the *order* of checkpoints.
+fraction of :data:`LEASE_TTL` (NTP does). A lease whose holder ran on the same host and no longer
+exists is dead at once (a killed job's leftovers are cleaned by the next commit). Leases never
+decide the *order* of checkpoints.
 """
 
 from __future__ import annotations
@@ -72,7 +74,18 @@ class LeaseInfo:
     expires: float
 
     def live(self, now: float | None = None) -> bool:
-        return self.expires > (time.time() if now is None else now)
+        """Not expired, and (when its holder ran on this host) its holder process still runs."""
+        if self.expires <= (time.time() if now is None else now):
+            return False
+        host, _, pid = self.owner.rpartition(":")
+        if host == socket.gethostname() and pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                return False  # its holder died: no need to wait for the expiry
+            except (PermissionError, OverflowError):
+                pass
+        return True
 
     def describe(self) -> str:
         return f"{self.purpose or self.kind} by {self.owner}"

@@ -8,8 +8,8 @@
 * with ``keep_every = K`` a committed checkpoint whose step is a multiple of K stays forever;
 * the newest committed checkpoint is never deleted, nor anything in ``protect`` (in flight in
   this process, leased by a reader or a save anywhere, still owed to a later tier);
-* an uncommitted (partial) checkpoint goes when nobody holds a lease on it (a live save always
-  does, see :mod:`tierckpt.lease`) and its newest object is older than ``grace`` seconds.
+* an uncommitted (partial) checkpoint goes when nobody holds a lease on it (a live save or fetch
+  always does, from before its first file: see :mod:`tierckpt.lease`).
 
 :func:`apply_retention` deletes under the lease protocol (:func:`tierckpt.lease.guarded_delete`):
 metadata first, then exactly the objects that were listed, so a save of the same id that started
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from .catalog import CheckpointInfo, list_checkpoints
 from .errors import TierckptError
 from .layout import METADATA, check_checkpoint_id, checkpoint_prefixes, metadata_key, split_key
-from .lease import LEASE_TTL, guarded_delete, live_leases
+from .lease import guarded_delete, live_leases
 from .tiers.base import ObjectInfo, Tier
 
 __all__ = ["RetentionPlan", "plan_retention", "apply_retention", "enforce", "delete_checkpoint", "checkpoint_objects"]
@@ -44,11 +44,11 @@ class RetentionPlan:
 
 def plan_retention(infos: list[CheckpointInfo], keep: int, keep_every: int = 0,
                    protect: set[str] | frozenset[str] = frozenset(), *, partials: bool = True,
-                   now: float | None = None, grace: float = LEASE_TTL) -> RetentionPlan:
+                   now: float | None = None, grace: float = 0.0) -> RetentionPlan:
     """Decide what goes (pure: no I/O). ``infos`` as from :func:`~tierckpt.catalog.list_checkpoints`.
 
-    ``partials``: also delete uncommitted checkpoints not in ``protect`` whose newest object is
-    older than ``grace`` seconds before ``now``.
+    ``partials``: also delete uncommitted checkpoints not in ``protect`` (the caller adds every
+    leased id to it) whose newest object is older than ``grace`` seconds before ``now``.
     """
     now = time.time() if now is None else now
     committed = [c for c in infos if c.ordered]
