@@ -218,14 +218,16 @@ def find_latest(tiers: list[Tier]) -> Latest:
 
     Ordered by commit header (seq, commit time, step); the first candidate whose metadata parses
     on some tier and whose files that tier can serve wins. Unreachable tiers are logged and
-    skipped. Raises :class:`CheckpointNotFound` naming the tiers when nothing qualifies.
+    skipped; when nothing qualifies, the first unreachable tier's error is raised, else
+    :class:`CheckpointNotFound` naming the tiers.
     """
     listed: dict[str, list[tuple[Tier, CheckpointInfo]]] = {}
+    unreachable: list[TierckptError] = []
     for tier in tiers:
         try:
             done = committed_in_order(tier)
         except TierckptError as e:
-            log.warning("tier %s unreachable while resolving latest: %s", tier.url, e)
+            unreachable.append(e)
             continue
         for c in done:
             listed.setdefault(c.checkpoint_id, []).append((tier, c))
@@ -243,6 +245,10 @@ def find_latest(tiers: list[Tier]) -> Latest:
                 log.error("skipping %s on %s for 'latest': %s", cid, tier.url, why)
                 continue
             ok = [t for t, i in holding if t is tier or servable(t, i, man) is None]
+            for e in unreachable:
+                log.warning("a tier was unreachable while resolving latest: %s", e)
             return Latest(checkpoint_id=cid, committed=man.committed, step=man.step, seq=man.seq,
                           tiers=[t.name for t in ok], holding=ok, manifest=man, metadata=md)
+    if unreachable:
+        raise unreachable[0]  # nothing found where we could look: the outage is the answer
     raise CheckpointNotFound("no committed checkpoint on any tier: " + ", ".join(t.url for t in tiers))

@@ -544,10 +544,14 @@ class Engine:
 
     def retain_s3(self, job: RankSave) -> None:
         """``[s3] keep``/``keep_every`` after ``job`` committed on S3 (rank 0), then abort stale uploads."""
+        self.retain_s3_now({job.id})
+
+    def retain_s3_now(self, protect: set[str]) -> None:
+        """``[s3] keep``/``keep_every`` on S3 now (rank 0 only), sparing ``protect`` and saves in flight."""
         s3 = self.s3_tier()
         cfg = self.cfg.s3
         assert cfg is not None
-        enforce(s3, cfg.keep, cfg.keep_every, self.in_flight_ids() | {job.id})
+        enforce(s3, cfg.keep, cfg.keep_every, self.in_flight_ids() | protect)
         abort = getattr(s3, "abort_stale_uploads", None)
         if abort is not None:
             aborted = abort("", older_than_s=self.cfg.job.commit_timeout)

@@ -96,6 +96,7 @@ class Promoter:
             self.engine.s3_tier()  # build the client now, not during the first promotion
         except Exception as e:  # noqa: BLE001 - reported by the first promotion that needs it
             log.warning("S3 tier not ready yet: %s", e)
+        self._startup_pass()
         while True:
             job = self._q.get()
             if job is None:
@@ -151,7 +152,11 @@ class Promoter:
             try:
                 gather_reports(ch, prefix, a.world, timeout, f"checkpoint {a.checkpoint_id} (S3)")
                 assert job.metadata_json is not None
-                s3.put(metadata_key(a.checkpoint_id), job.metadata_json, if_absent=True)
+                try:
+                    s3.put(metadata_key(a.checkpoint_id), job.metadata_json, if_absent=True)
+                except CommitConflict:
+                    if s3.get(metadata_key(a.checkpoint_id)) != job.metadata_json:
+                        raise  # another save's commit under this id: never overwritten
                 ch.publish(f"{prefix}/outcome", b"OK")
             except BaseException as e:
                 ch.publish(f"{prefix}/outcome", b"E" + str(e).encode())
@@ -166,6 +171,25 @@ class Promoter:
                 raise CaptureError(f"checkpoint {a.checkpoint_id} was not committed on S3: {out[1:].decode(errors='replace')}")
 
     # -- the backlog ----------------------------------------------------------------------
+    def _startup_pass(self) -> None:
+        """Without a process group (one process is the whole job) the backlog is promoted at once,
+        not only before the first promotion: a job that resumes and never saves still uploads it.
+        With a process group the ranks meet at their first promotion (see :meth:`_backlog_step`)."""
+        import uuid
+
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return
+        from .commit import LocalChannel
+
+        try:
+            self._backlog_pass(0, 1, f"startup-{uuid.uuid4().hex}", None, "", LocalChannel())
+        except BaseException as e:  # noqa: BLE001 - retried before the first promotion
+            log.warning("promoting the backlog at start failed (retried before the first promotion): %s", e)
+            return
+        self.settled = True
+
     def _backlog_step(self, job: "RankSave") -> None:
         """Before promoting ``job``: the coordinator decides whether a backlog pass runs (first
         promotion of this process, or something is owed); every rank follows. Never raises."""
@@ -181,7 +205,7 @@ class Promoter:
             else:
                 go = ch.wait_get(f"{prefix}/go", timeout + 30, f"checkpoint {a.checkpoint_id}: backlog decision") == b"1"
             if go:
-                self._backlog_pass(job, ch, prefix)
+                self._backlog_pass(a.rank, a.world, a.token, job.seq, job.id, ch)
         except BaseException as e:  # noqa: BLE001 - the backlog is retried before the next promotion
             log.warning("promoting the backlog before %s failed (retried before the next promotion): %s", job.id, e)
             with self._lock:
@@ -199,24 +223,28 @@ class Promoter:
         except TierckptError:
             return set()
 
-    def _backlog_pass(self, job: "RankSave", ch: Channel, prefix: str) -> None:
+    def _backlog_pass(self, rank: int, world: int, token: str, below_seq: int | None, exclude: str, ch: Channel) -> None:
+        """One backlog pass on this rank (see the module docstring); every rank of the job runs it
+        with the same ``token``. ``below_seq``: only checkpoints committed before this one (the one
+        about to be promoted normally); None: all."""
         eng = self.engine
         local, s3 = eng.local, eng.s3_tier()
         assert local is not None and eng.cfg.s3 is not None
-        a = job.assign
         timeout = eng.cfg.job.commit_timeout
-        what = f"backlog before {a.checkpoint_id}"
+        prefix = f"tierckpt/{token}/backlog"
+        what = f"backlog before {exclude}" if exclude else "backlog at start"
         # 1. what this rank holds: committed locally, older than the job
         mine: dict[str, dict[str, Any]] = {}
+        queued = self.pending_ids()  # promoted normally, soon
         for c in committed_in_order(local):
             assert c.header is not None
-            if c.header.seq < job.seq and c.checkpoint_id != job.id:
+            if (below_seq is None or c.header.seq < below_seq) and c.checkpoint_id != exclude and c.checkpoint_id not in queued:
                 files = {n: o.size for n, o in c.objects.items() if n.endswith(".data")}
                 mine[c.checkpoint_id] = {"seq": c.header.seq, "step": c.step, "files": files}
-        ch.publish(f"{prefix}/have{a.rank}", json.dumps(mine).encode())
+        ch.publish(f"{prefix}/have{rank}", json.dumps(mine).encode())
         # 2. the coordinator's plan
-        if a.rank == 0:
-            plan = self._plan_backlog(ch, prefix, a.world, timeout, what)
+        if rank == 0:
+            plan = self._plan_backlog(ch, prefix, world, timeout, what)
             ch.publish(f"{prefix}/plan", json.dumps(plan).encode())
         else:
             plan = json.loads(ch.wait_get(f"{prefix}/plan", timeout + 30, f"{what}: plan"))
@@ -224,7 +252,7 @@ class Promoter:
         if not needed:
             with self._lock:
                 self._owed -= set(mine)
-                if a.rank == 0:
+                if rank == 0:
                     self._need_pass = False
             return
         log.info("%s: %d checkpoint(s) committed locally are missing on %s: %s", what, len(needed), s3.url, ", ".join(needed))
@@ -233,31 +261,31 @@ class Promoter:
         for cid in needed:
             p = plan["plan"][cid]
             try:
-                todo = [f for f, (r, _size) in p["files"].items() if r == a.rank]
-                if todo or p["md_rank"] == a.rank:
-                    with leases.acquire(local, cid, purpose=f"backlog promotion by rank {a.rank}"):
+                todo = [f for f, (r, _size) in p["files"].items() if r == rank]
+                if todo or p["md_rank"] == rank:
+                    with leases.acquire(local, cid, purpose=f"backlog promotion by rank {rank}"):
                         for f in todo:
                             s3.upload_file(data_key(cid, f), str(local.root / data_key(cid, f)))  # type: ignore[attr-defined]
-                        if p["md_rank"] == a.rank:
+                        if p["md_rank"] == rank:
                             ch.publish(f"{prefix}/md/{cid}", self._checked_metadata(cid, p["files"]))
                 results[cid] = "ok"
             except BaseException as e:  # noqa: BLE001 - reported to the coordinator
-                results[cid] = f"rank {a.rank}: {type(e).__name__}: {e}"
-        ch.publish(f"{prefix}/done{a.rank}", json.dumps(results).encode())
+                results[cid] = f"rank {rank}: {type(e).__name__}: {e}"
+        ch.publish(f"{prefix}/done{rank}", json.dumps(results).encode())
         # 4. commits, oldest first, by the coordinator
-        if a.rank == 0:
-            outcome = self._commit_backlog(ch, prefix, a.world, timeout, what, needed)
+        if rank == 0:
+            outcome = self._commit_backlog(ch, prefix, world, timeout, what, needed)
             ch.publish(f"{prefix}/outcome", json.dumps(outcome).encode())
         else:
             outcome = json.loads(ch.wait_get(f"{prefix}/outcome", timeout + 30, f"{what}: outcome"))
         with self._lock:
             self._owed -= set(mine)
             self._owed |= set(outcome["failed"])
-            if a.rank == 0:
+            if rank == 0:
                 self._need_pass = bool(outcome["failed"])
-        if a.rank == 0 and outcome["promoted"]:
+        if rank == 0 and outcome["promoted"]:
             try:
-                eng.retain_s3(job)
+                eng.retain_s3_now(set(outcome["promoted"]))
             except Exception as e:  # noqa: BLE001
                 log.warning("S3 retention after the backlog failed: %s", e)
 
