@@ -630,6 +630,8 @@ class Engine:
     def wait(self, timeout: float | None = None, owner: Any = None) -> None:
         """Block until every checkpoint in flight is committed on every configured tier."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.promoter is not None:  # a backlog promoted at start is part of "everything done"
+            self.promoter.started.wait(timeout)
         for j in self._pending():
             fut = j.promoted if self.promoter is not None else j.committed
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -65,6 +65,7 @@ class Promoter:
         self._owed: set[str] = set()  # committed locally, known missing on S3 (backlog, failed promotions)
         self._need_pass = True  # coordinator: run a backlog pass before the next promotion
         self.settled = False  # a backlog pass (or a failed attempt at one) has run in this process
+        self.started = threading.Event()  # the start-up pass (single-process jobs) is over
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="tierckpt-promote", daemon=True)
         self._thread.start()
@@ -179,16 +180,19 @@ class Promoter:
 
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return
-        from .commit import LocalChannel
-
         try:
-            self._backlog_pass(0, 1, f"startup-{uuid.uuid4().hex}", None, "", LocalChannel())
-        except BaseException as e:  # noqa: BLE001 - retried before the first promotion
-            log.warning("promoting the backlog at start failed (retried before the first promotion): %s", e)
-            return
-        self.settled = True
+            if dist.is_available() and dist.is_initialized():
+                return
+            from .commit import LocalChannel
+
+            try:
+                self._backlog_pass(0, 1, f"startup-{uuid.uuid4().hex}", None, "", LocalChannel())
+            except BaseException as e:  # noqa: BLE001 - retried before the first promotion
+                log.warning("promoting the backlog at start failed (retried before the first promotion): %s", e)
+                return
+            self.settled = True
+        finally:
+            self.started.set()
 
     def _backlog_step(self, job: "RankSave") -> None:
         """Before promoting ``job``: the coordinator decides whether a backlog pass runs (first
