@@ -48,6 +48,13 @@ def open_new(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mod
     raise AssertionError("unreachable")
 
 
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _tier_error(e: OSError, what: str) -> TierError:
     hint = ""
     if e.errno == errno.ENOSPC:
@@ -183,10 +190,7 @@ class LocalTier(Tier):
             if self.fsync:
                 fsync_dir(final.parent)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
             if isinstance(e, CommitConflict):
                 raise
             raise _tier_error(e, f"cannot write {final}") from e
@@ -200,10 +204,7 @@ class LocalTier(Tier):
                 f.write(data)
             os.replace(tmp, final)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
             raise _tier_error(e, f"cannot write {final}") from e
 
     def free_bytes(self) -> int | None:
@@ -238,10 +239,7 @@ class LocalTier(Tier):
             if self.fsync:
                 fsync_dir(final.parent)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
             raise _tier_error(e, f"cannot copy {path} to {final}") from e
         if progress is not None:
             progress(os.path.getsize(final))
