@@ -30,8 +30,9 @@ EPILOG = """examples:
   tierckpt-restore consolidate latest --out model.safetensors --keys model.
   tierckpt-restore gc --dry-run
 
-exit status: 0 ok, 1 not found or verification failed, 2 usage or configuration error,
-3 other error (storage, network), 130 interrupted. TIERCKPT_DEBUG=1 prints tracebacks.
+exit status: 0 ok, 1 not found or verification failed, 2 usage, configuration or credentials
+error (access denied), 3 other error (storage, network), 130 interrupted.
+TIERCKPT_DEBUG=1 prints tracebacks.
 """
 
 
