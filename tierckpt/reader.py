@@ -37,6 +37,7 @@ from .commit import committed_in_order
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, item_intact, metadata_from_json, metadata_key, padded
+from .layout import MAX_METADATA_BYTES
 from .tiers import make_tiers
 from .tiers.base import Tier
 
@@ -54,9 +55,17 @@ def open_tiers(cfg: TierConfig) -> list[Tier]:
 
 
 def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Metadata, Any]:
-    """Read and validate ``ID/metadata.json`` from ``tier``."""
+    """Read and validate ``ID/metadata.json`` from ``tier``.
+
+    Whatever the file holds, the result is the parsed metadata, :class:`CorruptCheckpoint`
+    (naming the file) or :class:`CheckpointNotFound`; tier failures raise the tier's errors.
+    A file larger than :data:`~tierckpt.layout.MAX_METADATA_BYTES` is refused before it is read.
+    """
     key = metadata_key(check_checkpoint_id(checkpoint_id))
-    raw = tier.get(key)
+    size = tier.size(key)
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
+    raw = tier.get(key, 0, size)
     md, manifest = metadata_from_json(raw, f"{tier.url}/{key}")
     if manifest.checkpoint_id != checkpoint_id:
         raise CorruptCheckpoint(f"{tier.url}/{key}: metadata names checkpoint {manifest.checkpoint_id!r}")
