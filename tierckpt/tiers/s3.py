@@ -642,8 +642,23 @@ class S3Tier(Tier):
         except ClientError as e:
             if _is_not_found(e):
                 return None
-            raise self._client_error(e, "head", url) from e
+            raise self._client_error(self._why_denied(full, e), "head", url) from e
         return int(resp["ContentLength"]), str(resp.get("ETag", "")).strip('"')
+
+    def _why_denied(self, full: str, e: "ClientError") -> "ClientError":
+        """A HEAD response has no body, so a refused HEAD says only "403". Ask once more with a
+        one-byte GET, whose error names the reason (``SignatureDoesNotMatch``, ``AccessDenied``,
+        ...); return that error, or ``e`` when the GET does not tell more."""
+        if not _is_denied(e) or _err_code(e) in _DENIED:
+            return e
+        try:
+            self._client.get_object(Bucket=self.bucket, Key=full, Range="bytes=0-0")["Body"].close()
+        except ClientError as g:
+            if _err_code(g) in _DENIED:
+                return g
+        except Exception:  # noqa: BLE001 - only an explanation; the HEAD's error stands
+            pass
+        return e
 
     def _open_range(
         self, full: str, start: int, end: int | None, if_match: str | None = None
