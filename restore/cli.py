@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from tierckpt.redact import redact
+
 from . import cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_verify
 from .errors import EXIT_OK, EXIT_USAGE, PROG, report
 
@@ -68,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Formatter(logging.Formatter):
+    """``tierckpt-restore: level: message``, redacted (no URL user information or query string)."""
+
     def format(self, record: logging.LogRecord) -> str:
-        return f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
+        return f"{PROG}: {record.levelname.lower()}: {redact(record.getMessage())}"
 
 
 def _setup_logging(verbose: bool, quiet: bool) -> None:

@@ -102,7 +102,12 @@ def _botocore_message(e: BaseException) -> tuple[str, int] | None:
 
 
 def classify(e: BaseException) -> tuple[str, int]:
-    """The one-line message and exit code for exception ``e``."""
+    """The one-line message and exit code for exception ``e`` (the message redacted)."""
+    msg, code = _classify(e)
+    return redact(msg), code
+
+
+def _classify(e: BaseException) -> tuple[str, int]:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", EXIT_INTERRUPTED
     if isinstance(e, (UsageError, ConfigError)):
