@@ -227,8 +227,10 @@ class S3Config:
     Attributes:
         bucket: bucket name (required).
         prefix: key prefix under which checkpoints live.
-        endpoint_url: e.g. ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty for AWS.
-        region: signing region.
+        endpoint_url: e.g. ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty for AWS. Checked
+            by :func:`check_endpoint_url`: ``http(s)://host[:port][/path]``, no ``user:password@``
+            (refused without being echoed), no query string.
+        region: signing region (letters, digits and ``-``).
         part_size: multipart part size (5MiB..5GiB).
         concurrency: concurrent part uploads / ranged GETs per process.
         keep: committed checkpoints kept on this tier (0 keeps all).
