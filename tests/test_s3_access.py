@@ -306,9 +306,11 @@ def test_endpoint_with_user_info_is_refused_without_echo(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_config(conf)
     assert secret not in str(ei.value)
+    unchecked = S3Config(bucket="b", endpoint_url=f"https://key:{secret}@s3.example.com")
     with pytest.raises(ConfigError) as ei:  # also when built in Python
-        S3Config(bucket="b", endpoint_url=f"https://key:{secret}@s3.example.com").validate()
+        unchecked.validate()
     assert secret not in str(ei.value) and "[s3] endpoint_url" in str(ei.value)
+    assert secret not in repr(unchecked) and "s3.example.com" in repr(unchecked)
 
 
 def test_urls_reaching_messages_are_redacted(monkeypatch, caplog):

@@ -254,6 +254,14 @@ class S3Config:
     read_timeout: float = 60.0
     conditional_commit: bool = True
 
+    def __repr__(self) -> str:
+        """The dataclass repr with ``endpoint_url`` redacted (it may not have been validated yet)."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            parts.append(f"{f.name}={redact_url(value)!r}" if f.name == "endpoint_url" else f"{f.name}={value!r}")
+        return f"S3Config({', '.join(parts)})"
+
     def validate(self, where: str = "[s3]") -> None:
         if not isinstance(self.bucket, str) or not self.bucket:
             raise ConfigError(f"{where} bucket: required, the bucket name")
