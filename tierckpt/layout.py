@@ -337,16 +337,23 @@ def _brief(x: Any) -> str:
     return type(x).__name__
 
 
-def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or not (lo <= x <= hi):
+_MAX_INT = 1 << 62
+
+
+def _int(x: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if type(x) is not int or not (lo <= x <= hi):  # JSON integers are exactly int (never bool)
         raise CorruptCheckpoint(f"metadata: {what} must be an integer in [{lo}, {hi}], got {_brief(x)}")
     return x
 
 
-def _ints(xs: Any, what: str) -> list[int]:
-    if not isinstance(xs, list) or len(xs) > 64:
-        raise CorruptCheckpoint(f"metadata: {what} must be a list of at most 64 integers, got {_brief(xs)}")
-    return [_int(v, what) for v in xs]
+def _ints(xs: Any, what: str, max_len: int = 64, hi: int = _MAX_INT) -> list[int]:
+    """``xs`` itself if it is a list of at most ``max_len`` integers in ``[0, hi]``."""
+    if type(xs) is not list or len(xs) > max_len:
+        raise CorruptCheckpoint(f"metadata: {what} must be a list of at most {max_len} integers, got {_brief(xs)}")
+    for v in xs:
+        if type(v) is not int or not 0 <= v <= hi:
+            raise CorruptCheckpoint(f"metadata: {what} must hold integers in [0, {hi}], got {_brief(v)}")
+    return xs
 
 
 def _obj(x: Any, what: str) -> dict[str, Any]:
@@ -372,12 +379,6 @@ def _str(x: Any, what: str, max_len: int = 1 << 20, *, none: bool = False) -> An
         return None
     if not isinstance(x, str) or len(x) > max_len:
         raise CorruptCheckpoint(f"metadata: {what} must be a string of at most {max_len} characters, got {_brief(x)}")
-    return x
-
-
-def _bool(x: Any, what: str) -> bool:
-    if not isinstance(x, bool):
-        raise CorruptCheckpoint(f"metadata: {what} must be true or false, got {_brief(x)}")
     return x
 
 
@@ -459,65 +460,20 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
     d = _obj(_req(doc, "dcp", "the document"), "'dcp'")
     sdm: dict[str, Any] = {}
     for fqn, m in _obj(_req(d, "state_dict_metadata", "'dcp'"), "'state_dict_metadata'").items():
-        what = f"entry {_brief(fqn)}"
-        _obj(m, what)
-        kind = _req(m, "type", what)
-        if kind == "bytes":
-            sdm[fqn] = BytesStorageMetadata()
-            continue
-        dtype = _req(m, "dtype", what)
-        if kind != "tensor" or not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CorruptCheckpoint(f"metadata: unsupported {what}: type {_brief(kind)}, dtype {_brief(dtype)}")
-        memfmt = _str(m.get("memory_format", "contiguous"), f"memory_format of {what}", 64)
-        props = TensorProperties(
-            dtype=DTYPES[dtype],
-            requires_grad=_bool(m.get("requires_grad", False), f"requires_grad of {what}"),
-            memory_format=_MEMFMT.get(memfmt, torch.contiguous_format),
-            pin_memory=_bool(m.get("pin_memory", False), f"pin_memory of {what}"),
-        )
-        size = _ints(_req(m, "size", what), f"size of {what}")
-        chunks = []
-        for c in _list(_req(m, "chunks", what), f"chunks of {what}"):
-            _obj(c, f"a chunk of {what}")
-            offsets = _ints(_req(c, "offsets", f"a chunk of {what}"), f"chunk offsets of {what}")
-            sizes = _ints(_req(c, "sizes", f"a chunk of {what}"), f"chunk sizes of {what}")
-            if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                o + n > full for o, n, full in zip(offsets, sizes, size)
-            ):
-                raise CorruptCheckpoint(f"metadata: a chunk {offsets}+{sizes} of {what} does not fit its size {size}")
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+        try:
+            sdm[fqn] = _sdm_entry(m)
+        except CorruptCheckpoint as e:
+            raise CorruptCheckpoint(f"{e} (entry {_brief(fqn)})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpoint(f"metadata: malformed entry {_brief(fqn)} ({type(e).__name__}: {_cut(str(e), 80)})") from None
     storage: dict[MetadataIndex, ItemRecord] = {}
-    for it in _list(_req(doc, "items", "the document"), "'items'"):
-        _obj(it, "an item")
-        index = _list(_req(it, "index", "an item"), "an item's index")
-        if len(index) != 3:
-            raise CorruptCheckpoint(f"metadata: an item's index must be [key, offset, index], got {_brief(index)}")
-        fqn, off, idx_n = index
-        if not isinstance(fqn, str) or fqn not in sdm:
-            raise CorruptCheckpoint(f"metadata: item for unknown key {_brief(fqn)}")
-        file = _req(it, "file", f"item {_brief(fqn)}")
-        if not isinstance(file, str) or file not in files:
-            raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} names file {_brief(file)} that is not part of the checkpoint")
-        pos, length = _int(_req(it, "pos", f"item {_brief(fqn)}"), "pos"), _int(_req(it, "length", f"item {_brief(fqn)}"), "length")
-        if pos % ALIGN or pos + padded(length) > files[file]:
-            raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} [{pos}, {pos + length}) is misaligned or runs past the end of {file} ({files[file]} bytes)")
-        dtype = _str(it.get("dtype", ""), f"dtype of item {_brief(fqn)}", 64)
-        shape = tuple(_ints(it.get("shape", []), "shape"))
-        if dtype:
-            if dtype not in DTYPES:
-                raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has unsupported dtype {_brief(dtype)}")
-            numel = 1
-            for n in shape:
-                numel *= n
-            if numel * DTYPES[dtype].itemsize != length:
-                raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} length {length} does not match {dtype}{list(shape)}")
-        crcs = _list(_req(it, "crcs", f"item {_brief(fqn)}"), f"checksums of item {_brief(fqn)}")
-        if len(crcs) != _n_pieces(pos, padded(length), chunk_size):
-            raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has a wrong number of checksums")
-        rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape,
-                         crcs=[_int(c, "crc", 0, 0xFFFFFFFF) for c in crcs])
-        idx = MetadataIndex(fqn, None if off is None else _ints(off, "offset"), None if idx_n is None else _int(idx_n, "index"))
+    for n, it in enumerate(_list(_req(doc, "items", "the document"), "'items'")):
+        try:
+            idx, rec = _item(it, sdm, files, chunk_size)
+        except CorruptCheckpoint as e:
+            raise CorruptCheckpoint(f"{e} (item {n})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpoint(f"metadata: malformed item {n} ({type(e).__name__}: {_cut(str(e), 80)})") from None
         storage[idx] = rec
     sm = d.get("storage_meta")
     storage_meta = None
@@ -534,6 +490,75 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
     if "version" in Metadata.__dataclass_fields__:
         kwargs["version"] = _str(d.get("version"), "dcp version", 64, none=True)
     return Metadata(**kwargs), manifest
+
+
+def _sdm_entry(m: Any) -> Any:
+    """One ``state_dict_metadata`` value -> DCP storage metadata (hot: one per state dict key)."""
+    if type(m) is not dict:
+        raise CorruptCheckpoint(f"metadata: an entry must be an object, got {_brief(m)}")
+    kind = m["type"]
+    if kind == "bytes":
+        return BytesStorageMetadata()
+    dtype = m["dtype"]
+    if kind != "tensor" or type(dtype) is not str or dtype not in DTYPES:
+        raise CorruptCheckpoint(f"metadata: unsupported entry: type {_brief(kind)}, dtype {_brief(dtype)}")
+    requires_grad, pin_memory = m.get("requires_grad", False), m.get("pin_memory", False)
+    memfmt = m.get("memory_format", "contiguous")
+    if type(requires_grad) is not bool or type(pin_memory) is not bool or type(memfmt) is not str:
+        raise CorruptCheckpoint("metadata: requires_grad and pin_memory must be true or false, memory_format a string")
+    props = TensorProperties(dtype=DTYPES[dtype], requires_grad=requires_grad,
+                             memory_format=_MEMFMT.get(memfmt, torch.contiguous_format), pin_memory=pin_memory)
+    size = _ints(m["size"], "size")
+    rank = len(size)
+    chunks = []
+    for c in _list(m["chunks"], "chunks"):
+        if type(c) is not dict:
+            raise CorruptCheckpoint(f"metadata: a chunk must be an object, got {_brief(c)}")
+        offsets, sizes = _ints(c["offsets"], "chunk offsets"), _ints(c["sizes"], "chunk sizes")
+        if len(offsets) != rank or len(sizes) != rank:
+            raise CorruptCheckpoint(f"metadata: a chunk has {len(offsets)}/{len(sizes)} dimensions, the tensor {rank}")
+        for o, n, full in zip(offsets, sizes, size):
+            if o + n > full:
+                raise CorruptCheckpoint(f"metadata: a chunk {offsets}+{sizes} does not fit the tensor's size {size}")
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
+def _item(it: Any, sdm: dict[str, Any], files: dict[str, int], chunk_size: int) -> tuple[MetadataIndex, ItemRecord]:
+    """One element of ``items`` -> (index, record), checked against the entries and files (hot)."""
+    if type(it) is not dict:
+        raise CorruptCheckpoint(f"metadata: an item must be an object, got {_brief(it)}")
+    index = it["index"]
+    if type(index) is not list or len(index) != 3:
+        raise CorruptCheckpoint(f"metadata: an item's index must be [key, offset, index], got {_brief(index)}")
+    fqn, off, idx_n = index
+    if type(fqn) is not str or fqn not in sdm:
+        raise CorruptCheckpoint(f"metadata: item for unknown key {_brief(fqn)}")
+    file = it["file"]
+    if type(file) is not str or file not in files:
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} names file {_brief(file)} that is not part of the checkpoint")
+    pos, length = _int(it["pos"], "pos"), _int(it["length"], "length")
+    if pos % ALIGN or pos + padded(length) > files[file]:
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} [{pos}, {pos + length}) is misaligned or runs past the end of {file} ({files[file]} bytes)")
+    dtype = it.get("dtype", "")
+    if type(dtype) is not str:
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has dtype {_brief(dtype)}")
+    shape = tuple(_ints(it.get("shape", []), "shape"))
+    if dtype:
+        if dtype not in DTYPES:
+            raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has unsupported dtype {_brief(dtype)}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel * DTYPES[dtype].itemsize != length:
+            raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} length {length} does not match {dtype}{list(shape)}")
+    crcs = it["crcs"]
+    if type(crcs) is not list or len(crcs) != _n_pieces(pos, padded(length), chunk_size):
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has a wrong number of checksums")
+    _ints(crcs, "crc", len(crcs), 0xFFFFFFFF)
+    rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape, crcs=crcs)
+    idx = MetadataIndex(fqn, None if off is None else _ints(off, "offset"), None if idx_n is None else _int(idx_n, "index"))
+    return idx, rec
 
 
 def iter_items(md: Metadata) -> Iterator[tuple[MetadataIndex, ItemRecord]]:
