@@ -187,7 +187,8 @@ _DENIED: dict[str, str] = {
 
 def _is_denied(e: "ClientError") -> bool:
     """Whether ``e`` is an authentication or authorization failure (never worth a retry)."""
-    return _err_code(e) in _DENIED or _err_status(e) in (401, 403) and _err_code(e) in ("", "401", "403", "Forbidden", "Unauthorized")
+    code = _err_code(e)
+    return code in _DENIED or (_err_status(e) in (401, 403) and code in ("", "401", "403", "Forbidden", "Unauthorized"))
 
 
 def _is_not_found(e: "ClientError") -> bool:
@@ -380,7 +381,8 @@ class S3Tier(Tier):
             )
         if isinstance(e, BotoConnectionError):
             return TierUnavailable(f"{what} {url}: cannot reach the S3 endpoint after retries: {type(e).__name__}: {redact(e)}")
-        return TierError(f"{what} {url} failed after retries: {type(e).__name__}: {redact(e)}")
+        retried = isinstance(e, (HTTPClientError, IncompleteReadError))
+        return TierError(f"{what} {url} failed{' after retries' if retried else ''}: {type(e).__name__}: {redact(e)}")
 
     def _retrying(self, fn: Callable[[], _T], what: str, url: str, *, own_retry: bool) -> _T:
         """Run ``fn`` (one boto3 call, already retried by botocore).
