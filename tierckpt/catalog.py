@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import (HEADER_MAX, METADATA, CheckpointManifest, CommitHeader, check_checkpoint_id, metadata_from_json,
+from .layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointManifest, CommitHeader, check_checkpoint_id, metadata_from_json,
                      metadata_key, read_header, split_key, step_of)
 from .tiers.base import ObjectInfo, Tier
 
@@ -164,9 +164,17 @@ def is_committed(tier: Tier, checkpoint_id: str) -> bool:
 
 
 def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Any, CheckpointManifest]:
-    """Read and validate ``ID/metadata.json`` from ``tier``: DCP ``Metadata`` and the manifest."""
+    """Read and validate ``ID/metadata.json`` from ``tier``: DCP ``Metadata`` and the manifest.
+
+    Whatever the file holds, the result is the parsed metadata, :class:`CorruptCheckpoint`
+    (naming the file) or :class:`CheckpointNotFound`; tier failures raise the tier's errors.
+    A file larger than :data:`~tierckpt.layout.MAX_METADATA_BYTES` is refused before it is read.
+    """
     key = metadata_key(check_checkpoint_id(checkpoint_id))
-    raw = tier.get(key)
+    size = tier.size(key)
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
+    raw = tier.get(key, 0, size)
     md, manifest = metadata_from_json(raw, f"{tier.url}/{key}")
     if manifest.checkpoint_id != checkpoint_id:
         raise CorruptCheckpoint(f"{tier.url}/{key}: metadata names checkpoint {manifest.checkpoint_id!r}")
