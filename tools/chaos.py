@@ -699,6 +699,14 @@ class Reference:
         env.cleanup(d, cfgd)
 
 
+def reference(env: Env, seed: int) -> Reference:
+    """One :class:`Reference` per trainer seed and session, shared by the cases (two trainer runs)."""
+    refs = env.__dict__.setdefault("_references", {})
+    if seed not in refs:
+        refs[seed] = Reference(env, seed)
+    return refs[seed]
+
+
 def load_app(cfg: TierConfig, cid: str, seed: int) -> tuple[int, str, str | None]:
     """Load ``cid`` into a fresh, poisoned TinyGPT + AdamW; return (step, digest, resolved id)."""
     from train_gpt import AppState, TinyGPT, digest
@@ -794,7 +802,7 @@ def case_crash(env: Env, trials: int, seed: int, *, node_loss_rate: float = 0.25
     res = CaseResult("crash")
     t0 = time.perf_counter()
     train_seed = seed % 1000
-    ref = Reference(env, train_seed)
+    ref = reference(env, train_seed)
     steps = TRAIN["steps"]
     for i in range(trials):
         rng = random.Random(f"{seed}-crash-{i}")

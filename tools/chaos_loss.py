@@ -135,14 +135,6 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-def reference(env: Env, seed: int) -> Reference:
-    """One :class:`chaos.Reference` per seed and session (it costs two trainer runs)."""
-    refs = env.__dict__.setdefault("_loss_refs", {})
-    if seed not in refs:
-        refs[seed] = Reference(env, seed)
-    return refs[seed]
-
-
 # == case: filetimes ================================================================================
 
 def perturb(env: Env, rng: random.Random, cfg: TierConfig, order: list[str]) -> list[str]:
@@ -326,7 +318,7 @@ def case_backlog(env: Env, trials: int, seed: int, *, plan: tuple[str, ...] = ()
         res.skipped = "no S3 server (--s3 none)"
         return res
     train_seed = seed % 1000
-    ref = reference(env, train_seed)
+    ref = chaos.reference(env, train_seed)
     for i in range(trials):
         rng = random.Random(f"{seed}-backlog-{i}")
         kinds = [k for k in BACKLOG_KILLS if not plan or k[0] == plan[i % len(plan)]]
@@ -392,10 +384,13 @@ GONE = re.compile(r"being deleted|was deleted|is not committed|not committed on|
 
 
 def classify(exc: BaseException) -> str:
-    """``corrupt`` (a CorruptCheckpoint/ChecksumMismatch), ``gone`` (deleted / not committed) or ``unclear``."""
+    """``corrupt`` (a CorruptCheckpoint/ChecksumMismatch), ``deleted under the reader`` (after it took
+    its lease: a deletion ignored it), ``gone`` (being deleted / not committed) or ``unclear``."""
     if find_error(exc, CorruptCheckpoint) is not None:
         return "corrupt"
     texts = [str(e) for e in chaos.errors_in(exc)]
+    if any(re.search(r"was deleted from .* while it was being read", t) for t in texts):
+        return "deleted under the reader"
     if any(chaos._TIERCKPT_TEXT.search(t) for t in texts) and not any(GONE.search(t) for t in texts):
         return "corrupt"
     return "gone" if is_not_found(exc) or any(GONE.search(t) for t in texts) else "unclear"
@@ -588,7 +583,7 @@ def _chain(env: Env, res: CaseResult, rng: random.Random, train_seed: int, with_
                 str(train_seed), "--d-model", str(t["d_model"]), "--layers", str(t["layers"]), "--batch", str(t["batch"]),
                 "--ctx", str(t["ctx"]), "--digests", "--resume"]
         p = env.spawn("trainer", {"argv": argv}, out)
-        until = time.monotonic() + rng.uniform(0.1, 2.5)
+        until = time.monotonic() + (rng.uniform(0.0, 0.5) if rng.random() < 0.25 else rng.uniform(0.3, 2.5))
         while time.monotonic() < until and p.is_alive():
             time.sleep(0.02)
         alive = p.is_alive()
