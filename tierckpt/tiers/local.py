@@ -80,6 +80,13 @@ class _Bounce:
             if self._free:
                 return self._free.pop()
         mm = mmap.mmap(-1, BOUNCE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            # Huge pages: a direct read then needs a few large device requests instead of one
+            # per megabyte of 4 KiB pages (measured: ~2.5 vs ~1.2 GiB/s cold on a virtio disk).
+            try:
+                mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         return mm, memoryview(mm), np.frombuffer(mm, dtype=np.uint8)
 
     def give(self, b: tuple[mmap.mmap, memoryview, np.ndarray]) -> None:
