@@ -372,13 +372,21 @@ def compare_state(got: dict, want: dict) -> list[str]:
     return bad
 
 
-def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int) -> float:
-    """``pwrite`` ``nbytes`` from the touched ``buf`` (64 MiB writes) into one file, then fsync."""
+def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int, direct: bool = False) -> float:
+    """``pwrite`` ``nbytes`` from the touched ``buf`` (64 MiB writes) into one file, then fsync.
+
+    ``direct``: the same I/O as the local tier's sink: the file preallocated
+    (``posix_fallocate``), written with ``O_DIRECT`` from the page-aligned ``buf`` (the last
+    partial 4 KiB block through a buffered descriptor)."""
     mv = memoryview(buf.numpy())
     step = 64 * MiB
     nslices = len(mv) // step
     t0 = now()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    wfd = fd
+    if direct:
+        os.posix_fallocate(fd, 0, nbytes)
+        wfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     try:
         def span(lo: int, hi: int) -> None:
             off = lo
@@ -386,7 +394,11 @@ def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int) -> float
                 n = min(step, hi - off)
                 j = (off // step) % nslices  # cycle over the touched buffer, 64 MiB at a time
                 src = mv[j * step : j * step + n]
-                w = os.pwrite(fd, src, off)
+                if direct and n % 4096:
+                    a = n - n % 4096
+                    w = (os.pwrite(wfd, src[:a], off) if a else 0) + os.pwrite(fd, src[a:], off + a)
+                else:
+                    w = os.pwrite(wfd, src, off)
                 off += w
 
         if threads == 1:
@@ -401,6 +413,8 @@ def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int) -> float
         os.fsync(fd)
     finally:
         os.close(fd)
+        if wfd != fd:
+            os.close(wfd)
     return now() - t0
 
 
@@ -414,7 +428,10 @@ def section_local(ctx: Ctx) -> dict:
     nbytes = tensor_bytes(sd)
     ntensors = sum(isinstance(v, torch.Tensor) for v in sd.values())
     dest = empty_like_state(sd)
-    rawbuf = torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8)
+    from tierckpt.capture.pool import aligned_buffer
+
+    rawbuf, _rawbuf_owner = aligned_buffer(256 * MiB)  # page-aligned (O_DIRECT), touched below
+    rawbuf.copy_(torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8))
 
     pools = [(512 * MiB, 32 * MiB), (1 * GiB, 64 * MiB)]
     # keep=0 and the previous checkpoint deleted before the timer starts: the same treatment as the
@@ -481,23 +498,26 @@ def section_local(ctx: Ctx) -> dict:
     methods: dict[str, Callable[[], float]] = {
         "raw write+fsync 1 thread": None,  # filled below (need cleanup after)
         "raw write+fsync 2 threads": None,
+        "raw O_DIRECT write+fsync 1 thread": None,
+        "raw O_DIRECT write+fsync 2 threads": None,
         "torch.save+fsync": generic("torch.save+fsync", do_torch_save),
         "DCP FileSystemWriter": generic("DCP FileSystemWriter", lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p))),
         "DCP FileSystemWriter thread_count=4": generic(
             "DCP FileSystemWriter thread_count=4", lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4))),
     }
-    for threads in (1, 2):
-        name = f"raw write+fsync {threads} thread{'s' if threads > 1 else ''}"
+    for direct in (False, True):
+        for threads in (1, 2):
+            name = f"raw {'O_DIRECT ' if direct else ''}write+fsync {threads} thread{'s' if threads > 1 else ''}"
 
-        def raw(threads: int = threads, name: str = name) -> float:
-            p = out_path(name)
-            rm(p)
-            os.sync()
-            t = raw_write(p, nbytes, rawbuf, threads)
-            rm(p)
-            return t
+            def raw(threads: int = threads, name: str = name, direct: bool = direct) -> float:
+                p = out_path(name)
+                rm(p)
+                os.sync()
+                t = raw_write(p, nbytes, rawbuf, threads, direct)
+                rm(p)
+                return t
 
-        methods[name] = raw
+            methods[name] = raw
     for label, cfg in cfgs.items():
         methods[f"tiered {label}"] = tiered_save(label, cfg)
 
@@ -516,12 +536,15 @@ def section_local(ctx: Ctx) -> dict:
     dcp.load(tiny, storage_reader=dcp.FileSystemReader(root / "warm"))
     rm(root / "warm")
 
+    save_cpu: dict[str, list[float]] = {}
     for r in range(R):
         for name, fn in methods.items():
             log(f"local: save rep {r + 1}/{R}: {name}")
             if name.startswith("tiered"):
                 os.sync()
+            c0 = cpu_seconds()
             save_times.setdefault(name, []).append(fn())
+            save_cpu.setdefault(name, []).append(cpu_seconds() - c0)
     rm(out_path("DCP FileSystemWriter thread_count=4"))
 
     # ---- loads -------------------------------------------------------------------------
@@ -549,6 +572,7 @@ def section_local(ctx: Ctx) -> dict:
         load_paths[f"TieredReader {label}"] = cfg.local.resolved_path()  # keep=1: only this checkpoint
 
     load_times: dict[str, list[float]] = {}
+    load_cpu: dict[str, list[float]] = {}
     verified: dict[str, Any] = {}
     for r in range(R):
         for name, fn in loads.items():
@@ -561,16 +585,21 @@ def section_local(ctx: Ctx) -> dict:
             else:
                 warm_file_tree(load_paths[name])
             t0 = now()
+            c0 = cpu_seconds()
             fn()
             load_times.setdefault(name, []).append(now() - t0)
+            load_cpu.setdefault(name, []).append(cpu_seconds() - c0)
             if r == 0:
                 bad = compare_state(dest, sd)
                 verified[name] = "ok" if not bad else f"MISMATCH in {bad[:5]}"
 
     # ---- rows --------------------------------------------------------------------------
     rows = []
-    ceiling_name = min(("raw write+fsync 1 thread", "raw write+fsync 2 threads"), key=lambda n: med(save_times[n]))
+    ceiling_name = min(("raw O_DIRECT write+fsync 1 thread", "raw O_DIRECT write+fsync 2 threads"),
+                       key=lambda n: med(save_times[n]))
     ceiling_bw = nbytes / med(save_times[ceiling_name])
+    buffered_name = min(("raw write+fsync 1 thread", "raw write+fsync 2 threads"), key=lambda n: med(save_times[n]))
+    gib = nbytes / GiB
     for name, ts in save_times.items():
         bw = nbytes / med(ts)
         note = ""
@@ -582,14 +611,16 @@ def section_local(ctx: Ctx) -> dict:
             note = (f"blocked in dcp.save {e['blocked_in_save_s']['median'] * 1e3:.1f} ms, captured "
                     f"{e['captured_s']['median']:.2f} s, durable {e['lib_flush_durable_s']['median']:.2f} s, "
                     f"commit tail {e['commit_tail_s']['median']:.2f} s")
-        rows.append(row("save: " + name, ts, nbytes, ratio=bw / ceiling_bw, note=note, details=e))
+        rows.append(row("save: " + name, ts, nbytes, ratio=bw / ceiling_bw, note=note, details=e,
+                        cpu_s_per_gib=med(save_cpu[name]) / gib))
     for label, t in first_save.items():
         rows.append(row(f"save: tiered {label} first save (fresh pool)", [t], nbytes, ratio=(nbytes / t) / ceiling_bw,
                         note="once, before the repeats; touches the pool"))
     fs_load = med(load_times["DCP FileSystemReader"])
     for name, ts in load_times.items():
         rows.append(row("load: " + name, ts, nbytes, ratio=fs_load / med(ts),
-                        note=f"{'cold' if cold else 'warm'}; verify {verified.get(name)}"))
+                        note=f"{'cold' if cold else 'warm'}; verify {verified.get(name)}",
+                        cpu_s_per_gib=med(load_cpu[name]) / gib))
 
     ratios: dict[str, float] = {}
     targets: dict[str, tuple[str, float]] = {}
@@ -600,9 +631,12 @@ def section_local(ctx: Ctx) -> dict:
         ratios[f"(info) tiered_durable_bw/raw_ceiling [{label}]"] = (nbytes / durable) / ceiling_bw
         ratios[f"tiered_load_bw/fsreader_load_bw [{label}]"] = fs_load / med(load_times[f"TieredReader {label}"])
         targets[f"tiered_load_bw/fsreader_load_bw [{label}]"] = (">=", 2.0)
+    ratios["(info) raw O_DIRECT ceiling / raw buffered"] = med(save_times[buffered_name]) / med(save_times[ceiling_name])
     notes = [
         f"state: {nbytes / GiB:.3f} GiB in {ntensors} tensors (+ non-tensor items); {R} interleaved repeats; "
-        f"ratio column: save bw / ceiling ({ceiling_name}), load: FileSystemReader time / this time",
+        f"ratio column: save bw / ceiling ({ceiling_name}: fallocate + O_DIRECT pwrite of 64 MiB from a page-aligned "
+        "buffer + fsync, the I/O the local tier's sink does), load: FileSystemReader time / this time; "
+        "CPU-s/GiB: this process's user+system CPU (all threads) during the operation per GiB",
         f"loads are {'cold (page cache dropped before each)' if cold else 'warm (drop_caches not permitted; every file pre-read)'}",
         "tiered save time = dcp.save start .. writer.wait() returned (fsynced, renamed, metadata committed, "
         "keep=0); every writer's previous output is deleted before its timer starts, "
@@ -938,7 +972,7 @@ def section_e2e(ctx: Ctx) -> dict:
     if ctx.quick:
         vocab, d, layers, heads, ff, T, B, iters = 4096, 384, 4, 6, 1536, 128, 4, 3
     else:
-        vocab, d, layers, heads, ff, T, B, iters = 8192, 768, 8, 12, 3072, 128, 16, 10
+        vocab, d, layers, heads, ff, T, B, iters = 8192, 768, 8, 12, 3072, 128, 16, 6
     model = TinyGPT(vocab, d, layers, heads, ff, T)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     nparams = sum(p.numel() for p in model.parameters())
@@ -1034,37 +1068,74 @@ def section_e2e(ctx: Ctx) -> dict:
             out["lib_durable_s"] = [h.flush_s for h in hist]
             out["lib_prestep_wait_s"] = [h.prestep_wait_s for h in hist]
             out["lib_save_blocked_s"] = [h.save_blocked_s for h in hist]
+            out["lib_cpu_s"] = [getattr(h, "cpu_s", 0.0) for h in hist]
             handle.remove()
         for d in dirs:
             rm(d)
         return out
 
-    modes = {m: run_mode(m) for m in ("none", "tiered", "sync FileSystemWriter", "async_save")}
-    modes["none (again, drift check)"] = run_mode("none")
-    tn = (modes["none"]["total_s"] + modes["none (again, drift check)"]["total_s"]) / 2
-    cn = (modes["none"]["cpu_s"] + modes["none (again, drift check)"]["cpu_s"]) / 2
+    # Interleaved rounds (none, tiered, async, sync, none, tiered, ...), so that a change in what
+    # else runs on the machine hits every mode alike; the none blocks of different rounds give the
+    # drift. With one round (--quick) a last none block is the drift check.
+    rounds = 1 if ctx.quick else 2
+    order = ("none", "tiered", "async_save", "sync FileSystemWriter")
+    blocks: dict[str, list[dict]] = {m: [] for m in order}
+    for r in range(rounds):
+        for m in order:
+            log(f"e2e: round {r + 1}/{rounds}")
+            blocks[m].append(run_mode(m))
+    if rounds == 1:
+        blocks["none"].append(run_mode("none"))
+    nn_ = len(blocks["none"])
+    modes: dict[str, dict] = {}
+    for m, bl in blocks.items():
+        agg: dict[str, Any] = {"blocks": bl, "total_s": sum(b["total_s"] for b in bl) / (len(bl) if m == "none" else 1),
+                               "cpu_s": sum(b["cpu_s"] for b in bl) / (len(bl) if m == "none" else 1),
+                               "rm_s": sum(b["rm_s"] for b in bl), "drain_s": sum(b["drain_s"] for b in bl)}
+        for k in ("fb_s", "opt_step_s", "ckpt_call_s", "lib_capture_s", "lib_durable_s", "lib_prestep_wait_s",
+                  "lib_cpu_s"):
+            if k in bl[0]:
+                agg[k] = [x for b in bl for x in b[k]]
+        modes[m] = agg
+    # none: per-block mean scaled to the other modes' number of blocks
+    scale = rounds
+    tn = modes["none"]["total_s"] * scale
+    cn = modes["none"]["cpu_s"] * scale
     tt = modes["tiered"]["total_s"]
+    ckpt_gib = state_bytes * iters * rounds / GiB
     rows = []
     for m, r in modes.items():
-        note = (f"sum fwd+bwd {sum(r['fb_s']):.1f} s (median {med(r['fb_s']):.2f}), opt.step {sum(r['opt_step_s']):.1f} s, "
-                f"ckpt calls {sum(r['ckpt_call_s']):.1f} s; CPU {r['cpu_s'] - cn:+.1f} s vs none")
+        total = r["total_s"] * (scale if m == "none" else 1)
+        cpu = r["cpu_s"] * (scale if m == "none" else 1)
+        note = (f"blocks {', '.join(format(b['total_s'], '.1f') for b in r['blocks'])} s; sum fwd+bwd {sum(r['fb_s']):.1f} s "
+                f"(median {med(r['fb_s']):.2f}), opt.step {sum(r['opt_step_s']):.1f} s, "
+                f"ckpt calls {sum(r['ckpt_call_s']):.1f} s; CPU {cpu - cn:+.1f} s vs none")
         if m == "tiered":
             note += (f"; capture {med(r['lib_capture_s']):.2f} s, durable {med(r['lib_durable_s']):.2f} s, "
-                     f"pre-step wait {med(r['lib_prestep_wait_s']) * 1e3:.0f} ms")
+                     f"pre-step wait {med(r['lib_prestep_wait_s']) * 1e3:.0f} ms, "
+                     f"writer.stats cpu_s {med(r['lib_cpu_s']):.3f} s/ckpt")
         if m != "none":
-            note += f"; final drain {r['drain_s']:.2f} s incl."
+            note += f"; final drains {r['drain_s']:.2f} s incl."
         if r["rm_s"]:
             note += f"; rm of old dirs {r['rm_s']:.2f} s incl."
-        rows.append(row(f"total {iters} iters: {m}", [r["total_s"]], state_bytes * iters if m != "none" else None,
-                        ratio=r["total_s"] / tn, note="ratio: vs none (mean of both runs); " + note))
-    ratios = {"tiered/none": tt / tn, "sync/tiered": modes["sync FileSystemWriter"]["total_s"] / tt,
-              "async/tiered": modes["async_save"]["total_s"] / tt}
-    targets = {"tiered/none": ("<=", 1.05), "sync/tiered": (">=", 2.2)}
+        rows.append(row(f"total {rounds}x{iters} iters: {m}" + (" (mean of blocks x rounds)" if m == "none" else ""),
+                        [total], state_bytes * iters * rounds if m != "none" else None,
+                        ratio=total / tn, note="ratio: vs none; " + note,
+                        cpu_s_per_gib=None if m == "none" else (cpu - cn) / ckpt_gib))
+    nb = [b["total_s"] for b in modes["none"]["blocks"]]
+    ratios = {"tiered/none": tt / tn, "async/none": modes["async_save"]["total_s"] / tn,
+              "sync/none": modes["sync FileSystemWriter"]["total_s"] / tn,
+              "async/tiered": modes["async_save"]["total_s"] / tt,
+              "sync/tiered": modes["sync FileSystemWriter"]["total_s"] / tt,
+              "(info) none drift: last/first none block": nb[-1] / nb[0]}
+    targets = {"tiered/none": ("<=", 1.05), "async/tiered": (">", 1.0), "sync/tiered": (">=", 2.2)}
     notes = [f"GPT {nparams / 1e6:.1f}M params ({layers} x TransformerEncoderLayer d={d}, vocab {vocab}), batch {B}x{T}; "
-             f"state+Adam {state_bytes / MiB:.0f} MiB; {iters} timed iterations after 1 untimed; "
-             f"tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: checkpoint bytes per wall second",
-             "CPU: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint runs' "
-             "(what checkpointing costs on these 2 cores)"]
+             f"state+Adam {state_bytes / MiB:.0f} MiB; {rounds} interleaved round(s) of blocks (order: "
+             f"{', '.join(order)}{', none' if rounds == 1 else ''}), each block {iters} timed iterations after 1 "
+             f"untimed, a checkpoint every iteration; tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: "
+             "checkpoint bytes per wall second",
+             "CPU-s/GiB column: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint "
+             "blocks' (scaled to the same iteration count), per checkpointed GiB: what checkpointing costs on these cores"]
     rm(root)
     del model, opt
     gc.collect()

@@ -152,7 +152,15 @@ class _FileSink(DataSink):
             if size >= DIO_ALIGN:
                 self._dfd = tier._open_direct(self._partial, os.O_WRONLY)
         except OSError as e:
+            created = self._fd >= 0
             self._close_fd()
+            if created:
+                try:
+                    os.unlink(self._partial)
+                except OSError:
+                    pass
+            if isinstance(e, TierError):
+                raise
             raise _tier_error(e, f"cannot create {self._partial}") from e
 
     @property
@@ -178,6 +186,8 @@ class _FileSink(DataSink):
                 self._pwrite(self._fd, mv[head + done :], offset + head + done)
             else:
                 self._pwrite(self._fd, mv, offset)
+        except TierError:
+            raise
         except OSError as e:
             raise _tier_error(e, f"cannot write {self._partial}") from e
         finally:
@@ -289,6 +299,8 @@ class LocalTier(Tier):
                 raise
             self._direct_refused(path, e)
             return -1
+        if self._direct_ok is None:
+            self._direct_ok = True
         return fd
 
     def _direct_refused(self, path: Path, e: OSError) -> None:
@@ -425,6 +437,8 @@ class LocalTier(Tier):
                     else:
                         pending[0] = pending[0][n:]
                         n = 0
+        except TierError:
+            raise
         except OSError as e:
             raise _tier_error(e, f"cannot read {path}") from e
         finally:
