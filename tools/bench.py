@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """Side-by-side benchmark of tierckpt against the raw disk, ``torch.save`` and DCP's own writers.
 
-    python tools/bench.py [--size-gib 2] [--out bench-out/bench.json] [--only local,lazy,e2e,rss]
-                          [--dir DIR] [--repeats 3] [--quick]
+    python tools/bench.py [--size-gib 2] [--cpu-gib 0.75] [--out bench-out/bench.json]
+                          [--only local,cpu,lazy,e2e,rss] [--dir DIR] [--repeats 3] [--quick] [--nice N]
 
-Sections (each a function returning a dict; ratios are computed within the run):
+Sections (each a function returning a dict; ratios are computed within the run). Every section
+counts CPU seconds (this process's user+system time, all threads) next to wall time where it
+times something; tables show a CPU-s/GiB column when measured.
 
 * ``local``: one ~``--size-gib`` state dict (a few dozen fp32/bf16 tensors of mixed sizes, a few
-  small ones, non-tensor items). Saves: raw ``pwrite``+``fsync`` of the same byte count (1 and 2
-  threads: the ceiling), ``torch.save``+fsync, DCP ``FileSystemWriter`` (default and
+  small ones, non-tensor items). Saves: raw ``pwrite``+``fsync`` of the same byte count, buffered
+  and with ``O_DIRECT`` from a page-aligned buffer into a preallocated file (1 and 2 threads; the
+  best ``O_DIRECT`` one is the ceiling: the same I/O the local tier does), ``torch.save``+fsync,
+  DCP ``FileSystemWriter`` (default and
   ``thread_count=4``), ``TieredWriter`` for two pool/chunk sizes (time until ``wait()``: durable and
   committed; the time blocked in ``dcp.save`` is reported too). Loads, page cache dropped before
   each when possible: ``torch.load`` + copy into the destination, DCP ``FileSystemReader`` and
@@ -17,8 +21,13 @@ Sections (each a function returning a dict; ratios are computed within the run):
 * ``lazy``: an MLP trained with Adam, a checkpoint after every optimizer step; the time the
   training thread is blocked per checkpoint with sync ``dcp.save(FileSystemWriter)``,
   ``dcp.async_save`` (its default stager) and ``TieredWriter`` + ``attach(optimizer)``.
+* ``cpu``: CPU seconds per checkpointed GiB in steady state: a ~``--cpu-gib`` state saved again
+  and again (each save waited for), newest 2 kept (TieredWriter ``keep=2``; DCP directories
+  removed), blocks of saves interleaved over TieredWriter, sync ``FileSystemWriter`` and
+  ``dcp.async_save``; per-thread breakdown from ``/proc/self/task`` and ``writer.stats``.
 * ``e2e``: a small GPT-style model trained on random tokens, a checkpoint every iteration: total
-  wall time with no checkpoint, TieredWriter, sync FileSystemWriter, ``dcp.async_save``.
+  wall time with no checkpoint, TieredWriter, ``dcp.async_save``, sync FileSystemWriter, in
+  interleaved rounds (the no-checkpoint blocks of different rounds give the drift).
 * ``s3`` (only with ``--only``): per server (moto in a subprocess, SeaweedFS ``weed mini``), on a
   ~256 MiB state (64 MiB ``--quick``), interleaved: raw boto3 multipart upload of our data file
   (same part size/concurrency, no checksums) vs our promotion (``promote_s``); TieredReader from
