@@ -437,9 +437,13 @@ def section_local(ctx: Ctx) -> dict:
     nbytes = tensor_bytes(sd)
     ntensors = sum(isinstance(v, torch.Tensor) for v in sd.values())
     dest = empty_like_state(sd)
-    from tierckpt.capture.pool import aligned_buffer
+    import mmap
 
-    rawbuf, _rawbuf_owner = aligned_buffer(256 * MiB)  # page-aligned (O_DIRECT), touched below
+    # page-aligned (O_DIRECT needs it), huge pages when available, touched below
+    _rawmm = mmap.mmap(-1, 256 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):
+        _rawmm.madvise(mmap.MADV_HUGEPAGE)
+    rawbuf = torch.frombuffer(_rawmm, dtype=torch.uint8)
     rawbuf.copy_(torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8))
 
     pools = [(512 * MiB, 32 * MiB), (1 * GiB, 64 * MiB)]

@@ -5,7 +5,7 @@ available and ``[host] pinned`` is set), cut into fixed slots of ``chunk_size`` 
 at a multiple of :data:`POOL_ALIGN` (a page, at least 4 KiB) and slots are multiples of 4 KiB, so
 every slot can be handed to ``O_DIRECT`` writes as is. Pageable pools are anonymous ``mmap``
 memory (page-aligned; transparent huge pages requested, which cuts page-pinning work in direct
-I/O); pinned pools over-allocate by one page and start at the first aligned byte. Capture
+I/O); pinned pools come from ``cudaHostAlloc`` (page-aligned). Capture
 takes a slot per chunk and blocks when none is free (backpressure); the flush returns the slot
 once the chunk is written. Host memory is therefore bounded by the pool, whatever the state size.
 
@@ -37,10 +37,16 @@ def aligned_buffer(nbytes: int, pinned: bool = False) -> tuple[torch.Tensor, obj
     object that owns its memory (keep it referenced as long as the tensor is used).
 
     Pageable: an anonymous ``mmap`` (zero-filled by the kernel on first touch) with
-    ``MADV_HUGEPAGE`` where available. Pinned: ``torch.empty(..., pin_memory=True)`` of one extra
-    page, sliced at the first aligned address (the slice shares the page-locked storage).
+    ``MADV_HUGEPAGE`` where available. Pinned: ``torch.empty(..., pin_memory=True)``, whose
+    memory comes from ``cudaHostAlloc`` and is page-aligned; should it not be, one extra page is
+    allocated and the tensor sliced at the first aligned address (the slice shares the
+    page-locked storage).
     """
     if pinned:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % POOL_ALIGN == 0:
+            return raw, raw
+        del raw
         raw = torch.empty(nbytes + POOL_ALIGN, dtype=torch.uint8, pin_memory=True)
         off = (-raw.data_ptr()) % POOL_ALIGN
         return raw[off : off + nbytes], raw
