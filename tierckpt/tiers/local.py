@@ -11,7 +11,7 @@ length and memory address (all of a pool slot but the file's last partial block)
 the direct descriptor: no page-cache copy, almost no CPU. Whatever is not aligned (the file's
 tail, writes from unaligned buffers such as restore's fetch) goes through the buffered one;
 the two never touch the same page. Large reads of ranges that are not in the page cache
-(probed with ``RWF_NOWAIT``) use ``O_DIRECT`` into a reused aligned bounce buffer and one copy
+(probed with ``mincore``) use ``O_DIRECT`` into a reused aligned bounce buffer and one copy
 to the destination. A file system that refuses ``O_DIRECT`` (``EINVAL`` at open or at the
 first transfer) is used buffered from then on, logged once per process; with
 ``direct_io = true`` the refusal is an error instead. fsync, rename and commit are the same
@@ -556,15 +556,46 @@ class LocalTier(Tier):
         return n
 
 
+_mincore = None
+
+
+def _libc_mincore():
+    """libc's ``mincore`` through ctypes, or None where unavailable."""
+    global _mincore
+    if _mincore is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).mincore
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+            fn.restype = ctypes.c_int
+            _mincore = fn
+        except (OSError, AttributeError):
+            _mincore = False
+    return _mincore or None
+
+
 def _cached(fd: int, offset: int) -> bool:
-    """Whether the page at ``offset`` is in the page cache (a ``RWF_NOWAIT`` one-byte read)."""
-    flag = getattr(os, "RWF_NOWAIT", 0)
-    if not flag:
+    """Whether the page of ``fd`` at ``offset`` is in the page cache (``mincore`` on a one-page
+    private mapping: no I/O, no readahead, nothing cached as a side effect). Unknown: False."""
+    import ctypes
+
+    fn = _libc_mincore()
+    if fn is None:
+        return False
+    page = mmap.PAGESIZE
+    try:
+        mm = mmap.mmap(fd, page, access=mmap.ACCESS_COPY, offset=offset - offset % mmap.ALLOCATIONGRANULARITY)
+    except (OSError, ValueError):
         return False
     try:
-        return os.preadv(fd, [bytearray(1)], offset, flag) == 1
-    except OSError:  # EAGAIN: not cached (or RWF_NOWAIT unsupported: treat as cold)
-        return False
+        view = (ctypes.c_char * page).from_buffer(mm)  # the address only: no page is touched
+        vec = ctypes.c_ubyte(0)
+        rc = fn(ctypes.addressof(view), page, ctypes.byref(vec))
+        del view
+        return rc == 0 and bool(vec.value & 1)
+    finally:
+        mm.close()
 
 
 class _Janitor:
