@@ -411,3 +411,29 @@ def test_direct_io_config(tmp_path: Path) -> None:
     from tierckpt import load_config
 
     assert load_config(p).local.direct_io is False
+
+
+def test_real_tmpfs_roundtrip_auto() -> None:
+    """On a real tmpfs (``/dev/shm``), ``auto`` works whichever way the kernel answers: tmpfs
+    refuses O_DIRECT before Linux 6.6 (buffered fallback) and accepts it since."""
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = Path(tempfile.mkdtemp(prefix="tierckpt-test-", dir="/dev/shm"))
+    try:
+        sd = _state()
+        cfg = _cfg(d, "direct")
+        w = TieredWriter(cfg)
+        dcp.save(sd, checkpoint_id="shm-1", storage_writer=w, no_dist=True)
+        w.wait()
+        out = _load_into_zeros(cfg, sd, "shm-1")
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v.reshape(-1).view(torch.uint8), out[k].reshape(-1).view(torch.uint8)), k
+            else:
+                assert out[k] == v, k
+        assert w.engine.local._direct_ok in (True, False)  # type: ignore[union-attr]  # decided, either way
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
