@@ -197,12 +197,18 @@ class LocalConfig:
         flush_threads: threads writing captured chunks to the rank's file.
         keep: committed checkpoints kept on this tier (0 keeps all).
         fsync: fsync data and metadata before commit (turn off only for throwaway tests).
+        direct_io: ``"auto"`` (default): data files are written (and large cold ranges read)
+            with ``O_DIRECT`` from the page-aligned host pool, bypassing the page cache; a file
+            system that refuses it (some tmpfs, FUSE or network file systems) gets buffered I/O,
+            with one log line per process. ``true``: ``O_DIRECT`` is required (a refusal is an
+            error naming the file). ``false``: always buffered.
     """
 
     path: str = ""
     flush_threads: int = 4
     keep: int = 3
     fsync: bool = True
+    direct_io: bool | str = "auto"
 
     def validate(self, where: str = "[local]") -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -211,6 +217,8 @@ class LocalConfig:
             raise ConfigError(f"{where} flush_threads: must be between 1 and 64, got {self.flush_threads}")
         if self.keep < 0:
             raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
+        if self.direct_io not in (True, False, "auto"):
+            raise ConfigError(f"{where} direct_io: one of \"auto\", true, false, got {self.direct_io!r}")
 
     @property
     def node_local(self) -> bool:
@@ -392,6 +400,10 @@ def _coerce(section: str, key: str, value: Any, ftype: str, where: str) -> Any:
         if isinstance(value, int) and abs(value) > MAX_SIZE or not math.isfinite(value):
             raise ConfigError(f"{where}: expected a finite number, got {_brief(value)}")
         return float(value)
+    if ftype == "bool | str":  # a switch with an "auto" setting
+        if not isinstance(value, bool) and value != "auto":
+            raise ConfigError(f"{where}: expected \"auto\", true or false, got {type(value).__name__} {value!r}")
+        return value
     if ftype == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {_brief(value)}")

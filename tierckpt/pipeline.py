@@ -78,6 +78,14 @@ class SaveStats:
     pre-step hook (or ``wait_captured``) waited for this capture. ``capture_s``/``flush_s``: from
     ``write_data`` until every chunk landed in host memory / the file was durable.
     ``commit_s``: from durable until committed. ``promote_s``: the upload and S3 commit.
+
+    CPU seconds (user+system, per thread: ``time.thread_time``) that tierckpt's own threads
+    spent on this checkpoint: ``plan_cpu_s`` (cutting chunks and checksum pieces, capture
+    thread), ``capture_cpu_s`` (opening the file, zeroing padding, issuing or doing the copies
+    into the pool: on CPU the memcpy itself), ``crc_cpu_s`` (CRC32C, flush threads),
+    ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads).
+    ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
+    ``save_blocked_s``), the commit protocol and retention.
     """
 
     checkpoint_id: str
@@ -92,14 +100,32 @@ class SaveStats:
     commit_s: float | None = None
     promote_s: float | None = None
     error: str | None = None
+    plan_cpu_s: float = 0.0
+    capture_cpu_s: float = 0.0
+    crc_cpu_s: float = 0.0
+    write_cpu_s: float = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of tierckpt's threads for this checkpoint (plan + capture + CRC + write)."""
+        return self.plan_cpu_s + self.capture_cpu_s + self.crc_cpu_s + self.write_cpu_s
 
     def throughput(self, stage: str) -> float | None:
         """Bytes per second of a stage (``capture``, ``flush``, ``promote``)."""
         t = getattr(self, f"{stage}_s")
         return self.bytes / t if t else None
 
+    def add_cpu(self, **secs: float) -> None:
+        """Add CPU seconds to the ``*_cpu_s`` fields named (any thread)."""
+        with _cpu_lock:
+            for k, v in secs.items():
+                setattr(self, k, getattr(self, k) + v)
+
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return dict(self.__dict__, cpu_s=self.cpu_s)
+
+
+_cpu_lock = threading.Lock()
 
 
 class RankSave:
@@ -317,7 +343,18 @@ class Engine:
                 self._fail(job, e, "capture")
 
     def _capture(self, job: RankSave) -> None:
+        """Capture thread: plan, open the sink, copy chunk by chunk into pool slots (blocking on
+        a free slot), hand each chunk to the flush workers. CPU time goes to ``job.stats``."""
+        c0 = time.thread_time()
         job.plan()
+        c1 = time.thread_time()
+        job.stats.add_cpu(plan_cpu_s=c1 - c0)
+        try:
+            self._capture_chunks(job)
+        finally:
+            job.stats.add_cpu(capture_cpu_s=time.thread_time() - c1)
+
+    def _capture_chunks(self, job: RankSave) -> None:
         tier = self.first_tier
         if job.size:
             # The lease comes before the first file: a deletion that listed the checkpoint before
@@ -364,6 +401,11 @@ class Engine:
 
     # -- flush ----------------------------------------------------------------------------
     def _flush_chunk(self, job: RankSave, k: int, slot: int, events: list) -> None:
+        """Flush worker: wait for chunk ``k`` to land, CRC32C its pieces, write it at its offset
+        (direct I/O from the slot where the tier allows it), release the slot; the last chunk
+        closes (fsyncs) the file. CPU time goes to ``job.stats`` (``crc_cpu_s``/``write_cpu_s``)."""
+        c0 = time.thread_time()
+        crc = 0.0
         try:
             if events:
                 for ev in events:
@@ -375,8 +417,11 @@ class Engine:
             n = job.chunk_len(k)
             view = self.pool.slot(slot, n)
             arr = view.numpy()
+            c1 = time.thread_time()
+            crcs = job.crcs
             for item, j, off, n in job.crc_pieces[k]:
-                job.crcs[item][j] = google_crc32c.value(arr[off : off + n])
+                crcs[item][j] = google_crc32c.value(arr[off : off + n])
+            crc = time.thread_time() - c1
             assert job.sink is not None
             job.sink.write_at(k * self.chunk_size, memoryview(arr))
         except BaseException as e:  # noqa: BLE001
@@ -384,12 +429,16 @@ class Engine:
             return
         finally:
             self.pool.release(slot)
+            job.stats.add_cpu(crc_cpu_s=crc, write_cpu_s=time.thread_time() - c0 - crc)
         if job.flushed():
+            c0 = time.thread_time()
             try:
                 job.sink.close()
                 self._durable(job)
             except BaseException as e:  # noqa: BLE001
                 self._fail(job, e, "flush")
+            finally:
+                job.stats.add_cpu(write_cpu_s=time.thread_time() - c0)
 
     def _durable(self, job: RankSave) -> None:
         if job.failed:
