@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from tierckpt import lease as leases
-from tierckpt.catalog import find_latest
+from tierckpt.catalog import find_latest, read_checkpoint_metadata
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError
 from tierckpt.layout import check_checkpoint_id, data_key, metadata_from_json, metadata_key
@@ -260,6 +260,11 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
     See the module docstring for the whole contract.
     """
     t0 = time.perf_counter()
+    if ranks is not None:
+        ranks = list(ranks)
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+        if bad:  # checked before any tier is contacted
+            raise UsageError(f"--rank {bad[0]!r}: ranks are integers from 0")
     cfg = as_config(config)
     if cfg.local is None or cfg.s3 is None:
         raise UsageError(f"fetch copies from [s3] to [local]: the configuration{(' ' + cfg.source) if cfg.source else ''} "
@@ -277,10 +282,8 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
         held.append(leases.acquire(s3, cid, purpose="fetch"))
         held.append(leases.acquire(local, cid, kind="fetch", purpose="fetch into this tier", require_committed=False))
         mkey = metadata_key(cid)
+        md, man = read_checkpoint_metadata(s3, cid)  # size-checked before it is read, then validated
         raw = s3.get(mkey)
-        md, man = metadata_from_json(raw, f"{s3.url}/{mkey}")
-        if man.checkpoint_id != cid:
-            raise CorruptCheckpoint(f"{s3.url}/{mkey}: metadata names checkpoint {man.checkpoint_id!r}")
         local_raw = _local_metadata(local, cid, man.save_token)
         selected = _select(man.files, man.world_size, ranks)
         rank_list = None if ranks is None else sorted(set(ranks))

@@ -232,17 +232,19 @@ class CheckpointManifest:
 
 # -- JSON encoding ------------------------------------------------------------------------
 
-def _enc_any(x: Any, where: str) -> Any:
+def _enc_any(x: Any, where: str, depth: int = 0) -> Any:
+    if depth > 64:  # the reader refuses deeper nesting: never write what cannot be read back
+        raise CorruptCheckpoint(f"{where}: nested more than 64 levels deep (cannot be stored in the metadata)")
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, tuple):
-        return {"__tuple__": [_enc_any(v, where) for v in x]}
+        return {"__tuple__": [_enc_any(v, where, depth + 1) for v in x]}
     if isinstance(x, list):
-        return [_enc_any(v, where) for v in x]
+        return [_enc_any(v, where, depth + 1) for v in x]
     if isinstance(x, dict):
         if not all(isinstance(k, str) for k in x):
             raise CorruptCheckpoint(f"{where}: dict keys must be strings to be stored as JSON")
-        return {"__dict__": {k: _enc_any(v, where) for k, v in x.items()}}
+        return {"__dict__": {k: _enc_any(v, where, depth + 1) for k, v in x.items()}}
     raise CorruptCheckpoint(
         f"{where}: a {type(x).__name__} cannot be stored in JSON metadata "
         "(custom planners must keep planner_data to str/int/float/bool/None/list/tuple/dict)"

@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterable
 
-from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
+from .errors import CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, TierckptError
 from .layout import check_checkpoint_id, metadata_key
 from .tiers.base import Tier
 
@@ -214,7 +214,15 @@ def acquire(tier: Tier, checkpoint_id: str, *, kind: str = "read", purpose: str 
     a deletion only removes objects it listed before it looked for leases.
     """
     lease = Lease(tier, checkpoint_id, kind, purpose)
-    lease._put()
+    try:
+        lease._put()
+    except TierAccessDenied as e:
+        if kind != "read":
+            raise
+        # Read-only credentials: the read goes ahead unprotected (deleters cannot see it).
+        _warn_once(tier, f"cannot take a lease on {tier.url} ({e}); reading {checkpoint_id} without one: "
+                         "a deletion elsewhere is not held off meanwhile")
+        lease.released = True
     try:
         tombs = _live_tombs(tier, checkpoint_id) if check_tombs else []
         if tombs:
@@ -225,8 +233,18 @@ def acquire(tier: Tier, checkpoint_id: str, *, kind: str = "read", purpose: str 
     except BaseException:
         lease.release()
         raise
-    _renewer.add(lease)
+    if not lease.released:
+        _renewer.add(lease)
     return lease
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(tier: Tier, msg: str) -> None:
+    if tier.url not in _warned:
+        _warned.add(tier.url)
+        log.warning("%s", msg)
 
 
 def guarded_delete(tier: Tier, checkpoint_id: str, delete, *, reason: str = "") -> bool:
