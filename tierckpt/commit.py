@@ -88,21 +88,42 @@ class LocalChannel(Channel):
 
 
 class StoreChannel(Channel):
-    """A channel over a ``torch.distributed.Store`` (thread-safe client calls, never collectives)."""
+    """A channel over a ``torch.distributed.Store`` (thread-safe client calls, never collectives).
+
+    TCPStore refuses values over 8 MiB (and drops the connection), so a larger value (the merged
+    metadata of a big checkpoint) goes out in parts under ``KEY/#i``, and ``KEY`` itself, set
+    last, names them.
+    """
+
+    PART = 4 << 20
+    _PARTS = b"\x00tierckpt-parts:"
 
     def __init__(self, store: Any) -> None:
         self._store = store
 
     def publish(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
+        if len(value) <= self.PART:
+            self._store.set(key, value)
+            return
+        n = (len(value) + self.PART - 1) // self.PART
+        for i in range(n):
+            self._store.set(f"{key}/#{i}", value[i * self.PART:(i + 1) * self.PART])
+        self._store.set(key, self._PARTS + str(n).encode())
 
     def try_get(self, key: str) -> bytes | None:
         if not self._store.check([key]):
             return None
-        return bytes(self._store.get(key))
+        v = bytes(self._store.get(key))
+        if v.startswith(self._PARTS):
+            v = b"".join(bytes(self._store.get(f"{key}/#{i}")) for i in range(int(v[len(self._PARTS):])))
+        return v
 
     def delete(self, key: str) -> None:
         try:
+            v = bytes(self._store.get(key)) if self._store.check([key]) else b""
+            if v.startswith(self._PARTS):
+                for i in range(int(v[len(self._PARTS):])):
+                    self._store.delete_key(f"{key}/#{i}")
             self._store.delete_key(key)
         except Exception:  # noqa: BLE001 - some stores cannot delete; keys are small
             pass

@@ -36,13 +36,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .capture.copier import Copier, Piece, Source
+from .planning import SaveInputs
 from .capture.pool import HostPool, get_pool
 from . import lease as leases
 from .catalog import max_seq
 from .commit import Channel, encode_report, gather_reports
 from .config import TierConfig
 from .errors import CaptureError, CheckpointNotFound, TierckptError, TornCaptureError
-from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, padded, piece_bounds, read_header
+from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, read_header
 from .retention import enforce
 from .tiers import make_local, make_s3
 from .tiers.local import drain_deletions
@@ -129,21 +130,30 @@ _cpu_lock = threading.Lock()
 
 
 class RankSave:
-    """This rank's part of one checkpoint, from ``write_data`` until it is committed everywhere."""
+    """This rank's part of one checkpoint, from ``write_data`` until it is committed everywhere.
 
-    def __init__(self, assign: RankAssign, sources: list[Source], size: int, results: list[WriteResult], chunk_size: int) -> None:
+    Built by ``TieredWriter.write_data`` on the thread running ``dcp.save`` from the save's
+    :class:`~tierckpt.planning.SaveInputs` (cached layout plus this save's tensors). Until
+    :meth:`plan` ran on the capture thread, ``sources`` holds only one source per CUDA device (for
+    the ready events ``Engine.submit`` records on the training thread); :meth:`plan` replaces it
+    with every item's source.
+    """
+
+    def __init__(self, assign: RankAssign, inputs: SaveInputs, chunk_size: int) -> None:
         self.assign = assign
-        self.sources = sources
-        self.size = size
-        self.results = results
+        self.inputs: SaveInputs | None = inputs
+        self.size = inputs.size
         self.chunk_size = chunk_size
+        self.sources: list[Source] = inputs.ready_sources()
+        self.hold: Any = None  # has wait(timeout): returns when the capture may start (see TieredWriter)
+        self.hold_timeout = 2.0
         self.captured: Future[None] = Future()
         self.durable: Future[None] = Future()
         self.committed: Future[None] = Future()
         self.promoted: Future[None] = Future()
         self.global_md: Future[tuple[Metadata, list[list[WriteResult]]]] = Future()
         self.owner: Any = None  # weakref to the TieredWriter that saved it (whose wait() gets its error)
-        self.stats = SaveStats(assign.checkpoint_id, assign.rank, bytes=size, items=len(results))
+        self.stats = SaveStats(assign.checkpoint_id, assign.rank, bytes=self.size, items=inputs.n_items)
         # Filled by plan(), on the capture thread, to keep the training thread's share small.
         self.crcs: list[list[int]] = []
         self.crc_pieces: list[list[tuple[int, int, int, int]]] = []
@@ -162,36 +172,17 @@ class RankSave:
         self.t_durable = self.t_start
 
     def plan(self) -> None:
-        """Cut the file into chunks and checksum pieces (capture thread, before the first copy)."""
-        c = self.chunk_size
-        self.crcs = [[0] * len(piece_bounds(r.storage_data.pos, padded(r.storage_data.length), c)) for r in self.results]
-        self.crc_pieces = self._plan_crc_pieces()
-        self.chunks = self._plan_chunks()
+        """Capture thread, before the first copy: every item's source, the pieces of every chunk
+        and the CRC pieces (from the layout's cached plan; only this save's serialized items and
+        the sources are new). First waits for ``hold`` (at most ``hold_timeout`` seconds): the
+        writer releases it once ``dcp.save`` no longer needs this process's CPU."""
+        if self.hold is not None:
+            self.hold.wait(self.hold_timeout)
+        if self.inputs is None:  # failed before planning: nothing to capture
+            return
+        self.sources, self.chunks, self.crc_pieces, self.crcs = self.inputs.capture_plan()
+        self.inputs = None  # the sources hold what is still needed
         self.stats.chunks = len(self.chunks)
-
-    def _plan_chunks(self) -> list[list[Piece]]:
-        c = self.chunk_size
-        chunks: list[list[Piece]] = [[] for _ in range((self.size + c - 1) // c)]
-        for s in self.sources:
-            off = 0
-            while off < s.length:
-                at = s.pos + off
-                k = at // c
-                n = min(s.length - off, (k + 1) * c - at)
-                chunks[k].append(Piece(s, off, at - k * c, n))
-                off += n
-        return chunks
-
-    def _plan_crc_pieces(self) -> list[list[tuple[int, int, int, int]]]:
-        """Per chunk: (item, piece index, slot offset, length) of every checksummed piece in it."""
-        c = self.chunk_size
-        out: list[list[tuple[int, int, int, int]]] = [[] for _ in range((self.size + c - 1) // c)]
-        for i, r in enumerate(self.results):
-            rec = r.storage_data
-            for j, (a, b) in enumerate(piece_bounds(rec.pos, padded(rec.length), c)):
-                k = a // c
-                out[k].append((i, j, a - k * c, b - a))
-        return out
 
     def chunk_len(self, k: int) -> int:
         return min(self.chunk_size, self.size - k * self.chunk_size)
@@ -223,6 +214,7 @@ class RankSave:
         if self.sink is not None:
             self.sink.abort()  # safe while flush workers still write: sinks refuse late writes
         self.sources = []
+        self.inputs = None
 
     def release_lease(self) -> None:
         if self.lease is not None:

@@ -8,7 +8,7 @@ DCP calls, on every rank of the process group (``dcp.save``)::
     prepare_global_plan(plans)      coordinator: picks the id and save token, assigns files
                                     and one metadata writer per distinct local root
     write_data(plan, planner)       every rank: lays out its file, enqueues the capture, returns
-                                    at once with the planned WriteResults (a done future)
+                                    at once with the write results (a done future)
     finish(metadata, results)       coordinator: hands DCP's metadata to the commit thread
 
 So ``dcp.save`` returns once the copies are enqueued. ``wait_captured()`` (or the optimizer
@@ -17,33 +17,48 @@ to host memory; ``wait()`` until it is committed on every configured tier.
 
 Without ``checkpoint_id`` DCP does not call ``reset``: the coordinator then generates an id
 (``ckpt-<UTC time>-<n>``) and logs it; a previous save's id is never reused.
+
+**Plan caching.** With ``DefaultSavePlanner(enable_plan_caching=True)`` DCP sends the
+coordinator an empty plan for every rank whose plan did not change, and hands ``write_data`` the
+cached plan of the previous save: neither carries this save's rank info nor the coordinator's
+decision (id, token, files). Once the first save of the process has set up a *plan channel*
+(store keys named in its assignment), ranks also publish their info on the process group's
+store in ``prepare_local_plan`` and the coordinator publishes its decision there when it
+answers with cached plans; each save still gets its own id, token and file names. The layout,
+chunk and checksum plans and the write results are reused from :mod:`tierckpt.planning`'s
+cache whenever the tensors still match them. One process group per process saves through
+tierckpt with plan caching (DCP's plan cache is process-wide, too).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
+import json
 import logging
+import queue
 import threading
 import time
 import uuid
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from .capture.copier import Source
+from . import plancache
 from .catalog import is_committed
+from .commit import default_channel
 from .config import TierConfig, load_config
 from .errors import CommitConflict, CorruptCheckpoint, TierckptError
-from .layout import ALIGN, ItemRecord, check_checkpoint_id, rank_file, step_of
+from .layout import check_checkpoint_id, rank_file, step_of
 from .pipeline import Engine, RankAssign, RankSave, SaveStats, get_engine
+from .planning import SaveInputs, expand_results, layout_cache, patch_dtypes
 
 __all__ = ["TieredWriter"]
 
@@ -55,21 +70,85 @@ _gen_count = 0
 
 @dataclass
 class _LocalInfo:
-    """Rank -> coordinator, inside the local SavePlan."""
+    """Rank -> coordinator: inside the local SavePlan and, once a plan channel exists, on the store.
+
+    ``seq`` numbers this process's local steps: the coordinator takes an info as this save's only
+    if its ``seq`` is newer than any it has seen from that rank (a plan that DCP's plan cache
+    carried over from an earlier save holds an old info).
+    """
 
     root: str
     requested_id: str | None
     committed_here: bool
+    seq: int = 0
+    global_rank: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps([self.root, self.requested_id, self.committed_here, self.seq, self.global_rank]).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> "_LocalInfo":
+        root, requested, committed, seq, grank = json.loads(raw)
+        return _LocalInfo(str(root), None if requested is None else str(requested), bool(committed), int(seq), int(grank))
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+@dataclass
+class _PlanAssign:
+    """Coordinator -> rank: inside the global SavePlan (DCP drops it when it serves a cached plan:
+    the rank then reads the same decision from the store, see :meth:`TieredWriter.write_data`)."""
+
+    assign: RankAssign
+    seq: int  # the local step of the rank this answers
+    channel: str
+    coord_global: int  # the coordinator's global rank (persisted plans name it)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
+class _Session:
+    """Process-wide plan-caching state (DCP's own plan cache is process-wide too).
+
+    ``channel`` names the store keys through which ranks and coordinator exchange what DCP's
+    plan caching leaves out of cached plans; the coordinator of the first save picks it and every
+    rank adopts it from the assignment of a plan it received in full. ``seen`` is the
+    coordinator's newest ``_LocalInfo.seq`` per rank.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.channel: str | None = None
+        self.seen: dict[int, int] = {}
+
+    def next_seq(self) -> tuple[int, str | None]:
+        with self.lock:
+            self.seq += 1
+            return self.seq, self.channel
+
+
+_session = _Session()
+
+
+def _info_key(channel: str, rank: int) -> str:
+    return f"tierckpt/plan/{channel}/info{rank}"
+
+
+def _assign_key(channel: str) -> str:
+    return f"tierckpt/plan/{channel}/assign"
+
+
+class _SaveCtx:
+    """One ``dcp.save`` call on one thread: what the writer's hooks hand to each other."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.requested: str | None = None
+        self.from_reset = False  # made by reset() for the save about to start
+        self.is_coordinator = False
+        self.rank = 0
+        self.info: _LocalInfo | None = None
+        self.own_assign: RankAssign | None = None
+        self.job: RankSave | None = None
+        self.coord_global = 0
+        self.members: list[int] = []  # coordinator: the global rank of every group rank
 
 
 def _generate_id() -> str:
@@ -78,6 +157,174 @@ def _generate_id() -> str:
         _gen_count += 1
         n = _gen_count
     return time.strftime("ckpt-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{n:04d}"
+
+
+_warned_stale: "weakref.WeakSet" = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
+
+# -- holding the capture until dcp.save is done with the CPU ------------------------------------
+#
+# After write_data, DCP still gathers the write results, runs finish() on the coordinator and
+# broadcasts the global metadata; with plan caching that is half of the call. Capture and flush
+# started at once would compete with it for the GIL and the cores, so a save's capture waits
+# (RankSave.hold) until DCP's last step: finish() attaches a _Release marker to the metadata, which
+# the coordinator pickles and every other rank unpickles for the broadcast. A rank's capture
+# thread, once released, says so on the store; the coordinator's waits for every other rank's
+# word (a blocking store wait, no polling), so it does not take the cores from ranks still
+# unpickling. Also released at once by wait_captured()/wait()/the optimizer pre-step hook and by
+# the next save; every wait ends after HOLD_TIMEOUT.
+
+HOLD_TIMEOUT = 2.0  # seconds a capture waits at most for its release (and the coordinator for the others)
+
+
+class _Hold:
+    """One save's capture hold on one rank; :meth:`wait` is called by the capture thread
+    (``RankSave.plan``) and, on the coordinator, by the results worker."""
+
+    def __init__(self, assign: RankAssign, coordinator: bool) -> None:
+        self.token = assign.token
+        self.rank = assign.rank
+        self.world = assign.world if assign.distributed else 1
+        self.coordinator = coordinator
+        self.event = threading.Event()
+        self.urgent = False  # released by a wait: start now, wait for no other rank
+        self._done = threading.Event()
+
+    def release(self, urgent: bool = False) -> None:
+        self.urgent = self.urgent or urgent
+        self.event.set()
+
+    def _key(self, rank: int) -> str:
+        return f"tierckpt/release/{self.token}/r{rank}"
+
+    def wait(self, timeout: float) -> None:
+        """Until this rank is out of ``dcp.save`` (and, on the coordinator, every rank is)."""
+        if self._done.is_set():
+            return
+        self.event.wait(timeout)
+        if self.world > 1:
+            try:
+                from datetime import timedelta
+
+                from torch.distributed import distributed_c10d as c10d
+
+                store = c10d._get_default_store()
+                if not self.coordinator:
+                    store.set(self._key(self.rank), b"1")
+                elif not self.urgent:
+                    others = [self._key(r) for r in range(self.world) if r != self.rank]
+                    store.wait(others, timedelta(seconds=timeout))
+                    for k in others:
+                        store.delete_key(k)
+            except Exception:  # noqa: BLE001 - a rank that never says so only delays this capture
+                pass
+        self._done.set()
+
+
+_holds: dict[str, _Hold] = {}  # save token -> its job's hold (this process)
+_holds_lock = threading.Lock()
+
+
+def _hold(assign: RankAssign, coordinator: bool) -> _Hold:
+    h = _Hold(assign, coordinator)
+    with _holds_lock:
+        _holds[assign.token] = h
+    return h
+
+
+def _release(token: str) -> None:
+    with _holds_lock:
+        h = _holds.pop(token, None)
+    if h is not None:
+        h.release()
+
+
+def release_all(urgent: bool = True) -> None:
+    """Let every held capture of this process start now."""
+    with _holds_lock:
+        hs = list(_holds.values())
+        _holds.clear()
+    for h in hs:
+        h.release(urgent)
+
+
+def _released(token: str) -> "_Release":
+    """Unpickling a :class:`_Release` (every rank but the coordinator, in DCP's broadcast)."""
+    _release(token)
+    return _Release(token)
+
+
+class _Release:
+    """The coordinator puts it in ``Metadata.storage_data`` in ``finish()`` (as DCP's own writers put
+    their storage data there); pickling it (coordinator) and unpickling it (every other rank) for
+    DCP's metadata broadcast releases that process's held capture of the save."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __reduce__(self) -> tuple:
+        _release(self.token)
+        return (_released, (self.token,))
+
+
+class _ResultsWorker:
+    """One background thread per process: once a save's file is durable on the coordinator,
+    expands the gathered results into per-item records (:func:`tierckpt.planning.expand_results`)
+    and hands them to the commit thread (``RankSave.global_md``)."""
+
+    def __init__(self) -> None:
+        self._q: "queue.SimpleQueue[tuple[RankSave, Metadata, list[list[WriteResult]]]]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: RankSave, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="tierckpt-results", daemon=True)
+                self._thread.start()
+        self._q.put((job, metadata, results))
+
+    def _run(self) -> None:
+        while True:
+            job, metadata, results = self._q.get()
+            # Not needed before this rank's file is durable (the commit waits for that first).
+            futures_wait([job.durable])
+            try:
+                expanded, fixes = expand_results(job.id, job.assign.token, results)
+                job.global_md.set_result((patch_dtypes(metadata, fixes), expanded))
+            except BaseException as e:  # noqa: BLE001 - the commit thread reports it as this checkpoint's failure
+                job.global_md.set_exception(e)
+
+
+_results = _ResultsWorker()
+
+
+def _multi_get(keys: list[str]) -> list[bytes | None]:
+    """The values of ``keys`` on the default store (None where absent): two round trips when all
+    are there (the protocol's case), whatever their number."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    if store.check(keys):
+        if hasattr(store, "multi_get"):
+            return [bytes(v) for v in store.multi_get(keys)]
+        return [bytes(store.get(k)) for k in keys]
+    return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+_persisters: dict[str, plancache.Persister] = {}
+_persisters_lock = threading.Lock()
+
+
+def _persister(tier: Any) -> plancache.Persister:
+    with _persisters_lock:
+        p = _persisters.get(tier.url)
+        if p is None:
+            p = _persisters[tier.url] = plancache.Persister(tier)
+        return p
 
 
 class TieredWriter(StorageWriter):
@@ -93,51 +340,133 @@ class TieredWriter(StorageWriter):
         self.cfg = config if isinstance(config, TierConfig) else load_config(config)
         self.engine: Engine = get_engine(self.cfg)
         self.checkpoint_id: str | None = None
-        self._is_coordinator = False
         self._rank = 0
         self._distributed = False
+        self._root = str(self.engine.local.root.resolve()) if self.engine.local is not None else ""
+        self._layouts = layout_cache(self.engine.chunk_size)
+        self._persister: plancache.Persister | None = None
+        if self.engine.local is not None and plancache.dcp_caches() is not None:
+            self._persister = _persister(self.engine.local)
+            if not plancache.status().attempted:  # a restarted job: read the plans this rank persisted
+                plancache.preload(self.engine.local, _global_rank())
         # Per DCP call sequence: dcp.async_save runs each save on its own thread, and two may
         # overlap on one writer, so the save in progress is tracked per thread.
         self._tls = threading.local()
         self._last: RankSave | None = None
         self._async_tickets: list[Future] = []
 
+    def _ctx(self) -> _SaveCtx:
+        ctx = getattr(self._tls, "ctx", None)
+        if ctx is None:
+            ctx = self._tls.ctx = _SaveCtx()
+        return ctx
+
     # -- DCP StorageWriter ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
         """DCP passes the id of the save about to start (only when ``dcp.save`` got one)."""
         cid = None if checkpoint_id is None else check_checkpoint_id(str(checkpoint_id))
-        self._tls.requested = cid
+        ctx = self._tls.ctx = _SaveCtx()
+        ctx.requested = cid
+        ctx.from_reset = True
         self.checkpoint_id = cid
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._tls.t0 = time.perf_counter()
+        ctx = self._ctx()
+        if not ctx.from_reset:  # no reset() before this save: a fresh context (no requested id)
+            ctx = self._tls.ctx = _SaveCtx()
+        ctx.from_reset = False
+        ctx.t0 = time.perf_counter()
         if kwargs.get("use_collectives") is False:
             raise TierckptError("TieredWriter needs dcp.save(..., use_collectives=True) (the default)")
-        self._is_coordinator = is_coordinator
+        ctx.is_coordinator = is_coordinator
         self._distributed = dist.is_available() and dist.is_initialized()
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if self._distributed else 0
-        self._rank = int(rank)
+        ctx.rank = self._rank = int(rank)
+        if not plancache.status().attempted:
+            self._seed_plans(is_coordinator)
+
+    def _seed_plans(self, is_coordinator: bool) -> None:
+        """First save of the process: put the plans persisted by the previous run of the job into
+        DCP's plan cache if every rank agrees (see :mod:`tierckpt.plancache`)."""
+        st = plancache.seed(
+            self.engine.local if self._persister is not None else None,
+            default_channel(True) if self._distributed else None,
+            distributed=self._distributed, is_coordinator=is_coordinator, global_rank=_global_rank(),
+            world=dist.get_world_size() if self._distributed else 1,
+            timeout=min(plancache.AGREE_TIMEOUT, self.cfg.job.commit_timeout))
+        if st.seeded:
+            log.info("reusing the plans persisted by the previous run (%s)", st.reason)
+            if st.channel is not None:
+                with _session.lock:
+                    _session.channel = st.channel
+        elif st.reason:
+            log.debug("not reusing persisted plans: %s", st.reason)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=None)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Every rank: add this rank's root and requested id to its plan and, once a plan channel
+        exists, publish them on the store too (DCP's plan caching may hand the coordinator a
+        cached plan without them). At most one store write; no collective."""
+        ctx = self._ctx()
         # The id given to reset() is used by this save only: a later save without checkpoint_id
         # must get a fresh id, never the previous one.
-        requested = getattr(self._tls, "requested", None)
-        self._tls.requested = None
-        root = ""
+        requested, ctx.requested = ctx.requested, None
         committed = False
-        if self.engine.local is not None:
-            root = str(self.engine.local.root.resolve())
-            if requested is not None:
-                committed = is_committed(self.engine.local, requested)
-        return dataclasses.replace(plan, storage_data=_LocalInfo(root, requested, committed))
+        if self.engine.local is not None and requested is not None:
+            committed = is_committed(self.engine.local, requested)
+        seq, channel = _session.next_seq()
+        info = ctx.info = _LocalInfo(self._root, requested, committed, seq, _global_rank())
+        if channel is not None and self._distributed and not ctx.is_coordinator:
+            default_channel(True).publish(_info_key(channel, ctx.rank), info.encode())
+        return dataclasses.replace(plan, storage_data=info)
+
+    def _infos(self, plans: list[SavePlan], ctx: _SaveCtx) -> list[_LocalInfo]:
+        """Coordinator: this save's info of every rank: from its plan, or from the store for the
+        ranks whose plan DCP served from its cache."""
+        infos: list[_LocalInfo | None] = [None] * len(plans)
+        missing: list[int] = []
+        with _session.lock:
+            for r, p in enumerate(plans):
+                sd = p.storage_data
+                if r == ctx.rank and ctx.info is not None:
+                    infos[r] = ctx.info
+                elif isinstance(sd, _LocalInfo) and sd.seq > _session.seen.get(r, 0):
+                    infos[r] = sd
+                else:
+                    missing.append(r)
+                if isinstance(sd, _LocalInfo):
+                    _session.seen[r] = max(_session.seen.get(r, 0), sd.seq)
+            channel = _session.channel
+        if missing:
+            if channel is None or not self._distributed:
+                raise TierckptError(
+                    f"rank(s) {missing} sent a cached DCP plan, but no tierckpt save planned it in this process: "
+                    "DCP's plan cache was filled through another storage writer (use one planner per storage writer)")
+            raws = _multi_get([_info_key(channel, r) for r in missing])
+            for r, raw in zip(missing, raws):
+                info = _LocalInfo.decode(raw) if raw is not None else None
+                with _session.lock:
+                    if info is None or info.seq <= _session.seen.get(r, 0):
+                        raise TierckptError(
+                            f"rank {r} sent a cached DCP plan but published no plan info for this save on plan "
+                            f"channel {channel} (did it save through another process group?)")
+                    _session.seen[r] = info.seq
+                infos[r] = info
+        return infos  # type: ignore[return-value]
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        infos: list[_LocalInfo] = [p.storage_data for p in plans]
+        """Coordinator: pick the id and save token, assign files and metadata writers.
+
+        With DCP's plan caching, plans that DCP served from its cache carry no rank info, and
+        their ranks will not see this decision in their plan either: the infos come from the
+        store and the decision goes there (one store read per such rank, one write).
+        """
+        ctx = self._ctx()
+        infos = self._infos(plans, ctx)
         ids = {i.requested_id for i in infos}
         if len(ids) != 1:
             raise TierckptError(f"ranks passed different checkpoint ids to dcp.save: {sorted(map(str, ids))}")
@@ -152,58 +481,107 @@ class TieredWriter(StorageWriter):
         if self.engine.local is None and self.engine.cfg.s3 is not None and is_committed(self.engine.s3_tier(), cid):
             raise CommitConflict(f"checkpoint {cid} is already committed at {self.engine.s3_tier().url}")
         token = uuid.uuid4().hex
+        with _session.lock:
+            if _session.channel is None:
+                _session.channel = uuid.uuid4().hex[:16]
+            channel = _session.channel
         first_rank_of_root: dict[str, int] = {}
         for r, i in enumerate(infos):
             first_rank_of_root.setdefault(i.root, r)
         created = time.time()
+        world = len(plans)
+        step = step_of(cid)
+        mw = [first_rank_of_root[i.root] for i in infos]
+        me = _global_rank()
         out = []
         for r, (p, i) in enumerate(zip(plans, infos)):
             assign = RankAssign(
-                checkpoint_id=cid, token=token, rank=r, world=len(plans), file=rank_file(r, token),
-                meta_writer_rank=first_rank_of_root[i.root], distributed=self._distributed,
-                created=created, step=step_of(cid),
+                checkpoint_id=cid, token=token, rank=r, world=world, file=rank_file(r, token),
+                meta_writer_rank=mw[r], distributed=self._distributed, created=created, step=step,
             )
-            out.append(dataclasses.replace(p, storage_data=assign))
+            if r == ctx.rank:
+                ctx.own_assign = assign
+            out.append(dataclasses.replace(p, storage_data=_PlanAssign(assign, i.seq, channel, me)))
+        ctx.coord_global = me
+        ctx.members = [i.global_rank for i in infos]
+        if self._distributed and any(not p.usable for r, p in enumerate(plans) if r != ctx.rank):
+            bundle = {"cid": cid, "token": token, "created": created, "step": step, "world": world, "mw": mw,
+                      "seqs": [i.seq for i in infos], "distributed": self._distributed, "cg": me}
+            default_channel(True).publish(_assign_key(channel), json.dumps(bundle).encode())
         return out
 
+    def _assignment(self, plan: SavePlan, ctx: _SaveCtx) -> RankAssign:
+        """This rank's decision for this save: the coordinator's own, the one in a plan received in
+        full, or (for a plan DCP served from its cache) the one published on the store."""
+        if ctx.own_assign is not None:
+            return ctx.own_assign
+        sd = plan.storage_data
+        if isinstance(sd, _PlanAssign) and ctx.info is not None and sd.seq == ctx.info.seq:
+            with _session.lock:
+                _session.channel = sd.channel
+            ctx.coord_global = sd.coord_global
+            return sd.assign
+        channel = _session.channel
+        if channel is None or not self._distributed or ctx.info is None:
+            raise TierckptError(f"rank {ctx.rank}: DCP handed write_data a cached plan, but no tierckpt save "
+                                "planned it in this process (DCP's plan cache was filled through another storage writer)")
+        raw = default_channel(True).try_get(_assign_key(channel))
+        b = json.loads(raw) if raw is not None else None
+        if b is None or ctx.rank >= len(b["seqs"]) or b["seqs"][ctx.rank] != ctx.info.seq:
+            raise TierckptError(f"rank {ctx.rank}: the coordinator published no decision for this save on plan "
+                                f"channel {channel} (did this rank save through another process group?)")
+        token = b["token"]
+        ctx.coord_global = int(b["cg"])
+        return RankAssign(
+            checkpoint_id=b["cid"], token=token, rank=ctx.rank, world=int(b["world"]), file=rank_file(ctx.rank, token),
+            meta_writer_rank=int(b["mw"][ctx.rank]), distributed=bool(b["distributed"]), created=float(b["created"]),
+            step=b["step"],
+        )
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[list[WriteResult]]":
-        assign: RankAssign = plan.storage_data
-        if self._distributed and assign.rank != self._rank:
-            raise TierckptError(f"rank mismatch: plan for rank {assign.rank} arrived on rank {self._rank}")
+        """Every rank: lay out this rank's file, enqueue the capture, and return at once with the
+        write results (a completed future).
+
+        Per item, this thread only resolves the item and reads its tensor's shape, dtype,
+        contiguity and version counter; the layout, the chunk and checksum plans and the write
+        results come from the cache when the plan and the tensors match an earlier save's
+        (:mod:`tierckpt.planning`). Sources and pieces are built on the capture thread.
+        """
+        ctx = self._ctx()
+        assign = self._assignment(plan, ctx)
+        if self._distributed and assign.rank != ctx.rank:
+            raise TierckptError(f"checkpoint {assign.checkpoint_id}: rank mismatch: plan for rank {assign.rank} "
+                                f"arrived on rank {ctx.rank}")
         self.checkpoint_id = assign.checkpoint_id
-        sources: list[Source] = []
-        results: list[WriteResult] = []
-        pos = 0
-        file = assign.file
-        for i, item in enumerate(plan.items):
-            data = planner.resolve_data(item)
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                raw = bytes(data.getbuffer() if isinstance(data, io.BytesIO) else data)
-                n = len(raw)
-                if n:
-                    sources.append(Source(item=i, fqn=fqn, pos=pos, length=n, data=memoryview(raw)))
-                rec = ItemRecord(file=file, pos=pos, length=n)
-            else:
-                t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data)
-                guard: torch.Tensor | None = t
-                if not t.is_contiguous():
-                    t = t.contiguous()  # a private snapshot: nothing can tear it
-                    guard = None
-                n = t.numel() * t.element_size()
-                if n:
-                    sources.append(Source(item=i, fqn=fqn, pos=pos, length=n, tensor=t, guard=guard,
-                                          version=guard._version if guard is not None else 0))
-                rec = ItemRecord(file=file, pos=pos, length=n, dtype=_dtype_name(t.dtype), shape=tuple(t.shape))
-            pos += n + (-n) % ALIGN
-            results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=rec))
-        size = pos
-        job = RankSave(assign, sources, size, results, self.engine.chunk_size)
-        self._tls.job = job
+        items = plan.items
+        resolve = planner.resolve_data
+        datas = [resolve(it) for it in items]
+        inputs = SaveInputs.prepare(items, datas, self._layouts)
+        if inputs.layout.props_stale and inputs.layout not in _warned_stale:
+            # DCP's plan cache compares shapes, not dtypes: its cached plan and metadata outlived a
+            # dtype change. The file and its records follow the tensors; the coordinator corrects
+            # the dtypes in the metadata of every such save.
+            _warned_stale.add(inputs.layout)
+            log.warning("checkpoint %s: rank %d: DCP's cached plan names other dtypes than the tensors have "
+                        "(a dtype changed under plan caching); the checkpoint records the tensors' dtypes",
+                        assign.checkpoint_id, ctx.rank)
+        results = inputs.results()
+        job = RankSave(assign, inputs, self.engine.chunk_size)
+        release_all(urgent=False)  # an earlier save still held: this process is past its dcp.save
+        job.hold = _hold(assign, coordinator=ctx.own_assign is not None)
+        job.hold_timeout = HOLD_TIMEOUT
+        ctx.job = job
         self._last = job
         job.owner = weakref.ref(self)
+        if self._persister is not None:
+            snap = plancache.snapshot(planner, plan, assign.world, assign.rank, _global_rank(), ctx.coord_global)
+            if snap is not None:
+                coordinator = ctx.own_assign is not None
+                if coordinator:
+                    plancache.add_coordinator(snap, ctx.members)
+                self._persister.after_commit(job.committed, snap, coordinator)
         self.engine.submit(job)
-        job.stats.save_blocked_s = time.perf_counter() - self._tls.t0
+        job.stats.save_blocked_s = time.perf_counter() - ctx.t0
         for t in self._async_tickets:
             if not t.done():
                 t.set_result(job)
@@ -213,12 +591,19 @@ class TieredWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        job = getattr(self._tls, "job", None)
+        """Coordinator: hand DCP's metadata and every rank's results to the commit (expanded into
+        per-item records on a background thread, not here)."""
+        ctx = self._ctx()
+        job = ctx.job
         if job is None:
             raise TierckptError("finish() called before write_data() on this thread")
-        self._tls.job = None
-        job.global_md.set_result((metadata, results))
-        job.stats.save_blocked_s = time.perf_counter() - self._tls.t0
+        ctx.job = None
+        _results.submit(job, metadata, results)
+        if len(results) > 1:
+            metadata.storage_data = _Release(job.assign.token)  # see _Release
+        else:
+            _release(job.assign.token)  # one rank: DCP broadcasts nothing (or to itself) after this
+        job.stats.save_blocked_s = time.perf_counter() - ctx.t0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -275,6 +660,7 @@ class TieredWriter(StorageWriter):
         t0 = time.perf_counter()
         for t in list(self._async_tickets):
             t.result()
+        release_all()
         return self.engine.wait_captured(owner=self) + (time.perf_counter() - t0)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -285,6 +671,8 @@ class TieredWriter(StorageWriter):
         """
         self.wait_captured()
         self.engine.wait(timeout, owner=self)
+        if self._persister is not None:
+            self._persister.drain(timeout)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Register a step pre-hook on ``optimizer`` that waits for the capture in flight.
@@ -298,6 +686,7 @@ class TieredWriter(StorageWriter):
         def _pre_step(opt: Any, args: Any, kwargs: Any) -> None:
             for t in list(tickets):
                 t.result()
+            release_all()
             engine.wait_captured(raise_errors=False)
 
         return optimizer.register_step_pre_hook(_pre_step)
@@ -317,3 +706,4 @@ class TieredWriter(StorageWriter):
     def history(self) -> list[SaveStats]:
         """Figures of every checkpoint saved through this process's engine for this config."""
         return list(self.engine.history)
+

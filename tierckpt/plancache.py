@@ -1,0 +1,646 @@
+"""Plan reuse across restarts: DCP's plan cache, persisted on the local tier and put back into
+the DCP plan cache of a new process when every rank still holds the same plans.
+
+With ``DefaultSavePlanner(enable_plan_caching=True)`` DCP caches, per process and planner class,
+each rank's local plan and final plan and, on the coordinator, every rank's local and global
+plan and the global metadata. A restarted job starts with an empty cache, so its first save
+pays for DCP's whole planning. tierckpt keeps those entries:
+
+* **Persist** (background, after a save *committed*, only when the cached plans changed): every
+  process writes ``_plans/g<global rank>.json`` on its local tier: its own local and final
+  plan, their SHA-256 hashes and, on the coordinator, every rank's plans, their hashes and the
+  metadata. JSON, never pickle; the file carries a SHA-256 of its body.
+* **Seed** (the first save of a process, in ``set_up_storage_writer``, before DCP plans): the
+  ranks agree through the process group's store. Each publishes the hashes of the plans it
+  holds; the coordinator compares them with the hashes in its own file and answers yes only if
+  every rank holds exactly the plans it holds for them, for the same planner class, world size
+  and torch version. Only then every process puts its entries into DCP's cache (a rank never
+  seeds unless the coordinator does, so DCP never gets an empty plan it cannot resolve).
+
+DCP then compares the state's fresh local plan with the seeded one, as it does for any cached
+plan: an unchanged model sends an empty plan and the save costs what a cached save costs; a
+rank whose keys or shapes changed sends its full plan and DCP re-plans. DCP's comparison ignores
+dtypes: ``TieredWriter.write_data`` checks every tensor's shape and dtype against its layout and
+the metadata records the tensors' real dtypes (see :mod:`tierckpt.planning`), so a changed
+model never reuses a stale layout.
+
+Files are read in the background when a ``TieredWriter`` is created (:func:`preload`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+
+try:
+    from torch.distributed.checkpoint.planner import BytesIOWriteData
+except ImportError:  # a torch without it: its WriteItems have no bytes_io_data either
+    BytesIOWriteData = None  # type: ignore[assignment,misc]
+
+from .errors import CheckpointNotFound, CorruptCheckpoint
+from .tiers.base import Tier
+
+__all__ = ["PLAN_DIR", "PersistedPlans", "encode_plan", "decode_plan", "encode_metadata", "decode_metadata",
+           "plan_hash", "preload", "seed", "status", "Persister"]
+
+log = logging.getLogger("tierckpt")
+
+PLAN_DIR = "_plans"  # on the local tier; "_" + a name that is no shard: never listed as a checkpoint
+FORMAT = "tierckpt-plans/1"
+_CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata")
+AGREE_TIMEOUT = 60.0  # seconds the first save of a process waits for the other ranks' answers
+
+
+def dcp_caches() -> dict[str, dict] | None:
+    """DCP's class-level plan caches, or None if this torch has no (such) plan caching."""
+    out = {}
+    for name in _CACHES:
+        cache = getattr(SavePlanner, name, None)
+        if not isinstance(cache, dict):
+            return None
+        out[name] = cache
+    return out
+
+
+# -- JSON codec for DCP plans and metadata -----------------------------------------------------
+#
+# Plans and metadata are stored column by column (one list per field, tensor properties in a
+# table), so that reading a file is json.loads plus one constructor call per object; a generic
+# tagged encoding covers the rest (StorageMeta, planner data other than DCP's key mappings).
+
+_CLASSES: dict[str, type] = {c.__name__: c for c in (StorageMeta,)}
+_ENUMS: dict[str, type] = {"WriteItemType": WriteItemType}
+
+
+def encode(x: Any) -> Any:
+    """A JSON-able form of plain values and a few DCP types. Raises TypeError for anything else
+    (a custom planner's planner data, say): such plans are not persisted."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, torch.Size):
+        return {"$S": list(x)}
+    if isinstance(x, torch.dtype):
+        return {"$D": str(x).removeprefix("torch.")}
+    if isinstance(x, enum.Enum):
+        if type(x).__name__ not in _ENUMS:
+            raise TypeError(f"cannot persist enum {type(x).__name__}")
+        return {"$E": type(x).__name__, "v": x.name}
+    if isinstance(x, tuple):
+        return {"$T": [encode(v) for v in x]}
+    if isinstance(x, list):
+        return [encode(v) for v in x]
+    if isinstance(x, dict):
+        if not all(isinstance(k, str) for k in x):
+            raise TypeError("cannot persist a dict with non-string keys")
+        return {"$d": {k: encode(v) for k, v in x.items()}}
+    if dataclasses.is_dataclass(x) and _CLASSES.get(type(x).__name__) is type(x):
+        return {"$": type(x).__name__, "f": {f.name: encode(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}}
+    raise TypeError(f"cannot persist a {type(x).__name__}")
+
+
+def _torch_attr(name: Any, kind: type) -> Any:
+    v = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(v, kind):
+        raise CorruptCheckpoint(f"plan cache: unknown {kind.__name__} {name!r}")
+    return v
+
+
+def decode(x: Any, depth: int = 0) -> Any:
+    """Inverse of :func:`encode`; only the classes above are ever built."""
+    if depth > 64:
+        raise CorruptCheckpoint("plan cache: nested too deeply")
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [decode(v, depth + 1) for v in x]
+    if not isinstance(x, dict):
+        raise CorruptCheckpoint("plan cache: malformed value")
+    if "$" in x:
+        cls = _CLASSES.get(x["$"])
+        if cls is None or not isinstance(x.get("f"), dict):
+            raise CorruptCheckpoint(f"plan cache: unknown class {x.get('$')!r}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: decode(v, depth + 1) for k, v in x["f"].items() if k in names})
+    if "$S" in x:
+        return torch.Size([int(v) for v in x["$S"]])
+    if "$D" in x:
+        return _torch_attr(x["$D"], torch.dtype)
+    if "$E" in x:
+        e = _ENUMS.get(x["$E"])
+        if e is None or x.get("v") not in e.__members__:
+            raise CorruptCheckpoint("plan cache: unknown enum value")
+        return e[x["v"]]
+    if "$T" in x:
+        return tuple(decode(v, depth + 1) for v in x["$T"])
+    if "$d" in x:
+        return {str(k): decode(v, depth + 1) for k, v in x["$d"].items()}
+    raise CorruptCheckpoint("plan cache: malformed value")
+
+
+def _name(x: Any) -> str:
+    return str(x).removeprefix("torch.")
+
+
+class _PropsTable:
+    """Distinct TensorProperties of a plan or metadata, numbered."""
+
+    def __init__(self) -> None:
+        self.rows: list[list] = []
+        self._ids: dict[tuple, int] = {}
+
+    def id(self, p: TensorProperties) -> int:
+        key = (_name(p.dtype), _name(p.layout), bool(p.requires_grad), _name(p.memory_format), bool(p.pin_memory))
+        i = self._ids.get(key)
+        if i is None:
+            i = self._ids[key] = len(self.rows)
+            self.rows.append(list(key))
+        return i
+
+
+def _props(rows: list) -> list[TensorProperties]:
+    return [TensorProperties(dtype=_torch_attr(d, torch.dtype), layout=_torch_attr(lay, torch.layout),
+                             requires_grad=bool(rg), memory_format=_torch_attr(mf, torch.memory_format),
+                             pin_memory=bool(pin)) for d, lay, rg, mf, pin in rows]
+
+
+def _enc_planner_data(x: Any) -> Any:
+    if isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, tuple) and all(isinstance(e, (str, int)) for e in v)
+                                   for k, v in x.items()):
+        return {"keys": list(x), "paths": [list(v) for v in x.values()]}  # DCP's flattening mappings
+    return {"any": encode(x)}
+
+
+def _dec_planner_data(d: Any) -> Any:
+    if "keys" in d:
+        return {str(k): tuple(v) for k, v in zip(d["keys"], d["paths"])}
+    return decode(d["any"])
+
+
+_HAS_BYTES_IO = BytesIOWriteData is not None and "bytes_io_data" in getattr(WriteItem, "__dataclass_fields__", {})
+
+
+def encode_plan(plan: SavePlan) -> dict:
+    """A SavePlan, column by column (its storage data is not kept)."""
+    table = _PropsTable()
+    fqn, off, hint, typ, prop, size, coff, csz, bio = [], [], [], [], [], [], [], [], []
+    for it in plan.items:
+        ix = it.index
+        fqn.append(ix.fqn)
+        off.append(None if ix.offset is None else list(ix.offset))
+        hint.append(ix.index)
+        typ.append(it.type.name)
+        td = it.tensor_data
+        if td is None:
+            prop.append(-1)
+            size.append(None)
+            coff.append(None)
+            csz.append(None)
+        else:
+            prop.append(table.id(td.properties))
+            size.append(list(td.size))
+            coff.append(list(td.chunk.offsets))
+            csz.append(list(td.chunk.sizes))
+        b = getattr(it, "bytes_io_data", None)
+        bio.append(None if b is None else int(b.nbytes))
+    return {"fqn": fqn, "off": off, "hint": hint, "type": typ, "prop": prop, "size": size, "coff": coff, "csz": csz,
+            "bio": bio, "props": table.rows, "pd": _enc_planner_data(plan.planner_data), "usable": bool(plan.usable)}
+
+
+def decode_plan(d: dict) -> SavePlan:
+    props = _props(d["props"])
+    types = {n: WriteItemType[n] for n in set(d["type"])}
+    items = []
+    for f, o, h, t, p, sz, co, cs, b in zip(d["fqn"], d["off"], d["hint"], d["type"], d["prop"], d["size"], d["coff"],
+                                            d["csz"], d["bio"], strict=True):
+        idx = MetadataIndex(str(f), None if o is None else torch.Size(o), None if h is None else int(h))
+        td = None if p < 0 else TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(co), sizes=torch.Size(cs)), properties=props[p], size=torch.Size(sz))
+        if b is not None and _HAS_BYTES_IO:
+            items.append(WriteItem(index=idx, type=types[t], tensor_data=td, bytes_io_data=BytesIOWriteData(nbytes=int(b))))
+        else:
+            items.append(WriteItem(index=idx, type=types[t], tensor_data=td))
+    return SavePlan(items, planner_data=_dec_planner_data(d["pd"]), usable=bool(d["usable"]))
+
+
+def encode_metadata(md: Metadata) -> dict:
+    """DCP's global Metadata, column by column (its storage data is not kept)."""
+    table = _PropsTable()
+    keys, prop, size, chunks = [], [], [], []
+    for k, m in md.state_dict_metadata.items():
+        keys.append(k)
+        if isinstance(m, TensorStorageMetadata):
+            prop.append(table.id(m.properties))
+            size.append(list(m.size))
+            chunks.append([[list(c.offsets), list(c.sizes)] for c in m.chunks])
+        elif isinstance(m, BytesStorageMetadata):
+            prop.append(-1)
+            size.append(None)
+            chunks.append(None)
+        else:
+            raise TypeError(f"cannot persist storage metadata {type(m).__name__}")
+    return {"keys": keys, "prop": prop, "size": size, "chunks": chunks, "props": table.rows,
+            "pd": _enc_planner_data(md.planner_data), "sm": encode(md.storage_meta), "version": getattr(md, "version", None)}
+
+
+def decode_metadata(d: dict) -> Metadata:
+    props = _props(d["props"])
+    sdm: dict[str, Any] = {}
+    for k, p, sz, ch in zip(d["keys"], d["prop"], d["size"], d["chunks"], strict=True):
+        if p < 0:
+            sdm[str(k)] = BytesStorageMetadata()
+        else:
+            sdm[str(k)] = TensorStorageMetadata(properties=props[p], size=torch.Size(sz), chunks=[
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in ch])
+    kwargs: dict[str, Any] = dict(state_dict_metadata=sdm, planner_data=_dec_planner_data(d["pd"]),
+                                  storage_meta=decode(d["sm"]))
+    if "version" in Metadata.__dataclass_fields__:
+        kwargs["version"] = d.get("version")
+    return Metadata(**kwargs)
+
+
+def _digest(doc: Any) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def plan_hash(plan: SavePlan) -> str:
+    """SHA-256 of a plan's items and planner data (keys, offsets, item types, sizes, chunks and
+    tensor properties, dtypes included); its storage data does not count."""
+    return _digest(encode_plan(plan))
+
+
+# -- what a process persists -------------------------------------------------------------------
+
+@dataclass
+class PersistedPlans:
+    """One process's persisted share of DCP's plan cache (see the module docstring)."""
+
+    key: str  # DCP's cache key (the planner's class name)
+    torch_version: str
+    world: int
+    rank: int  # group rank
+    global_rank: int
+    coord_global: int  # the coordinator's global rank
+    local: SavePlan
+    final: SavePlan
+    h_local: str
+    h_final: str
+    # coordinator only (its own local and final plans are all_plans[rank] and global_plans[rank])
+    members: list[int] | None = None  # global rank of every group rank
+    all_plans: list[SavePlan] | None = None
+    global_plans: list[SavePlan] | None = None
+    metadata: Metadata | None = None
+    hashes: list[list[str]] | None = None  # per group rank: [h_local, h_final]
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.all_plans is not None
+
+
+def plan_key(global_rank: int) -> str:
+    return f"{PLAN_DIR}/g{global_rank:05d}.json"
+
+
+def _with_hash(enc: dict) -> tuple[dict, str]:
+    return enc, _digest(enc)
+
+
+def to_bytes(snap: "Snapshot") -> bytes:
+    """The file of a snapshot: a header line (format, SHA-256 and length of the body), the body."""
+    body: dict[str, Any] = {"key": snap.key, "torch": torch.__version__, "world": snap.world, "rank": snap.rank,
+                            "global_rank": snap.global_rank, "coord_global": snap.coord_global}
+    if snap.all_plans is not None and snap.global_plans is not None:
+        alls = [encode_plan(x) for x in snap.all_plans]
+        globs = [encode_plan(x) for x in snap.global_plans]
+        body |= {"members": snap.members, "all": alls, "global": globs, "metadata": encode_metadata(snap.metadata),
+                 "hashes": [[_digest(a), _digest(g)] for a, g in zip(alls, globs)]}
+    else:
+        loc, fin = encode_plan(snap.local), encode_plan(snap.final)
+        body |= {"local": loc, "final": fin, "h_local": _digest(loc), "h_final": _digest(fin)}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    head = json.dumps({"format": FORMAT, "sha256": hashlib.sha256(raw).hexdigest(), "length": len(raw)}).encode()
+    return head + b"\n" + raw
+
+
+def from_bytes(raw: bytes, where: str) -> PersistedPlans:
+    """Parse and verify a persisted plan file (the SHA-256 of its body)."""
+    head, sep, body_raw = bytes(raw).partition(b"\n")
+    try:
+        h = json.loads(head) if sep else None
+        if not isinstance(h, dict) or h.get("format") != FORMAT:
+            raise CorruptCheckpoint(f"{where}: not a {FORMAT} file")
+        if h.get("length") != len(body_raw) or h.get("sha256") != hashlib.sha256(body_raw).hexdigest():
+            raise CorruptCheckpoint(f"{where}: failed its SHA-256 check")
+        body = json.loads(body_raw)
+        common = dict(key=str(body["key"]), torch_version=str(body["torch"]), world=int(body["world"]),
+                      rank=int(body["rank"]), global_rank=int(body["global_rank"]), coord_global=int(body["coord_global"]))
+        if "all" in body:
+            alls = [decode_plan(x) for x in body["all"]]
+            globs = [decode_plan(x) for x in body["global"]]
+            hashes = [[str(a), str(b)] for a, b in body["hashes"]]
+            r = common["rank"]
+            p = PersistedPlans(**common, local=alls[r], final=globs[r], h_local=hashes[r][0], h_final=hashes[r][1],
+                               members=[int(g) for g in body["members"]], all_plans=alls, global_plans=globs,
+                               metadata=decode_metadata(body["metadata"]), hashes=hashes)
+            if not (len(alls) == len(globs) == len(hashes) == len(p.members) == p.world):  # type: ignore[arg-type]
+                raise CorruptCheckpoint(f"{where}: plans for {len(alls)} ranks, world size {p.world}")
+        else:
+            p = PersistedPlans(**common, local=decode_plan(body["local"]), final=decode_plan(body["final"]),
+                               h_local=str(body["h_local"]), h_final=str(body["h_final"]))
+    except CorruptCheckpoint:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CorruptCheckpoint(f"{where}: malformed plan cache ({type(e).__name__}: {e})") from None
+    return p
+
+
+# -- persisting (background) ---------------------------------------------------------------------
+
+@dataclass
+class Snapshot:
+    """References to one save's cached DCP plans (taken on the saving thread: cheap)."""
+
+    key: str
+    world: int
+    rank: int
+    global_rank: int
+    coord_global: int
+    local: SavePlan
+    final: SavePlan
+    members: list[int] | None = None
+    all_plans: list[SavePlan] | None = None
+    global_plans: list[SavePlan] | None = None
+    metadata: Metadata | None = None
+
+    def ident(self) -> tuple:
+        return (self.key, self.world, self.rank, id(self.local), id(self.final), id(self.all_plans),
+                id(self.global_plans), id(self.metadata))
+
+
+def snapshot(planner: Any, final: SavePlan, world: int, rank: int, global_rank: int, coord_global: int) -> Snapshot | None:
+    """This rank's cached DCP plans of the save in progress, or None (no plan caching)."""
+    caches = dcp_caches()
+    key = getattr(planner, "_cached_plans_key", None)
+    if caches is None or not isinstance(key, str) or not getattr(planner, "_enable_plan_caching", False):
+        return None
+    local = caches["_cached_save_plan"].get(key)
+    if local is None or caches["_cached_final_save_plan"].get(key) is not final:
+        return None
+    return Snapshot(key, world, rank, global_rank, coord_global, local, final)
+
+
+def add_coordinator(snap: Snapshot, members: list[int]) -> None:
+    """The coordinator's part of ``snap``: every rank's cached plans and the metadata."""
+    caches = dcp_caches()
+    if caches is None:
+        return
+    snap.all_plans = caches["_cached_all_plans"].get(snap.key)
+    snap.global_plans = caches["_cached_global_plan"].get(snap.key)
+    snap.metadata = caches["_cached_metadata"].get(snap.key)
+    snap.members = members
+    if (snap.all_plans is None or snap.global_plans is None or snap.metadata is None
+            or not (len(snap.all_plans) == len(snap.global_plans) == len(members) == snap.world)):
+        snap.all_plans = snap.global_plans = snap.metadata = snap.members = None
+
+
+class Persister:
+    """Writes a process's snapshot to its local tier after the save committed, when it changed.
+
+    One per local tier root; :meth:`after_commit` is called on the saving thread and returns at
+    once; the encoding and the write run on a background thread.
+    """
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self._last: tuple | None = None
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+
+    def after_commit(self, committed: Future, snap: Snapshot, coordinator: bool) -> None:
+        if coordinator and snap.all_plans is None:
+            return  # a coordinator without its part would leave the others' files unanswerable
+        with self._lock:
+            if snap.ident() in (self._last, _status.ident):
+                return
+            self._pending += 1
+
+        def done(f: Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._finished()
+                return
+            threading.Thread(target=self._write, args=(snap,), name="tierckpt-plans", daemon=True).start()
+
+        committed.add_done_callback(done)
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every scheduled write is done (``TieredWriter.wait`` calls it)."""
+        with self._lock:
+            self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            self._write_now(snap)
+        finally:
+            self._finished()
+
+    def _write_now(self, snap: Snapshot) -> None:
+        try:
+            with self._lock:
+                if snap.ident() == self._last:
+                    return
+            self.tier.put(plan_key(snap.global_rank), to_bytes(snap))
+            with self._lock:
+                self._last = snap.ident()
+        except TypeError as e:  # plans this codec does not know (custom planner data): not persisted
+            log.debug("plan cache not persisted: %s", e)
+        except Exception as e:  # noqa: BLE001 - an optimisation only: never fail a save for it
+            log.warning("could not persist the plan cache to %s: %s", self.tier.url, e)
+
+
+# -- reading and seeding (first save of a process) -------------------------------------------------
+
+_preloads: dict[tuple[str, int], Future] = {}
+_preloads_lock = threading.Lock()
+
+
+def _load(tier: Tier, global_rank: int) -> PersistedPlans | None:
+    key = plan_key(global_rank)
+    try:
+        raw = tier.get(key)
+    except CheckpointNotFound:
+        return None
+    p = from_bytes(raw, f"{tier.url}/{key}")
+    if p.global_rank != global_rank or p.torch_version != torch.__version__:
+        return None
+    return p
+
+
+def preload(tier: Tier, global_rank: int) -> Future:
+    """Start reading this process's persisted plans in the background (once per tier and rank).
+    The future holds the :class:`PersistedPlans`, or None (none, unreadable or stale)."""
+    k = (tier.url, global_rank)
+    with _preloads_lock:
+        fut = _preloads.get(k)
+        if fut is not None:
+            return fut
+        fut = _preloads[k] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(_load(tier, global_rank))
+        except Exception as e:  # noqa: BLE001 - a bad file only costs the reuse
+            log.warning("ignoring the persisted plan cache of rank %d: %s", global_rank, e)
+            fut.set_result(None)
+
+    threading.Thread(target=run, name="tierckpt-plan-preload", daemon=True).start()
+    return fut
+
+
+@dataclass
+class SeedStatus:
+    """What the first save of this process did about persisted plans (for logs and tests)."""
+
+    attempted: bool = False
+    seeded: bool = False
+    reason: str = ""
+    channel: str | None = None  # the plan channel the coordinator opened with its answer
+    ident: tuple | None = None  # Snapshot.ident() of the seeded plans (already on disk: not persisted again)
+
+
+_status = SeedStatus()
+_seed_lock = threading.Lock()
+
+
+def status() -> SeedStatus:
+    return _status
+
+
+def _seed_caches(p: PersistedPlans) -> None:
+    caches = dcp_caches()
+    assert caches is not None
+    _status.ident = (p.key, p.world, p.rank, id(p.local), id(p.final), id(p.all_plans), id(p.global_plans), id(p.metadata))
+    caches["_cached_save_plan"][p.key] = p.local
+    caches["_cached_final_save_plan"][p.key] = p.final
+    if p.is_coordinator:
+        caches["_cached_all_plans"][p.key] = p.all_plans
+        caches["_cached_global_plan"][p.key] = p.global_plans
+        caches["_cached_metadata"][p.key] = p.metadata
+
+
+def _wait(channel: Any, key: str, timeout: float) -> bytes | None:
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        v = channel.try_get(key)
+        if v is not None or time.monotonic() > deadline:
+            return v
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.02)
+
+
+def seed(tier: Tier | None, channel: Any, *, distributed: bool, is_coordinator: bool, global_rank: int,
+         world: int, timeout: float = AGREE_TIMEOUT) -> SeedStatus:
+    """Once per process, before DCP's first planning: agree with the other ranks and seed DCP's
+    plan cache from the persisted plans, or leave it empty. Every rank of the save must call it
+    (``TieredWriter.set_up_storage_writer`` does). ``channel`` is the store channel (distributed)."""
+    global _status
+    with _seed_lock:
+        if _status.attempted:
+            return _status
+        _status = SeedStatus(attempted=True)
+        caches = dcp_caches()
+        p: PersistedPlans | None = None
+        if tier is not None and caches is not None:
+            try:
+                p = preload(tier, global_rank).result()
+            except Exception:  # noqa: BLE001
+                p = None
+        if p is not None and any(p.key in c for c in caches.values()):  # type: ignore[union-attr]
+            p = None  # this process already has live plans: never overwrite them
+        if not distributed:
+            if p is not None and p.world == 1 and p.is_coordinator:
+                _seed_caches(p)
+                _status.seeded, _status.reason = True, "single rank"
+            else:
+                _status.reason = "no usable persisted plans"
+            return _status
+        me = f"tierckpt/seed/g{global_rank}"
+        mine = {"coord": is_coordinator, "key": p.key if p else None, "h": [p.h_local, p.h_final] if p else None}
+        channel.publish(me, json.dumps(mine).encode())
+        if is_coordinator:
+            answer: dict = {"ok": False}
+            if p is None or not p.is_coordinator:
+                _status.reason = "the coordinator has no usable persisted plans"
+            elif p.world != world:
+                _status.reason = f"world size {world}, persisted plans for {p.world}"
+            else:
+                bad = []
+                assert p.members is not None and p.hashes is not None
+                for r, g in enumerate(p.members):
+                    if g == global_rank:
+                        other: dict | None = mine
+                    else:
+                        raw = _wait(channel, f"tierckpt/seed/g{g}", timeout)
+                        other = json.loads(raw) if raw is not None else None
+                    if other is None or other.get("key") != p.key or other.get("h") != p.hashes[r]:
+                        bad.append(r)
+                if bad:
+                    _status.reason = f"rank(s) {bad[:8]} hold other plans than the coordinator persisted"
+                else:
+                    answer = {"ok": True, "channel": uuid.uuid4().hex[:16]}
+            channel.publish(f"{me}/decision", json.dumps(answer).encode())
+            if answer["ok"]:
+                _seed_caches(p)  # type: ignore[arg-type]
+                _status.seeded, _status.reason, _status.channel = True, "all ranks agree", answer["channel"]
+            return _status
+        if p is None:
+            _status.reason = "no usable persisted plans"
+            return _status
+        coord = f"tierckpt/seed/g{p.coord_global}"
+        raw = _wait(channel, coord, timeout)
+        if raw is None or not json.loads(raw).get("coord"):
+            _status.reason = f"rank {p.coord_global} is not the coordinator now"
+            return _status
+        raw = _wait(channel, f"{coord}/decision", timeout)
+        answer = json.loads(raw) if raw is not None else {"ok": False}
+        if answer.get("ok"):
+            _seed_caches(p)
+            _status.seeded, _status.reason, _status.channel = True, "all ranks agree", str(answer["channel"])
+        else:
+            _status.reason = "the coordinator declined"
+        return _status
+
+
+def reset_for_tests() -> None:
+    """Forget this process's seeding attempt and preloads (tests only)."""
+    global _status
+    with _seed_lock:
+        _status = SeedStatus()
+    with _preloads_lock:
+        _preloads.clear()
