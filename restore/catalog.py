@@ -2,8 +2,8 @@
 
 The restore tools work on the tiers of one :class:`~tierckpt.config.TierConfig`, fastest first
 (local, then S3). A checkpoint is *committed* on a tier when ``ID/metadata.json`` exists there;
-``latest`` is the committed checkpoint with the newest ``committed`` timestamp (from the
-metadata) over all tiers, as :class:`tierckpt.TieredReader` resolves it.
+order and ``latest`` come from :mod:`tierckpt.catalog` (the commit sequence written in each
+metadata header, never file times), exactly as :class:`tierckpt.TieredReader` resolves them.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierckpt import layout
-from tierckpt.commit import CheckpointInfo, list_checkpoints, resolve_latest
+from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_metadata
 from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from tierckpt.layout import CheckpointManifest, check_checkpoint_id, metadata_key
-from tierckpt.reader import read_checkpoint_metadata
+from tierckpt.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import ObjectInfo, Tier, check_key
 
@@ -69,21 +68,6 @@ def rank_of_file(file: str) -> int | None:
         return None
 
 
-def checkpoint_objects(tier: Tier, checkpoint_id: str) -> dict[str, ObjectInfo]:
-    """The objects of ``checkpoint_id`` on ``tier`` by their name inside the checkpoint
-    (``metadata.json``, ``rank-00000-xxxxxxxx.data``, leftovers such as ``*.partial``), wherever
-    the layout puts them (:func:`tierckpt.layout.checkpoint_prefixes`)."""
-    prefixes = getattr(layout, "checkpoint_prefixes", lambda cid: [f"{cid}/"])(checkpoint_id)
-    split = getattr(layout, "split_key", lambda key: tuple(key.split("/", 1)) if "/" in key else None)
-    out: dict[str, ObjectInfo] = {}
-    for prefix in prefixes:
-        for info in tier.list(prefix):
-            sk = split(info.key)
-            if sk is not None and sk[0] == checkpoint_id:
-                out[sk[1]] = info
-    return out
-
-
 def key_path(root: Path, key: str) -> Path:
     """The file of tier key ``key`` under a local tier rooted at ``root``."""
     return root.joinpath(*check_key(key).split("/"))
@@ -99,11 +83,13 @@ class TierEntry:
     committed: bool
     size: int
     rank_files: int
-    mtime: float  # commit time when committed, newest file time otherwise
+    mtime: float  # the commit time recorded in the metadata when committed, newest file time otherwise
+    order: tuple = ()  # commit order (seq, commit time, step); empty when uncommitted or unreadable
 
     def to_json(self) -> dict:
-        return {"state": "committed" if self.committed else "partial", "size": self.size,
-                "rank_files": self.rank_files, "mtime": self.mtime}
+        return {"state": ("committed" if self.order else "committed (unreadable header)") if self.committed else "partial",
+                "size": self.size, "rank_files": self.rank_files, "mtime": self.mtime,
+                "seq": self.order[0] if self.order else None}
 
 
 @dataclass
@@ -146,56 +132,30 @@ class Listing:
 
 def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
     return TierEntry(tier=tier.name, committed=c.committed, size=c.size,
-                     rank_files=c.files - (1 if c.committed else 0), mtime=c.mtime)
+                     rank_files=sum(1 for n in c.objects if n.endswith(".data")),
+                     mtime=c.header.committed if c.header is not None else c.mtime,
+                     order=c.header.order_key() if c.header is not None else ())
 
 
 def list_all(tiers: list[Tier]) -> list[Listing]:
-    """Every checkpoint on every tier, oldest first (by the earliest time any tier saw it)."""
+    """Every checkpoint on every tier, in commit order (seq, commit time, step: what the commit
+    wrote, never a file time); uncommitted ones last, by file time."""
     by_id: dict[str, Listing] = {}
     for tier in tiers:
         for c in list_checkpoints(tier):
             lst = by_id.setdefault(c.checkpoint_id, Listing(c.checkpoint_id, c.step))
             lst.tiers[tier.name] = _entry(tier, c)
-    return sorted(by_id.values(), key=lambda l: (l.first_seen, l.step if l.step is not None else -1, l.checkpoint_id))
+
+    def order(l: Listing) -> tuple:
+        keys = [e.order for e in l.tiers.values() if e.order]
+        if keys:
+            return (1, max(keys), l.checkpoint_id)
+        return (0 if l.committed_anywhere else 2, (0, l.first_seen, -1), l.checkpoint_id)
+
+    return sorted(by_id.values(), key=order)
 
 
 # -- latest ------------------------------------------------------------------------------------
-
-@dataclass
-class Latest:
-    """The newest committed checkpoint over the tiers, and where it is committed."""
-
-    checkpoint_id: str
-    committed: float
-    step: int | None
-    tiers: list[str]
-
-    def to_json(self) -> dict:
-        return {"checkpoint_id": self.checkpoint_id, "step": self.step, "committed": self.committed, "tiers": self.tiers}
-
-
-def find_latest(tiers: list[Tier]) -> Latest:
-    """The newest committed checkpoint over ``tiers`` (by the ``committed`` time in its metadata).
-
-    Raises :class:`CheckpointNotFound` when no tier holds a committed checkpoint.
-    """
-    best: tuple[float, str, CheckpointManifest] | None = None
-    per_tier: dict[str, str] = {}
-    for tier in tiers:
-        try:
-            cid = resolve_latest(tier)
-        except CheckpointNotFound:
-            continue
-        _md, man = read_checkpoint_metadata(tier, cid)
-        per_tier[tier.name] = cid
-        if best is None or man.committed > best[0]:
-            best = (man.committed, cid, man)
-    if best is None:
-        raise CheckpointNotFound("no committed checkpoint on any tier: " + ", ".join(t.url for t in tiers))
-    cid = best[1]
-    holding = [t.name for t in tiers if per_tier.get(t.name) == cid or t.exists(metadata_key(cid))]
-    return Latest(checkpoint_id=cid, committed=best[0], step=best[2].step, tiers=holding)
-
 
 def resolve_id(tiers: list[Tier], checkpoint_id: str) -> str:
     """``checkpoint_id`` itself (validated), or the id ``latest`` stands for over ``tiers``."""

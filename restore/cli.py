@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from tierckpt.redact import redact
+
 from . import cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_verify
 from .errors import EXIT_OK, EXIT_USAGE, PROG, report
 
@@ -30,8 +32,9 @@ EPILOG = """examples:
   tierckpt-restore consolidate latest --out model.safetensors --keys model.
   tierckpt-restore gc --dry-run
 
-exit status: 0 ok, 1 not found or verification failed, 2 usage or configuration error,
-3 other error (storage, network), 130 interrupted. TIERCKPT_DEBUG=1 prints tracebacks.
+exit status: 0 ok, 1 not found or verification failed, 2 usage, configuration or credentials
+error (access denied), 3 other error (storage, network), 130 interrupted.
+TIERCKPT_DEBUG=1 prints tracebacks.
 """
 
 
@@ -67,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Formatter(logging.Formatter):
+    """``tierckpt-restore: level: message``, redacted (no URL user information or query string)."""
+
     def format(self, record: logging.LogRecord) -> str:
-        return f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
+        return f"{PROG}: {record.levelname.lower()}: {redact(record.getMessage())}"
 
 
 def _setup_logging(verbose: bool, quiet: bool) -> None:

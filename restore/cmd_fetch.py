@@ -14,6 +14,21 @@ EPILOG = """examples:
 """
 
 
+MAX_RANK = (1 << 24) - 1
+"""Largest rank accepted (checkpoints hold at most 2**24 ranks)."""
+
+
+def rank_arg(value: str) -> int:
+    """argparse type of ``--rank``: an integer in ``[0, MAX_RANK]``; refused before any tier is contacted."""
+    text = value.strip()
+    if len(text) > 12 or not text.lstrip("+-").isdigit() or not text.isascii():
+        raise argparse.ArgumentTypeError(f"invalid rank {value[:40]!r}: expected a non-negative integer")
+    rank = int(text)
+    if not 0 <= rank <= MAX_RANK:
+        raise argparse.ArgumentTypeError(f"invalid rank {rank}: ranks are integers from 0 to {MAX_RANK}")
+    return rank
+
+
 def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("fetch", parents=parents, help="copy a checkpoint from S3 to the local tier",
                        description="Copy a committed checkpoint from S3 into the local tier with parallel ranged "
@@ -24,8 +39,8 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
                                    "reader takes the other files from S3.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="ID|latest", type=checkpoint_ref, help="checkpoint id, or 'latest' (on S3)")
-    p.add_argument("--rank", type=int, action="append", metavar="R",
-                   help="fetch only the data file written by rank R (repeatable)")
+    p.add_argument("--rank", type=rank_arg, action="append", metavar="R",
+                   help="fetch only the data file written by rank R, an integer >= 0 (repeatable)")
     add_json(p)
     p.set_defaults(func=run, interrupt_hint="run the same command again to resume the fetch")
 

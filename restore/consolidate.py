@@ -148,7 +148,7 @@ def consolidate_checkpoint(config: TierConfig | str | os.PathLike | None, checkp
     fmt = output_format(out_path, fmt)
     if out_path.is_dir():
         raise UsageError(f"--out {out_path}: is a directory")
-    with CheckpointSource(cfg, checkpoint_id) as src:
+    with CheckpointSource(cfg, checkpoint_id, purpose="consolidate") as src:
         md = src.metadata
         res = ConsolidateResult(src.checkpoint_id, str(out_path), fmt)
         chosen = select_keys(md.state_dict_metadata, keys, exclude)

@@ -5,11 +5,17 @@ Exit codes:
 * ``0`` success;
 * ``1`` not found (no such checkpoint, nothing committed, no matching keys) or verification
   failed (checksum mismatch, size mismatch, corrupt metadata);
-* ``2`` usage or configuration (bad arguments, bad config file, missing credentials);
+* ``2`` usage, configuration or credentials (bad arguments, bad config file, missing or refused
+  credentials, access denied: :class:`~tierckpt.errors.TierAccessDenied`; running again without
+  a change cannot help);
 * ``3`` anything else (a tier unreachable, an S3 error, a local I/O error, an internal error);
 * ``130`` interrupted (Ctrl-C); a ``fetch`` can be resumed by running it again.
 
 ``TIERCKPT_DEBUG=1`` prints the traceback under the message.
+
+Nothing printed here holds a secret: the message and the traceback go through
+:func:`tierckpt.redact.redact` (URLs lose user information and query strings, secret-named
+values are masked), whatever raised the exception.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from tierckpt.errors import (
     CommitConflict,
     ConfigError,
     CorruptCheckpoint,
+    TierAccessDenied,
     TierckptError,
     TierError,
     TierUnavailable,
 )
+from tierckpt.redact import redact
 
 __all__ = [
     "DEBUG_ENV",
@@ -64,8 +72,13 @@ class VerificationFailed(TierckptError):
     """A checkpoint failed verification; the details were already reported."""
 
 
+MAX_MESSAGE = 2000
+"""Longest error line printed (a hostile file or server cannot flood the terminal)."""
+
+
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    line = " ".join(str(text).split())
+    return line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 3] + "..."
 
 
 def _botocore_message(e: BaseException) -> tuple[str, int] | None:
@@ -89,7 +102,12 @@ def _botocore_message(e: BaseException) -> tuple[str, int] | None:
 
 
 def classify(e: BaseException) -> tuple[str, int]:
-    """The one-line message and exit code for exception ``e``."""
+    """The one-line message and exit code for exception ``e`` (the message redacted)."""
+    msg, code = _classify(e)
+    return redact(msg), code
+
+
+def _classify(e: BaseException) -> tuple[str, int]:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", EXIT_INTERRUPTED
     if isinstance(e, (UsageError, ConfigError)):
@@ -104,6 +122,8 @@ def classify(e: BaseException) -> tuple[str, int]:
         return f"corrupt checkpoint: {e}", EXIT_FAILED
     if isinstance(e, CommitConflict):
         return f"conflict: {e}", EXIT_OTHER
+    if isinstance(e, TierAccessDenied):
+        return f"storage error: {e}", EXIT_USAGE
     if isinstance(e, TierUnavailable):
         return f"tier unavailable: {e}", EXIT_OTHER
     if isinstance(e, TierError):
@@ -122,11 +142,18 @@ def classify(e: BaseException) -> tuple[str, int]:
 
 
 def report(e: BaseException, hint: str = "") -> int:
-    """Print ``e`` as one line on stderr (plus the traceback with ``TIERCKPT_DEBUG=1``); return the exit code."""
-    msg, code = classify(e)
+    """Print ``e`` as one line on stderr (plus the traceback with ``TIERCKPT_DEBUG=1``); return the exit code.
+
+    Both are redacted (:func:`tierckpt.redact.redact`).
+    """
+    try:
+        msg, code = classify(e)
+    except Exception as inner:  # noqa: BLE001 - e.g. a hostile __str__: still one line and an exit code
+        msg, code = f"internal error: {type(e).__name__} (and {type(inner).__name__} while describing it)", EXIT_OTHER
     if hint and code == EXIT_INTERRUPTED:
         msg = f"{msg}; {hint}"
     if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
-        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-    print(f"{PROG}: error: {_one_line(msg)}", file=sys.stderr)
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        sys.stderr.write(redact(text))
+    print(f"{PROG}: error: {_one_line(redact(msg))}", file=sys.stderr)
     return code

@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierckpt.commit import resolve_latest
+from tierckpt import lease as leases
+from tierckpt.catalog import find_latest, read_checkpoint_metadata
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError
 from tierckpt.layout import check_checkpoint_id, data_key, metadata_from_json, metadata_key
@@ -259,6 +260,11 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
     See the module docstring for the whole contract.
     """
     t0 = time.perf_counter()
+    if ranks is not None:
+        ranks = list(ranks)
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+        if bad:  # checked before any tier is contacted
+            raise UsageError(f"--rank {bad[0]!r}: ranks are integers from 0")
     cfg = as_config(config)
     if cfg.local is None or cfg.s3 is None:
         raise UsageError(f"fetch copies from [s3] to [local]: the configuration{(' ' + cfg.source) if cfg.source else ''} "
@@ -268,14 +274,16 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
     assert local is not None and s3 is not None
     plans: list[_FilePlan] = []
     lock_fd: int | None = None
+    held: list[leases.Lease] = []
     try:
         cid = _resolve_on_s3(s3, local, checkpoint_id)
         lock_fd = _lock(cfg.local.resolved_path(), cid)
+        # Leases: gc or retention anywhere leaves the S3 copy and the local files alone meanwhile.
+        held.append(leases.acquire(s3, cid, purpose="fetch"))
+        held.append(leases.acquire(local, cid, kind="fetch", purpose="fetch into this tier", require_committed=False))
         mkey = metadata_key(cid)
+        md, man = read_checkpoint_metadata(s3, cid)  # size-checked before it is read, then validated
         raw = s3.get(mkey)
-        md, man = metadata_from_json(raw, f"{s3.url}/{mkey}")
-        if man.checkpoint_id != cid:
-            raise CorruptCheckpoint(f"{s3.url}/{mkey}: metadata names checkpoint {man.checkpoint_id!r}")
         local_raw = _local_metadata(local, cid, man.save_token)
         selected = _select(man.files, man.world_size, ranks)
         rank_list = None if ranks is None else sorted(set(ranks))
@@ -318,6 +326,8 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
     finally:
         for p in plans:
             p.close()
+        for lease in held:
+            lease.release()
         if lock_fd is not None:
             os.close(lock_fd)  # releases the lock
         local.close()
@@ -342,7 +352,7 @@ def _lock(root: Path, cid: str) -> int:
 
 def _resolve_on_s3(s3: Tier, local: Tier, checkpoint_id: str) -> str:
     if checkpoint_id == "latest":
-        return resolve_latest(s3)
+        return find_latest([s3]).checkpoint_id
     cid = check_checkpoint_id(checkpoint_id)
     if not s3.exists(metadata_key(cid)):
         here = " (the local tier holds a committed copy already)" if local.exists(metadata_key(cid)) else ""

@@ -2,14 +2,13 @@
 
 Per tier, with :func:`tierckpt.retention.plan_retention`: the newest ``keep`` committed
 checkpoints stay (``[local] keep``; ``[s3] keep`` plus every checkpoint whose step is a multiple
-of ``[s3] keep_every``; 0 keeps all), and partial (never committed) checkpoints are removed when
-they were last touched before the newest committed checkpoint on that tier *started* (its
-``created`` time): such a save can no longer commit. The newest committed checkpoint of a tier is
-never deleted. On S3, multipart uploads older than ``[job] commit_timeout`` are aborted too.
-
-A checkpoint being saved right now is safe: it is newer than the newest committed one. A
-``fetch`` interrupted into a checkpoint *older* than the newest local one may be removed; it
-then starts over.
+of ``[s3] keep_every``; 0 keeps all), in commit order (the sequence in each metadata header,
+never file times). The newest committed checkpoint of a tier is never deleted, nor one that is
+leased (being loaded, fetched, verified, consolidated or saved by any process), nor a local one
+that S3 should get and lacks (a job's promoter uploads it). Partial (never committed) checkpoints
+go once no live save or fetch holds a lease on them. Every deletion runs the lease protocol
+(:mod:`tierckpt.lease`): metadata first, then exactly the objects listed. On S3, multipart uploads
+older than ``[job] commit_timeout`` are aborted too.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from tierckpt.commit import list_checkpoints
+from tierckpt.catalog import committed_in_order, list_checkpoints
 from tierckpt.config import TierConfig
-from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
-from tierckpt.reader import read_checkpoint_metadata
+from tierckpt.errors import TierckptError
+from tierckpt.lease import live_leases
 from tierckpt.retention import RetentionPlan, apply_retention, plan_retention
 from tierckpt.tiers.local import drain_deletions
 from tierckpt.tiers.base import Tier
@@ -65,6 +64,25 @@ def _policy(cfg: TierConfig, tier: Tier) -> tuple[int, int]:
     return 0, 0
 
 
+def owed_to_next_tier(tiers: list[Tier], keep_every: int = 0) -> set[str]:
+    """Checkpoints committed on an earlier tier of ``tiers`` (fastest first) that the last tier
+    should get and lacks: newer than its newest, or ``keep_every`` milestones. A job's promoter
+    uploads them (its backlog pass); gc must not delete them meanwhile."""
+    if len(tiers) < 2:
+        return set()
+    last = committed_in_order(tiers[-1])
+    have = {c.checkpoint_id for c in last}
+    newest = last[-1].header.seq if last else 0  # type: ignore[union-attr]
+    owed: set[str] = set()
+    for t in tiers[:-1]:
+        for c in committed_in_order(t):
+            assert c.header is not None
+            milestone = bool(keep_every) and c.step is not None and c.step % keep_every == 0
+            if c.checkpoint_id not in have and (c.header.seq > newest or milestone):
+                owed.add(c.checkpoint_id)
+    return owed
+
+
 def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bool = False,
                    tier: str | None = None) -> GcResult:
     """Apply retention on every configured tier (or only ``tier``); with ``dry_run`` delete nothing.
@@ -72,30 +90,35 @@ def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bo
     Returns what went (or would go) and what stays. See the module docstring for the rules.
     """
     cfg = as_config(config)
-    tiers = open_tiers(cfg, tier)
+    every = open_tiers(cfg)
+    tiers = [t for t in every if tier is None or t.name == tier]
+    if tier is not None and not tiers:
+        open_tiers(cfg, tier)  # raises the usage error naming the missing section
     res = GcResult(dry_run=dry_run)
     try:
+        try:
+            owed = owed_to_next_tier(every, cfg.s3.keep_every if cfg.s3 is not None else 0)
+        except TierckptError as e:
+            log.warning("cannot tell which checkpoints are not on %s yet (%s): keeping every committed one", every[-1].url, e)
+            owed = {c.checkpoint_id for t in every[:-1] for c in list_checkpoints(t) if c.committed}
         for t in tiers:
             infos = list_checkpoints(t)
-            committed = [c for c in infos if c.committed]
-            partial_before = None
-            if committed:
-                newest = committed[-1].checkpoint_id
-                try:
-                    _md, man = read_checkpoint_metadata(t, newest)
-                    partial_before = man.created
-                except (CorruptCheckpoint, CheckpointNotFound) as e:
-                    log.warning("%s: cannot read the metadata of %s (%s); leaving partial checkpoints alone", t.url, newest, e)
+            leased = set(live_leases(t))
             keep, keep_every = _policy(cfg, t)
-            plan = plan_retention(infos, keep, keep_every, frozenset(), partial_before)
+            protect = leased | (owed if t is not every[-1] else set())
+            plan = plan_retention(infos, keep, keep_every, protect)
             sizes = {c.checkpoint_id: c.size for c in infos}
             res.kept[t.name] = plan.keep
+            for cid in sorted(leased & {c.checkpoint_id for c in infos}):
+                log.info("%s: %s is in use (leased): kept", t.url, cid)
+            for cid in sorted(owed & {c.checkpoint_id for c in infos if c.committed}):
+                if t is not every[-1]:
+                    log.info("%s: %s is not on %s yet: kept", t.url, cid, every[-1].url)
             for cid, why in plan.delete:
                 action = GcAction(t.name, cid, why, sizes.get(cid, 0))
                 res.actions.append(action)
                 if not dry_run:
-                    apply_retention(t, RetentionPlan(delete=[(cid, why)], keep=[]))
-                    action.deleted = True
+                    action.deleted = bool(apply_retention(t, RetentionPlan(delete=[(cid, why)], keep=[]), infos))
             if not dry_run:
                 abort = getattr(t, "abort_stale_uploads", None)
                 if abort is not None:
@@ -104,5 +127,5 @@ def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bo
             drain_deletions()  # local deletions finish in the background: gc returns when they are done
         return res
     finally:
-        for t in tiers:
+        for t in every:
             t.close()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from tierckpt import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from tierckpt.layout import CheckpointManifest, ItemRecord, data_key, item_intact, padded
@@ -46,12 +47,21 @@ class ReadRequest:
 class CheckpointSource:
     """One committed checkpoint, readable item by item. Use as a context manager (closes the tiers)."""
 
-    def __init__(self, cfg: TierConfig, checkpoint_id: str = "latest", tier: str | None = None) -> None:
+    def __init__(self, cfg: TierConfig, checkpoint_id: str = "latest", tier: str | None = None, purpose: str = "") -> None:
         self.cfg = cfg
         self.tiers = open_tiers(cfg, tier)
+        self._leases: list[leases.Lease] = []
         try:
             self.checkpoint_id = resolve_id(self.tiers, checkpoint_id)
-            self.holding = holding_tiers(self.tiers, self.checkpoint_id)
+            self.holding = []
+            for t in holding_tiers(self.tiers, self.checkpoint_id):
+                try:  # held until close(): retention and gc anywhere leave the checkpoint alone
+                    self._leases.append(leases.acquire(t, self.checkpoint_id, purpose=f"restore {purpose}".strip()))
+                    self.holding.append(t)
+                except CheckpointNotFound as e:
+                    log.warning("%s", e)
+            if not self.holding:
+                raise CheckpointNotFound(f"checkpoint {self.checkpoint_id} is no longer committed on any tier (deleted?)")
             self.meta_tier, self.metadata, self.manifest = read_metadata_any(self.holding, self.checkpoint_id)
             self._files: dict[str, set[str]] = {}
             for t in self.holding:
@@ -72,6 +82,9 @@ class CheckpointSource:
         self.close()
 
     def close(self) -> None:
+        for lease in self._leases:
+            lease.release()
+        self._leases = []
         for t in self.tiers:
             t.close()
 

@@ -11,6 +11,7 @@ files from S3); it is one when no tier holds a good copy.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from tierckpt import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.layout import CheckpointManifest, data_key
@@ -27,6 +29,8 @@ from tierckpt.tiers.base import Tier
 from .catalog import as_config, checkpoint_objects, holding_tiers, open_tiers, resolve_id
 from .pieces import FileCheck, aligned_range_size, files_items
 from .work import progress_bar, run_all, workers_for
+
+log = logging.getLogger("tierckpt.restore")
 
 __all__ = ["Problem", "TierReport", "VerifyReport", "verify_checkpoint"]
 
@@ -114,9 +118,18 @@ def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_
     t0 = time.perf_counter()
     cfg = as_config(config)
     tiers = open_tiers(cfg, tier)
+    held: list[leases.Lease] = []
     try:
         cid = resolve_id(tiers, checkpoint_id)
-        holding = holding_tiers(tiers, cid)
+        holding = []
+        for t in holding_tiers(tiers, cid):
+            try:  # held until the end: retention and gc anywhere leave the checkpoint alone
+                held.append(leases.acquire(t, cid, purpose="verify"))
+                holding.append(t)
+            except CheckpointNotFound as e:
+                log.warning("%s", e)
+        if not holding:
+            raise CheckpointNotFound(f"checkpoint {cid} is no longer committed on any tier (deleted?)")
         reports: list[TierReport] = []
         problems: list[Problem] = []
         manifests: dict[str, CheckpointManifest] = {}
@@ -170,6 +183,8 @@ def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_
         problems = [p for rep in reports for p in rep.problems] + problems
         return VerifyReport(cid, reports, problems, time.perf_counter() - t0)
     finally:
+        for lease in held:
+            lease.release()
         for t in tiers:
             t.close()
 

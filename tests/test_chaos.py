@@ -4,8 +4,12 @@ Each case runs a few seeded trials (``CHAOS_SEED`` overrides the seed) against m
 when every failure it reports is explained by an entry of ``chaos.KNOWN_BUGS`` (empty now). The
 two bugs the harness found are reproduced deterministically below, as regression tests.
 
+The cases of ``tools/chaos_loss.py`` (no committed checkpoint is ever lost: file-time changes,
+the unpromoted backlog, gc racing loads, the kill loop) run here too, a few trials each.
+
 Larger runs: ``CHAOS_TRIALS=50 python -m pytest tests/test_chaos.py -k large`` (every case with
-that many trials), or the tool itself: ``python tools/chaos.py --trials 100 --cases crash``.
+that many trials; ``-k "large and (filetimes or backlog or gcload or killloop)"`` for the new
+ones), or the tool itself: ``python tools/chaos.py --trials 100 --cases crash``.
 """
 
 from __future__ import annotations
@@ -77,6 +81,41 @@ def test_s3faults(env):
     res = chaos.case_s3faults(env, 6, SEED)
     check(res, 6)
     assert res.lost == 0
+
+
+# -- no committed checkpoint is ever lost (tools/chaos_loss.py), CI-sized ---------------------------
+
+def test_filetimes(env):
+    # touched, back-dated and restored files: latest, list and gc keep=1 follow the commit order
+    res = chaos.CASE_FUNCS["filetimes"](env, 3, SEED)
+    check(res, 3)
+    assert res.lost == 0
+
+
+def test_backlog(env):
+    # killed after a local commit, before an S3 upload, or run without [s3]; then resumed
+    res = chaos.CASE_FUNCS["backlog"](env, 3, SEED, plan=("local.commit", "s3.upload", "no-s3"))
+    check(res, 3)
+    assert res.lost == 0
+
+
+def test_gcload(env):
+    res = chaos.CASE_FUNCS["gcload"](env, 4, SEED)
+    check(res, 4)
+    assert res.lost == 0
+
+
+def test_killloop(env):
+    # 5 kills, each restarted from latest + 1: 3 with the local tier only, 2 with S3 as well
+    res = chaos.CASE_FUNCS["killloop"](env, 5, SEED)
+    check(res, 5)
+    assert res.lost == 0
+
+
+def test_new_cases_are_registered():
+    for name in ("filetimes", "backlog", "gcload", "killloop"):
+        assert name in chaos.CASES and name in chaos.CASE_FUNCS
+    assert {"loss-loader", "loss-digests"} <= set(chaos.CHILDREN)
 
 
 def test_resource_checks_tell_a_leak_from_noise():

@@ -35,7 +35,7 @@ from tierckpt import (
     parse_size,
 )
 from tierckpt.capture.pool import HostPool
-from tierckpt.commit import resolve_latest
+from tierckpt.catalog import resolve_latest
 from tierckpt.layout import metadata_key
 from tierckpt.pipeline import get_engine
 from tierckpt.tiers.base import DataSink

@@ -171,7 +171,7 @@ def data_files(root: Path, checkpoint_id: str) -> list[Path]:
 
 
 def ids_on(root: Path) -> list[str]:
-    from tierckpt.commit import list_checkpoints
+    from tierckpt.catalog import list_checkpoints
     from tierckpt.tiers.local import LocalTier
 
     return sorted(c.checkpoint_id for c in list_checkpoints(LocalTier(root)))
@@ -239,7 +239,7 @@ def test_verify_ok_then_flipped_byte(local_ckpts):
     assert "step-2 on local" in p.stdout and "OK" in p.stdout
 
     from restore import verify_checkpoint
-    from tierckpt.reader import read_checkpoint_metadata
+    from tierckpt.catalog import read_checkpoint_metadata
     from tierckpt.tiers.local import LocalTier
 
     md, _man = read_checkpoint_metadata(LocalTier(root), "step-2")
@@ -275,7 +275,12 @@ def test_gc_dry_run_then_delete(tmp_path):
     stale.mkdir()
     (stale / "rank-00000-00000000.data").write_bytes(b"x" * 10)
     os.utime(stale / "rank-00000-00000000.data", (1_000_000, 1_000_000))
-    fresh = root / "step-9"  # a save in flight: newer than the newest commit, must stay
+    from tierckpt import lease
+    from tierckpt.tiers.local import LocalTier
+
+    # a save in flight (in this process): it holds a lease from before its first file, so it stays
+    in_flight = lease.acquire(LocalTier(root), "step-9", kind="save", require_committed=False, check_tombs=False)
+    fresh = root / "step-9"
     fresh.mkdir()
     (fresh / "rank-00000-11111111.data").write_bytes(b"y" * 10)
     gc_cfg = write_config(tmp_path / "gc.toml", local=root, keep=2)
@@ -302,6 +307,9 @@ def test_gc_dry_run_then_delete(tmp_path):
     res = gc_checkpoints(write_config(tmp_path / "gc1.toml", local=root, keep=1), dry_run=True)
     assert [a.checkpoint_id for a in res.actions] == ["step-3"]
     assert "step-4" in res.kept["local"]
+    in_flight.release()  # the save died without committing: its partial goes now
+    res = gc_checkpoints(write_config(tmp_path / "gc2.toml", local=root, keep=0))
+    assert [a.checkpoint_id for a in res.actions] == ["step-9"]
 
 
 # -- consolidate --------------------------------------------------------------------------------

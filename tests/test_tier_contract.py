@@ -241,6 +241,26 @@ class TierContract(BitExactContract):
         assert tier.list_dirs() == ["ckpt-2"]
         assert tier.delete_prefix("ckpt-9/") == 0
 
+    def test_delete_many_removes_exactly_the_listed_keys(self, tier: Tier) -> None:
+        """What retention relies on: objects created under the same prefix after the listing stay."""
+        for k in ("c-1/a", "c-1/sub/b", "c-1/c"):
+            tier.put(k, b"old")
+        listed = [i.key for i in tier.list("c-1/")]
+        tier.put("c-1/new", b"arrived after the listing")
+        assert tier.delete_many(listed + ["c-1/missing"]) >= len(listed)
+        assert [i.key for i in tier.list("c-1/")] == ["c-1/new"]
+        assert tier.get("c-1/new") == b"arrived after the listing"
+        assert tier.delete_many([]) == 0
+
+    def test_put_volatile_and_free_bytes(self, tier: Tier) -> None:
+        tier.put_volatile("_leases/c-1/read-1.json", b"{}")
+        tier.put_volatile("_leases/c-1/read-1.json", b'{"a": 1}')  # replaces
+        assert tier.get("_leases/c-1/read-1.json") == b'{"a": 1}'
+        tier.delete("_leases/c-1/read-1.json")
+        assert list(tier.list("_leases/")) == []
+        free = tier.free_bytes()
+        assert free is None or free > 0
+
     def test_delete_prefix_many(self, tier: Tier) -> None:
         keys = [f"many/k{i:04d}" for i in range(60)]
         for k in keys:

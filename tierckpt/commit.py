@@ -26,15 +26,12 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from .errors import CaptureError, CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import METADATA, check_checkpoint_id, checkpoint_prefixes, split_key, step_of
-from .tiers.base import Tier
+from .errors import CaptureError, TierckptError
 
-__all__ = ["Channel", "LocalChannel", "StoreChannel", "default_channel", "CheckpointInfo",
-           "list_checkpoints", "resolve_latest", "is_committed", "delete_checkpoint"]
+__all__ = ["Channel", "LocalChannel", "StoreChannel", "default_channel", "encode_report", "decode_report",
+           "gather_reports"]
 
 log = logging.getLogger("tierckpt.commit")
 
@@ -146,79 +143,12 @@ def default_channel(distributed: bool) -> Channel:
     return _local_channel
 
 
-# -- what is on a tier --------------------------------------------------------------------
-
-@dataclass
-class CheckpointInfo:
-    """One checkpoint directory on one tier."""
-
-    checkpoint_id: str
-    committed: bool
-    mtime: float  # commit time for committed ones, newest file time otherwise
-    size: int
-    files: int
-    step: int | None
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
-
-def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
-    """Every checkpoint on ``tier``, committed or not, oldest commit first (partials last)."""
-    by_id: dict[str, dict] = {}
-    for info in tier.list(""):
-        split = split_key(info.key)
-        if split is None:
-            continue
-        cid, rest = split
-        try:
-            check_checkpoint_id(cid)
-        except CorruptCheckpoint:
-            continue
-        d = by_id.setdefault(cid, {"committed": False, "mtime": 0.0, "size": 0, "files": 0, "commit_t": 0.0})
-        d["size"] += info.size
-        d["files"] += 1
-        d["mtime"] = max(d["mtime"], info.mtime)
-        if rest == METADATA:
-            d["committed"] = True
-            d["commit_t"] = info.mtime
-    out = [
-        CheckpointInfo(cid, d["committed"], d["commit_t"] if d["committed"] else d["mtime"], d["size"], d["files"], step_of(cid))
-        for cid, d in by_id.items()
-    ]
-    out.sort(key=lambda c: (not c.committed, c.mtime, c.step if c.step is not None else -1, c.checkpoint_id))
-    return out
-
-
-def committed_in_order(tier: Tier) -> list[CheckpointInfo]:
-    """Committed checkpoints, oldest commit first."""
-    return [c for c in list_checkpoints(tier) if c.committed]
-
-
-def resolve_latest(tier: Tier) -> str:
-    """The id of the newest committed checkpoint on ``tier`` (by commit time, then step)."""
-    done = committed_in_order(tier)
-    if not done:
-        raise CheckpointNotFound(f"{tier.url}: no committed checkpoint")
-    return done[-1].checkpoint_id
-
-
-def is_committed(tier: Tier, checkpoint_id: str) -> bool:
-    return tier.exists(f"{check_checkpoint_id(checkpoint_id)}/{METADATA}")
-
-
-def delete_checkpoint(tier: Tier, checkpoint_id: str) -> int:
-    """Delete every object of a checkpoint on ``tier``: metadata first, so it stops being
-    committed before any of its data goes. Returns the number of objects removed."""
-    check_checkpoint_id(checkpoint_id)
-    tier.delete(f"{checkpoint_id}/{METADATA}")
-    return sum(tier.delete_prefix(p) for p in checkpoint_prefixes(checkpoint_id))
-
-
 # -- rank reports and outcomes ---------------------------------------------------------------
 
-def encode_report(ok: bool, *, size: int = 0, crcs: list[list[int]] | None = None, error: str = "") -> bytes:
-    return json.dumps({"ok": ok, "size": size, "crcs": crcs or [], "error": error}).encode()
+def encode_report(ok: bool, *, size: int = 0, crcs: list[list[int]] | None = None, error: str = "", seq: int = 0) -> bytes:
+    """A rank report: ok or the error, the file size and CRC pieces, and the highest commit
+    sequence number the rank has seen (the coordinator numbers the checkpoint above all of them)."""
+    return json.dumps({"ok": ok, "size": size, "crcs": crcs or [], "error": error, "seq": seq}).encode()
 
 
 def decode_report(raw: bytes, who: str) -> dict:

@@ -11,6 +11,8 @@ Sizes accept integers (bytes) or strings such as ``"512MiB"``, ``"8GiB"``, ``"64
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
 import os
 import re
 import socket
@@ -18,8 +20,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from .errors import ConfigError
+from .redact import redact_url
 
 __all__ = [
     "HostConfig",
@@ -29,6 +33,7 @@ __all__ = [
     "TierConfig",
     "load_config",
     "parse_size",
+    "check_endpoint_url",
     "node_name",
     "CONFIG_ENV",
 ]
@@ -40,6 +45,11 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 S3_MIN_PART = 5 * MiB
 S3_MAX_PART = 5 * GiB
+MAX_SIZE = 1 << 62
+"""Largest size any setting accepts (far above any real machine; keeps arithmetic finite)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Largest timeout any setting accepts (a week: "forever" for a checkpoint, finite for the OS)."""
+S3_MAX_ATTEMPTS = 100
 
 _UNITS = {
     "": 1, "b": 1,
@@ -60,6 +70,8 @@ def parse_size(value: Any, where: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{where}: size must not be negative, got {value}")
+        if value > MAX_SIZE:
+            raise ConfigError(f"{where}: size is too large (at most {MAX_SIZE} bytes)")
         return value
     if isinstance(value, str):
         if value.strip().startswith("-"):
@@ -69,8 +81,70 @@ def parse_size(value: Any, where: str = "size") -> int:
             raise ConfigError(
                 f"{where}: cannot parse size {value!r} (use an integer or e.g. '512MiB', '8GiB', '64MB')"
             )
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number = float(m.group(1)) if len(m.group(1)) <= 40 else math.inf
+        size = number * _UNITS[m.group(2).lower()]
+        if not size <= MAX_SIZE:
+            raise ConfigError(f"{where}: size {value[:60]!r} is too large (at most {MAX_SIZE} bytes)")
+        return int(size)
     raise ConfigError(f"{where}: expected a size (integer bytes or a string like '512MiB'), got {type(value).__name__}")
+
+
+_HOST_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_HOSTNAME_RE = re.compile(rf"^(?:{_HOST_LABEL}\.)*{_HOST_LABEL}\.?$")
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_ENDPOINT_EXAMPLE = "e.g. 'http://127.0.0.1:8333' or 'https://s3.example.com'"
+_REGION_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9._\-]{1,255}$")
+_ARN_RE = re.compile(r"^arn:[\x21-\x7e]{1,1020}$")
+
+
+def check_endpoint_url(url: str, where: str = "[s3] endpoint_url") -> str:
+    """Return ``url`` if it is usable as an S3 endpoint, else raise :class:`ConfigError`.
+
+    Empty means the provider's default endpoint (AWS). Otherwise: ``http`` or ``https``, a host
+    name, IPv4 or bracketed IPv6 address, an optional port 1-65535 and an optional path; no user
+    information (``user:password@`` is refused, credentials come from the AWS credential chain),
+    no query string or fragment, no whitespace, control or non-ASCII characters. Messages show
+    the value only through :func:`~tierckpt.redact.redact_url`, and never when it holds user
+    information, so no secret reaches them.
+    """
+    if not url:
+        return url
+    if len(url) > 2048:
+        raise ConfigError(f"{where}: too long ({len(url)} characters), expected a URL ({_ENDPOINT_EXAMPLE})")
+    if "@" in url:
+        raise ConfigError(
+            f"{where}: must not contain a user name or password ('user:password@host'): S3 credentials "
+            "come from the AWS credential chain (environment, profile, instance role), never from the configuration"
+        )
+    shown = repr(redact_url(url))
+    m = _SCHEME_RE.match(url)
+    if m is None:
+        raise ConfigError(f"{where}: {shown} is not a URL ({_ENDPOINT_EXAMPLE})")
+    if m.group(1).lower() not in ("http", "https"):
+        raise ConfigError(f"{where}: the scheme must be http or https, got {m.group(1)[:20]!r} ({_ENDPOINT_EXAMPLE})")
+    if any(c.isspace() or not c.isprintable() or not c.isascii() for c in url):
+        raise ConfigError(f"{where}: {shown} contains spaces, control or non-ASCII characters ({_ENDPOINT_EXAMPLE})")
+    if "?" in url or "#" in url:
+        raise ConfigError(f"{where}: must not have a query string or fragment ('?...', '#...'), got {shown}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"{where}: {shown} has an invalid host or port (the port is an integer 1-65535)") from None
+    host = parts.hostname or ""
+    if not host:
+        raise ConfigError(f"{where}: {shown} has no host ({_ENDPOINT_EXAMPLE})")
+    if parts.netloc.startswith("["):
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{where}: {shown} has an invalid IPv6 address") from None
+    elif len(host) > 255 or not _HOSTNAME_RE.match(host):
+        raise ConfigError(f"{where}: {shown} has an invalid host name (letters, digits, '-' and '.')")
+    if port == 0 or parts.netloc.endswith(":"):
+        raise ConfigError(f"{where}: {shown} has an invalid port (an integer 1-65535)")
+    return url
 
 
 def node_name() -> str:
@@ -123,12 +197,18 @@ class LocalConfig:
         flush_threads: threads writing captured chunks to the rank's file.
         keep: committed checkpoints kept on this tier (0 keeps all).
         fsync: fsync data and metadata before commit (turn off only for throwaway tests).
+        direct_io: ``"auto"`` (default): data files are written (and large cold ranges read)
+            with ``O_DIRECT`` from the page-aligned host pool, bypassing the page cache; a file
+            system that refuses it (some tmpfs, FUSE or network file systems) gets buffered I/O,
+            with one log line per process. ``true``: ``O_DIRECT`` is required (a refusal is an
+            error naming the file). ``false``: always buffered.
     """
 
     path: str = ""
     flush_threads: int = 4
     keep: int = 3
     fsync: bool = True
+    direct_io: bool | str = "auto"
 
     def validate(self, where: str = "[local]") -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -137,6 +217,13 @@ class LocalConfig:
             raise ConfigError(f"{where} flush_threads: must be between 1 and 64, got {self.flush_threads}")
         if self.keep < 0:
             raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
+        if self.direct_io not in (True, False, "auto"):
+            raise ConfigError(f"{where} direct_io: one of \"auto\", true, false, got {self.direct_io!r}")
+
+    @property
+    def node_local(self) -> bool:
+        """Whether each node has its own root (``{node}`` or ``{hostname}`` in ``path``)."""
+        return "{node}" in self.path or "{hostname}" in self.path
 
     def resolved_path(self) -> Path:
         """``path`` with placeholders filled and ``~`` expanded."""
@@ -153,8 +240,10 @@ class S3Config:
     Attributes:
         bucket: bucket name (required).
         prefix: key prefix under which checkpoints live.
-        endpoint_url: e.g. ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty for AWS.
-        region: signing region.
+        endpoint_url: e.g. ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty for AWS. Checked
+            by :func:`check_endpoint_url`: ``http(s)://host[:port][/path]``, no ``user:password@``
+            (refused without being echoed), no query string.
+        region: signing region (letters, digits and ``-``).
         part_size: multipart part size (5MiB..5GiB).
         concurrency: concurrent part uploads / ranged GETs per process.
         keep: committed checkpoints kept on this tier (0 keeps all).
@@ -178,9 +267,25 @@ class S3Config:
     read_timeout: float = 60.0
     conditional_commit: bool = True
 
+    def __repr__(self) -> str:
+        """The dataclass repr with ``endpoint_url`` redacted (it may not have been validated yet)."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            parts.append(f"{f.name}={redact_url(value)!r}" if f.name == "endpoint_url" else f"{f.name}={value!r}")
+        return f"S3Config({', '.join(parts)})"
+
     def validate(self, where: str = "[s3]") -> None:
         if not isinstance(self.bucket, str) or not self.bucket:
             raise ConfigError(f"{where} bucket: required, the bucket name")
+        if not (_BUCKET_RE.match(self.bucket) or _ARN_RE.match(self.bucket)):
+            raise ConfigError(
+                f"{where} bucket: {self.bucket[:80]!r} is not a bucket name "
+                "(letters, digits, '.', '-' and '_', at most 255 characters; or an access point ARN)"
+            )
+        check_endpoint_url(self.endpoint_url, f"{where} endpoint_url")
+        if self.region and not _REGION_RE.match(self.region):
+            raise ConfigError(f"{where} region: {self.region[:80]!r} is not a region name (e.g. 'us-east-1')")
         if not (S3_MIN_PART <= self.part_size <= S3_MAX_PART):
             raise ConfigError(f"{where} part_size: must be between 5MiB and 5GiB (S3 limits), got {self.part_size}")
         if self.concurrency < 1 or self.concurrency > 256:
@@ -189,10 +294,12 @@ class S3Config:
             raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
         if self.keep_every < 0:
             raise ConfigError(f"{where} keep_every: must not be negative, got {self.keep_every}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"{where} max_attempts: must be at least 1, got {self.max_attempts}")
-        if self.connect_timeout <= 0 or self.read_timeout <= 0:
-            raise ConfigError(f"{where} connect_timeout/read_timeout: must be positive")
+        if not 1 <= self.max_attempts <= S3_MAX_ATTEMPTS:
+            raise ConfigError(f"{where} max_attempts: must be between 1 and {S3_MAX_ATTEMPTS}, got {self.max_attempts}")
+        for name in ("connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if not 0 < value <= MAX_TIMEOUT_S:
+                raise ConfigError(f"{where} {name}: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}")
         if self.prefix.startswith("/") or ".." in self.prefix.split("/"):
             raise ConfigError(f"{where} prefix: must be relative and must not contain '..', got {self.prefix!r}")
 
@@ -215,8 +322,10 @@ class JobConfig:
     background_nice: int = 10
 
     def validate(self, where: str = "[job]") -> None:
-        if self.commit_timeout <= 0:
-            raise ConfigError(f"{where} commit_timeout: must be positive, got {self.commit_timeout}")
+        if not 0 < self.commit_timeout <= MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"{where} commit_timeout: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {self.commit_timeout}"
+            )
         if not 0 <= self.background_nice <= 19:
             raise ConfigError(f"{where} background_nice: must be between 0 and 19, got {self.background_nice}")
         if self.log_level and self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -261,24 +370,43 @@ _SECTIONS: dict[str, type] = {"host": HostConfig, "local": LocalConfig, "s3": S3
 _SIZE_KEYS = {("host", "buffer_size"), ("host", "chunk_size"), ("s3", "part_size")}
 
 
+def _brief(value: Any) -> str:
+    """A short repr of a configuration value for a one-line message (URLs redacted)."""
+    if isinstance(value, str):
+        text = repr(redact_url(value) if "://" in value or "@" in value else value)
+    elif isinstance(value, (list, dict)):
+        return f"with {len(value)} element(s)"
+    else:
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _coerce(section: str, key: str, value: Any, ftype: str, where: str) -> Any:
     if (section, key) in _SIZE_KEYS:
         return parse_size(value, where)
     if ftype == "bool":
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected true or false, got {type(value).__name__} {_brief(value)}")
         return value
     if ftype == "int":
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {_brief(value)}")
+        if abs(value) > MAX_SIZE:
+            raise ConfigError(f"{where}: integer out of range, got {_brief(value)}")
         return value
     if ftype == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {_brief(value)}")
+        if isinstance(value, int) and abs(value) > MAX_SIZE or not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {_brief(value)}")
         return float(value)
+    if ftype == "bool | str":  # a switch with an "auto" setting
+        if not isinstance(value, bool) and value != "auto":
+            raise ConfigError(f"{where}: expected \"auto\", true or false, got {type(value).__name__} {value!r}")
+        return value
     if ftype == "str":
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {_brief(value)}")
         return value
     raise AssertionError(ftype)  # pragma: no cover - field types are fixed above
 

@@ -19,6 +19,7 @@ __all__ = [
     "TornCaptureError",
     "TierError",
     "TierUnavailable",
+    "TierAccessDenied",
 ]
 
 
@@ -60,3 +61,14 @@ class TierError(TierckptError, OSError):
 
 class TierUnavailable(TierError):
     """A tier cannot be reached or is not configured (e.g. an optional dependency is missing)."""
+
+
+class TierAccessDenied(TierError, PermissionError):
+    """A storage tier refused the request for lack of permission or valid credentials.
+
+    On S3: ``AccessDenied`` (the key may not do this, e.g. a read-only key writing), an unknown
+    access key id, a secret key that does not match it, an expired session token, or no
+    credentials at all. Never retried: repeating the request cannot help. The message names
+    the operation and the ``s3://`` url (bucket and key) and never any part of a credential.
+    Also a :class:`PermissionError`.
+    """

@@ -38,11 +38,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from . import safejson
 from .errors import CorruptCheckpoint
 
 __all__ = [
     "FORMAT",
     "METADATA",
+    "CommitHeader",
+    "read_header",
+    "HEADER_MAX",
     "ALIGN",
     "ItemRecord",
     "CheckpointManifest",
@@ -66,6 +70,7 @@ FORMAT = "tierckpt/1"
 METADATA = "metadata.json"
 ALIGN = 64  # every item starts at a multiple of this (cache line; any dtype's alignment)
 MAX_METADATA_BYTES = 1 << 30
+MAX_HEADER_BYTES = 64 * 1024  # the header line of metadata.json (a few fields)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-=+@,]{0,199}$")
 _FILE_RE = re.compile(r"^rank-\d{5,7}(-[0-9a-f]{8})?\.data$")
@@ -222,21 +227,24 @@ class CheckpointManifest:
     committed: float = 0.0
     step: int | None = None
     save_token: str = ""
+    seq: int = 0  # commit sequence: 1 + the highest seq the job had seen when it committed (the order)
 
 
 # -- JSON encoding ------------------------------------------------------------------------
 
-def _enc_any(x: Any, where: str) -> Any:
+def _enc_any(x: Any, where: str, depth: int = 0) -> Any:
+    if depth > 64:  # the reader refuses deeper nesting: never write what cannot be read back
+        raise CorruptCheckpoint(f"{where}: nested more than 64 levels deep (cannot be stored in the metadata)")
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, tuple):
-        return {"__tuple__": [_enc_any(v, where) for v in x]}
+        return {"__tuple__": [_enc_any(v, where, depth + 1) for v in x]}
     if isinstance(x, list):
-        return [_enc_any(v, where) for v in x]
+        return [_enc_any(v, where, depth + 1) for v in x]
     if isinstance(x, dict):
         if not all(isinstance(k, str) for k in x):
             raise CorruptCheckpoint(f"{where}: dict keys must be strings to be stored as JSON")
-        return {"__dict__": {k: _enc_any(v, where) for k, v in x.items()}}
+        return {"__dict__": {k: _enc_any(v, where, depth + 1) for k, v in x.items()}}
     raise CorruptCheckpoint(
         f"{where}: a {type(x).__name__} cannot be stored in JSON metadata "
         "(custom planners must keep planner_data to str/int/float/bool/None/list/tuple/dict)"
@@ -297,6 +305,7 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
         "world_size": manifest.world_size,
         "chunk_size": manifest.chunk_size,
         "save_token": manifest.save_token,
+        "seq": manifest.seq,
         "files": manifest.files,
         "torch_version": torch.__version__,
         "dcp": {
@@ -311,20 +320,128 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
         "items": items,
     }
     body = json.dumps(doc, separators=(",", ":")).encode()
-    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": google_crc32c.value(body)}).encode()
+    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": google_crc32c.value(body),
+                         "seq": manifest.seq, "step": manifest.step, "committed": manifest.committed}).encode()
     return header + b"\n" + body
 
 
-def _int(x: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or not (lo <= x <= hi):
-        raise CorruptCheckpoint(f"metadata: {what} must be an integer in [{lo}, {hi}], got {x!r}")
+HEADER_MAX = 1024  # bytes of metadata.json that always hold its header line
+
+
+@dataclass(frozen=True)
+class CommitHeader:
+    """The order-relevant fields of a ``metadata.json`` header line (read without the body).
+
+    The body repeats them under its CRC32C; :func:`metadata_from_json` checks that both agree, so
+    a header that lies makes the checkpoint unloadable, never silently misordered on load.
+    """
+
+    seq: int
+    step: int | None
+    committed: float
+
+    def order_key(self) -> tuple:
+        """How checkpoints are ordered everywhere: commit sequence, then commit time, then step."""
+        return (self.seq, self.committed, -1 if self.step is None else self.step)
+
+
+def read_header(prefix: bytes) -> CommitHeader | None:
+    """The :class:`CommitHeader` in the first line of ``prefix`` (the first bytes of a
+    ``metadata.json``), or None if it is not a valid tierckpt header."""
+    line, sep, _ = bytes(prefix[:HEADER_MAX]).partition(b"\n")
+    if not sep:
+        return None
+    try:
+        h = safejson.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        return None
+    seq, step, committed = h.get("seq", 0), h.get("step"), h.get("committed", 0.0)
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        return None
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        return None
+    if isinstance(committed, bool) or not isinstance(committed, (int, float)) or committed != committed:
+        return None
+    return CommitHeader(seq=seq, step=step, committed=float(committed))
+
+
+def _cut(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _brief(x: Any) -> str:
+    """A short description of a JSON value for a message (never the whole of a large value)."""
+    if isinstance(x, str):
+        return repr(x) if len(x) <= 60 else repr(x[:60]) + f"... ({len(x)} characters)"
+    if isinstance(x, bool) or x is None or isinstance(x, float):
+        return repr(x)
+    if isinstance(x, int):
+        digits = len(str(abs(x))) if abs(x) < 10**60 else 61
+        return repr(x) if digits <= 24 else f"an integer of {digits if digits <= 60 else 'over 60'} digits"
+    if isinstance(x, list):
+        return f"a list of {len(x)} element(s)"
+    if isinstance(x, dict):
+        return f"an object with {len(x)} key(s)"
+    return type(x).__name__
+
+
+_MAX_INT = 1 << 62
+
+
+def _int(x: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if type(x) is not int or not (lo <= x <= hi):  # JSON integers are exactly int (never bool)
+        raise CorruptCheckpoint(f"metadata: {what} must be an integer in [{lo}, {hi}], got {_brief(x)}")
     return x
 
 
-def _ints(xs: Any, what: str) -> list[int]:
-    if not isinstance(xs, list) or len(xs) > 64:
-        raise CorruptCheckpoint(f"metadata: {what} must be a list of at most 64 integers")
-    return [_int(v, what) for v in xs]
+def _ints(xs: Any, what: str, max_len: int = 64, hi: int = _MAX_INT) -> list[int]:
+    """``xs`` itself if it is a list of at most ``max_len`` integers in ``[0, hi]``."""
+    if type(xs) is not list or len(xs) > max_len:
+        raise CorruptCheckpoint(f"metadata: {what} must be a list of at most {max_len} integers, got {_brief(xs)}")
+    for v in xs:
+        if type(v) is not int or not 0 <= v <= hi:
+            raise CorruptCheckpoint(f"metadata: {what} must hold integers in [0, {hi}], got {_brief(v)}")
+    return xs
+
+
+def _obj(x: Any, what: str) -> dict[str, Any]:
+    if not isinstance(x, dict):
+        raise CorruptCheckpoint(f"metadata: {what} must be an object, got {_brief(x)}")
+    return x
+
+
+def _list(x: Any, what: str) -> list[Any]:
+    if not isinstance(x, list):
+        raise CorruptCheckpoint(f"metadata: {what} must be a list, got {_brief(x)}")
+    return x
+
+
+def _req(d: dict[str, Any], key: str, what: str) -> Any:
+    if key not in d:
+        raise CorruptCheckpoint(f"metadata: {what} has no {key!r}")
+    return d[key]
+
+
+def _str(x: Any, what: str, max_len: int = 1 << 20, *, none: bool = False) -> Any:
+    if x is None and none:
+        return None
+    if not isinstance(x, str) or len(x) > max_len:
+        raise CorruptCheckpoint(f"metadata: {what} must be a string of at most {max_len} characters, got {_brief(x)}")
+    return x
+
+
+def _time(x: Any, what: str) -> float:
+    """A time stamp (seconds since the epoch): a finite, non-negative number."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (0 <= x < 1e12):
+        raise CorruptCheckpoint(f"metadata: {what} must be a time in seconds since the epoch, got {_brief(x)}")
+    return float(x)
+
+
+def _n_pieces(pos: int, length: int, chunk_size: int) -> int:
+    """``len(piece_bounds(pos, length, chunk_size))``, computed without building the list."""
+    return 0 if length <= 0 else (pos + length - 1) // chunk_size - pos // chunk_size + 1
 
 
 def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointManifest]:
@@ -333,17 +450,28 @@ def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointMani
     Rebuilds DCP ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to :class:`ItemRecord`.
     Rejects unknown formats, file names outside the checkpoint, items past the end of their file,
     and tensor lengths that do not match dtype and shape.
+
+    Any bytes whatsoever either parse or raise :class:`CorruptCheckpoint` naming ``where`` (never
+    ``RecursionError``, ``TypeError``, ...): the JSON is decoded by :func:`tierckpt.safejson.loads`
+    (bounded nesting, no NaN/Infinity, no duplicate keys, no huge integers) and every field is
+    type- and range-checked. Time and memory are linear in ``len(raw)`` (at most
+    :data:`MAX_METADATA_BYTES`); messages quote no more than a few dozen characters of the input.
     """
     if len(raw) > MAX_METADATA_BYTES:
         raise CorruptCheckpoint(f"{where}: metadata is larger than {MAX_METADATA_BYTES} bytes")
     head, sep, body = bytes(raw).partition(b"\n")
     try:
-        header = json.loads(head) if sep else None
+        header = safejson.loads(head) if sep and len(head) <= MAX_HEADER_BYTES else None
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ValueError("no tierckpt header line")
         if header.get("length") != len(body) or header.get("crc32c") != google_crc32c.value(body):
             raise CorruptCheckpoint(f"{where}: metadata failed its CRC32C/length check (corrupted or truncated)")
-        doc = json.loads(body)
+        try:
+            doc = safejson.loads(body)
+        except ValueError as e:  # the header checked out: a tierckpt file whose body is hostile
+            raise CorruptCheckpoint(f"{where}: malformed metadata JSON ({e})") from None
+        if isinstance(doc, dict) and any(k in header and header[k] != doc.get(k) for k in ("seq", "step", "committed")):
+            raise CorruptCheckpoint(f"{where}: the metadata header does not match its body (seq/step/commit time)")
     except CorruptCheckpoint:
         raise
     except (UnicodeDecodeError, ValueError) as e:
@@ -353,91 +481,137 @@ def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointMani
     except CorruptCheckpoint as e:
         msg = str(e)
         raise CorruptCheckpoint(msg if msg.startswith(where) else f"{where}: {msg}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptCheckpoint(f"{where}: malformed metadata ({type(e).__name__}: {e})") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure on hostile input is corruption too
+        raise CorruptCheckpoint(f"{where}: malformed metadata ({type(e).__name__}: {_cut(str(e))})") from None
 
 
 def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{where}: not a {FORMAT} metadata file")
-    cid = check_checkpoint_id(doc["checkpoint_id"])
-    chunk_size = _int(doc["chunk_size"], "chunk_size", 4096)
-    files_raw = doc["files"]
-    if not isinstance(files_raw, dict):
-        raise CorruptCheckpoint("metadata: 'files' must be an object")
+    cid = check_checkpoint_id(_str(_req(doc, "checkpoint_id", "the document"), "checkpoint_id", 200))
+    chunk_size = _int(_req(doc, "chunk_size", "the document"), "chunk_size", 4096)
+    files_raw = _obj(_req(doc, "files", "the document"), "'files'")
     files: dict[str, int] = {}
     for name, size in files_raw.items():
-        if not isinstance(name, str) or not _FILE_RE.match(name):
-            raise CorruptCheckpoint(f"metadata: data file name {name!r} is not allowed")
+        if not _FILE_RE.match(name):
+            raise CorruptCheckpoint(f"metadata: data file name {_brief(name)} is not allowed")
         files[name] = _int(size, f"size of {name}")
     step = doc.get("step")
     manifest = CheckpointManifest(
         checkpoint_id=cid,
-        world_size=_int(doc["world_size"], "world_size", 1, 1 << 24),
+        world_size=_int(_req(doc, "world_size", "the document"), "world_size", 1, 1 << 24),
         chunk_size=chunk_size,
         files=files,
-        created=float(doc["created"]),
-        committed=float(doc["committed"]),
+        created=_time(_req(doc, "created", "the document"), "created"),
+        committed=_time(_req(doc, "committed", "the document"), "committed"),
         step=None if step is None else _int(step, "step"),
-        save_token=str(doc.get("save_token", "")),
+        save_token=_str(doc.get("save_token", ""), "save_token", 256),
+        seq=_int(doc.get("seq", 0), "seq"),
     )
-    d = doc["dcp"]
+    d = _obj(_req(doc, "dcp", "the document"), "'dcp'")
     sdm: dict[str, Any] = {}
-    for fqn, m in d["state_dict_metadata"].items():
-        if m["type"] == "bytes":
-            sdm[fqn] = BytesStorageMetadata()
-            continue
-        if m["type"] != "tensor" or m["dtype"] not in DTYPES:
-            raise CorruptCheckpoint(f"metadata: unsupported entry for {fqn!r}")
-        props = TensorProperties(
-            dtype=DTYPES[m["dtype"]],
-            requires_grad=bool(m["requires_grad"]),
-            memory_format=_MEMFMT.get(m["memory_format"], torch.contiguous_format),
-            pin_memory=bool(m["pin_memory"]),
-        )
-        chunks = [
-            ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"], "offsets")), sizes=torch.Size(_ints(c["sizes"], "sizes")))
-            for c in m["chunks"]
-        ]
-        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(_ints(m["size"], "size")), chunks=chunks)
+    for fqn, m in _obj(_req(d, "state_dict_metadata", "'dcp'"), "'state_dict_metadata'").items():
+        try:
+            sdm[fqn] = _sdm_entry(m)
+        except CorruptCheckpoint as e:
+            raise CorruptCheckpoint(f"{e} (entry {_brief(fqn)})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpoint(f"metadata: malformed entry {_brief(fqn)} ({type(e).__name__}: {_cut(str(e), 80)})") from None
     storage: dict[MetadataIndex, ItemRecord] = {}
-    for it in doc["items"]:
-        fqn, off, index = it["index"]
-        if not isinstance(fqn, str) or fqn not in sdm:
-            raise CorruptCheckpoint(f"metadata: item for unknown key {fqn!r}")
-        file = it["file"]
-        if file not in files:
-            raise CorruptCheckpoint(f"metadata: item {fqn!r} names file {file!r} that is not part of the checkpoint")
-        pos, length = _int(it["pos"], "pos"), _int(it["length"], "length")
-        if pos % ALIGN or pos + padded(length) > files[file]:
-            raise CorruptCheckpoint(f"metadata: item {fqn!r} [{pos}, {pos + length}) is misaligned or runs past the end of {file} ({files[file]} bytes)")
-        dtype = it["dtype"]
-        shape = tuple(_ints(it["shape"], "shape"))
-        if dtype:
-            if dtype not in DTYPES:
-                raise CorruptCheckpoint(f"metadata: item {fqn!r} has unsupported dtype {dtype!r}")
-            numel = 1
-            for s in shape:
-                numel *= s
-            if numel * DTYPES[dtype].itemsize != length:
-                raise CorruptCheckpoint(f"metadata: item {fqn!r} length {length} does not match {dtype}{list(shape)}")
-        crcs = it["crcs"]
-        if not isinstance(crcs, list) or len(crcs) != len(piece_bounds(pos, padded(length), chunk_size)):
-            raise CorruptCheckpoint(f"metadata: item {fqn!r} has a wrong number of checksums")
-        rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape,
-                         crcs=[_int(c, "crc", 0, 0xFFFFFFFF) for c in crcs])
-        idx = MetadataIndex(fqn, None if off is None else _ints(off, "offset"), None if index is None else _int(index, "index"))
+    for n, it in enumerate(_list(_req(doc, "items", "the document"), "'items'")):
+        try:
+            idx, rec = _item(it, sdm, files, chunk_size)
+        except CorruptCheckpoint as e:
+            raise CorruptCheckpoint(f"{e} (item {n})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpoint(f"metadata: malformed item {n} ({type(e).__name__}: {_cut(str(e), 80)})") from None
         storage[idx] = rec
     sm = d.get("storage_meta")
     storage_meta = None
     if sm is not None:
-        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
-                                   load_id=sm.get("load_id"), modules=[str(x) for x in sm.get("modules", [])])
+        _obj(sm, "'storage_meta'")
+        storage_meta = StorageMeta(
+            checkpoint_id=_str(sm.get("checkpoint_id"), "storage_meta checkpoint_id", 4096, none=True),
+            save_id=_str(sm.get("save_id"), "storage_meta save_id", 256, none=True),
+            load_id=_str(sm.get("load_id"), "storage_meta load_id", 256, none=True),
+            modules=[_str(x, "storage_meta module", 4096) for x in _list(sm.get("modules", []), "storage_meta modules")],
+        )
     kwargs: dict[str, Any] = dict(state_dict_metadata=sdm, planner_data=_dec_any(d.get("planner_data")),
                                   storage_data=storage, storage_meta=storage_meta)
     if "version" in Metadata.__dataclass_fields__:
-        kwargs["version"] = d.get("version")
+        kwargs["version"] = _str(d.get("version"), "dcp version", 64, none=True)
     return Metadata(**kwargs), manifest
+
+
+def _sdm_entry(m: Any) -> Any:
+    """One ``state_dict_metadata`` value -> DCP storage metadata (hot: one per state dict key)."""
+    if type(m) is not dict:
+        raise CorruptCheckpoint(f"metadata: an entry must be an object, got {_brief(m)}")
+    kind = m["type"]
+    if kind == "bytes":
+        return BytesStorageMetadata()
+    dtype = m["dtype"]
+    if kind != "tensor" or type(dtype) is not str or dtype not in DTYPES:
+        raise CorruptCheckpoint(f"metadata: unsupported entry: type {_brief(kind)}, dtype {_brief(dtype)}")
+    requires_grad, pin_memory = m.get("requires_grad", False), m.get("pin_memory", False)
+    memfmt = m.get("memory_format", "contiguous")
+    if type(requires_grad) is not bool or type(pin_memory) is not bool or type(memfmt) is not str:
+        raise CorruptCheckpoint("metadata: requires_grad and pin_memory must be true or false, memory_format a string")
+    props = TensorProperties(dtype=DTYPES[dtype], requires_grad=requires_grad,
+                             memory_format=_MEMFMT.get(memfmt, torch.contiguous_format), pin_memory=pin_memory)
+    size = _ints(m["size"], "size")
+    rank = len(size)
+    chunks = []
+    for c in _list(m["chunks"], "chunks"):
+        if type(c) is not dict:
+            raise CorruptCheckpoint(f"metadata: a chunk must be an object, got {_brief(c)}")
+        offsets, sizes = _ints(c["offsets"], "chunk offsets"), _ints(c["sizes"], "chunk sizes")
+        if len(offsets) != rank or len(sizes) != rank:
+            raise CorruptCheckpoint(f"metadata: a chunk has {len(offsets)}/{len(sizes)} dimensions, the tensor {rank}")
+        for o, n, full in zip(offsets, sizes, size):
+            if o + n > full:
+                raise CorruptCheckpoint(f"metadata: a chunk {offsets}+{sizes} does not fit the tensor's size {size}")
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
+def _item(it: Any, sdm: dict[str, Any], files: dict[str, int], chunk_size: int) -> tuple[MetadataIndex, ItemRecord]:
+    """One element of ``items`` -> (index, record), checked against the entries and files (hot)."""
+    if type(it) is not dict:
+        raise CorruptCheckpoint(f"metadata: an item must be an object, got {_brief(it)}")
+    index = it["index"]
+    if type(index) is not list or len(index) != 3:
+        raise CorruptCheckpoint(f"metadata: an item's index must be [key, offset, index], got {_brief(index)}")
+    fqn, off, idx_n = index
+    if type(fqn) is not str or fqn not in sdm:
+        raise CorruptCheckpoint(f"metadata: item for unknown key {_brief(fqn)}")
+    file = it["file"]
+    if type(file) is not str or file not in files:
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} names file {_brief(file)} that is not part of the checkpoint")
+    pos, length = _int(it["pos"], "pos"), _int(it["length"], "length")
+    if pos % ALIGN or pos + padded(length) > files[file]:
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} [{pos}, {pos + length}) is misaligned or runs past the end of {file} ({files[file]} bytes)")
+    dtype = it.get("dtype", "")
+    if type(dtype) is not str:
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has dtype {_brief(dtype)}")
+    shape = tuple(_ints(it.get("shape", []), "shape"))
+    if dtype:
+        if dtype not in DTYPES:
+            raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has unsupported dtype {_brief(dtype)}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel * DTYPES[dtype].itemsize != length:
+            raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} length {length} does not match {dtype}{list(shape)}")
+    crcs = it["crcs"]
+    if type(crcs) is not list or len(crcs) != _n_pieces(pos, padded(length), chunk_size):
+        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has a wrong number of checksums")
+    _ints(crcs, "crc", len(crcs), 0xFFFFFFFF)
+    rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape, crcs=crcs)
+    idx = MetadataIndex(fqn, None if off is None else _ints(off, "offset"), None if idx_n is None else _int(idx_n, "index"))
+    return idx, rec
 
 
 def iter_items(md: Metadata) -> Iterator[tuple[MetadataIndex, ItemRecord]]:

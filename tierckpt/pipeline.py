@@ -37,12 +37,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .capture.copier import Copier, Piece, Source
 from .capture.pool import HostPool, get_pool
+from . import lease as leases
+from .catalog import max_seq
 from .commit import Channel, encode_report, gather_reports
 from .config import TierConfig
-from .errors import CaptureError, TierckptError, TornCaptureError
-from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json
+from .errors import CaptureError, CheckpointNotFound, TierckptError, TornCaptureError
+from .layout import CheckpointManifest, data_key, metadata_key, metadata_to_json, read_header
 from .planning import SaveInputs
-from .retention import apply_local_retention, apply_s3_retention, best_effort_retention
+from .retention import enforce
 from .tiers import make_local, make_s3
 from .tiers.local import drain_deletions
 from .tiers.base import DataSink, Tier
@@ -77,6 +79,14 @@ class SaveStats:
     pre-step hook (or ``wait_captured``) waited for this capture. ``capture_s``/``flush_s``: from
     ``write_data`` until every chunk landed in host memory / the file was durable.
     ``commit_s``: from durable until committed. ``promote_s``: the upload and S3 commit.
+
+    CPU seconds (user+system, per thread: ``time.thread_time``) that tierckpt's own threads
+    spent on this checkpoint: ``plan_cpu_s`` (cutting chunks and checksum pieces, capture
+    thread), ``capture_cpu_s`` (opening the file, zeroing padding, issuing or doing the copies
+    into the pool: on CPU the memcpy itself), ``crc_cpu_s`` (CRC32C, flush threads),
+    ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads).
+    ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
+    ``save_blocked_s``), the commit protocol and retention.
     """
 
     checkpoint_id: str
@@ -91,14 +101,32 @@ class SaveStats:
     commit_s: float | None = None
     promote_s: float | None = None
     error: str | None = None
+    plan_cpu_s: float = 0.0
+    capture_cpu_s: float = 0.0
+    crc_cpu_s: float = 0.0
+    write_cpu_s: float = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of tierckpt's threads for this checkpoint (plan + capture + CRC + write)."""
+        return self.plan_cpu_s + self.capture_cpu_s + self.crc_cpu_s + self.write_cpu_s
 
     def throughput(self, stage: str) -> float | None:
         """Bytes per second of a stage (``capture``, ``flush``, ``promote``)."""
         t = getattr(self, f"{stage}_s")
         return self.bytes / t if t else None
 
+    def add_cpu(self, **secs: float) -> None:
+        """Add CPU seconds to the ``*_cpu_s`` fields named (any thread)."""
+        with _cpu_lock:
+            for k, v in secs.items():
+                setattr(self, k, getattr(self, k) + v)
+
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return dict(self.__dict__, cpu_s=self.cpu_s)
+
+
+_cpu_lock = threading.Lock()
 
 
 class RankSave:
@@ -132,6 +160,8 @@ class RankSave:
         self.chunks: list[list[Piece]] = []
         self.ready_events: dict = {}
         self.sink: DataSink | None = None
+        self.lease: leases.Lease | None = None  # this save's lease on the first tier (until committed or failed)
+        self.reported_ok = False  # this rank told the coordinator its file is good: it may commit from now on
         self.metadata_json: bytes | None = None
         self._lock = threading.Lock()
         self._landed = 0
@@ -186,6 +216,16 @@ class RankSave:
         self.sources = []
         self.inputs = None
 
+    def release_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    @property
+    def seq(self) -> int:
+        """The commit sequence number (0 until the coordinator's outcome arrived)."""
+        h = read_header(self.metadata_json) if self.metadata_json else None
+        return h.seq if h is not None else 0
+
     def landed(self) -> bool:
         """Count one chunk as landed in host memory; True when it was the last one."""
         with self._lock:
@@ -228,6 +268,8 @@ class Engine:
         self._errors: list[tuple[Any, BaseException]] = []  # (owner weakref or None, error)
         self.history: list[SaveStats] = []
         self.promoter: Any = None
+        self._seq_floor: int | None = None  # highest commit seq seen on the tiers (see _floor)
+        self._seq_lock = threading.Lock()
         self._closed = False
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
@@ -293,9 +335,24 @@ class Engine:
                 self._fail(job, e, "capture")
 
     def _capture(self, job: RankSave) -> None:
+        """Capture thread: plan, open the sink, copy chunk by chunk into pool slots (blocking on
+        a free slot), hand each chunk to the flush workers. CPU time goes to ``job.stats``."""
+        c0 = time.thread_time()
         job.plan()
+        c1 = time.thread_time()
+        job.stats.add_cpu(plan_cpu_s=c1 - c0)
+        try:
+            self._capture_chunks(job)
+        finally:
+            job.stats.add_cpu(capture_cpu_s=time.thread_time() - c1)
+
+    def _capture_chunks(self, job: RankSave) -> None:
         tier = self.first_tier
         if job.size:
+            # The lease comes before the first file: a deletion that listed the checkpoint before
+            # the file existed leaves the file alone, one that lists it after sees the lease.
+            job.lease = leases.acquire(tier, job.id, kind="save", purpose=f"save by rank {job.assign.rank}",
+                                       require_committed=False, check_tombs=False)
             job.sink = tier.open_sink(data_key(job.id, job.assign.file), job.size)
         if not job.chunks:
             self._capture_done(job)
@@ -336,6 +393,11 @@ class Engine:
 
     # -- flush ----------------------------------------------------------------------------
     def _flush_chunk(self, job: RankSave, k: int, slot: int, events: list) -> None:
+        """Flush worker: wait for chunk ``k`` to land, CRC32C its pieces, write it at its offset
+        (direct I/O from the slot where the tier allows it), release the slot; the last chunk
+        closes (fsyncs) the file. CPU time goes to ``job.stats`` (``crc_cpu_s``/``write_cpu_s``)."""
+        c0 = time.thread_time()
+        crc = 0.0
         try:
             if events:
                 for ev in events:
@@ -347,8 +409,11 @@ class Engine:
             n = job.chunk_len(k)
             view = self.pool.slot(slot, n)
             arr = view.numpy()
+            c1 = time.thread_time()
+            crcs = job.crcs
             for item, j, off, n in job.crc_pieces[k]:
-                job.crcs[item][j] = google_crc32c.value(arr[off : off + n])
+                crcs[item][j] = google_crc32c.value(arr[off : off + n])
+            crc = time.thread_time() - c1
             assert job.sink is not None
             job.sink.write_at(k * self.chunk_size, memoryview(arr))
         except BaseException as e:  # noqa: BLE001
@@ -356,12 +421,16 @@ class Engine:
             return
         finally:
             self.pool.release(slot)
+            job.stats.add_cpu(crc_cpu_s=crc, write_cpu_s=time.thread_time() - c0 - crc)
         if job.flushed():
+            c0 = time.thread_time()
             try:
                 job.sink.close()
                 self._durable(job)
             except BaseException as e:  # noqa: BLE001
                 self._fail(job, e, "flush")
+            finally:
+                job.stats.add_cpu(write_cpu_s=time.thread_time() - c0)
 
     def _durable(self, job: RankSave) -> None:
         if job.failed:
@@ -398,14 +467,22 @@ class Engine:
                 self._retire(job)
 
     def _commit(self, job: RankSave) -> None:
-        """Run the commit protocol for ``job`` on the first tier (see :mod:`tierckpt.commit`)."""
+        """Run the commit protocol for ``job`` on the first tier (see :mod:`tierckpt.commit`).
+
+        Each rank reports only after checking that its data file is still there, whole; the
+        coordinator numbers the checkpoint (``seq``: one more than any rank has seen on its tiers)
+        and merges the metadata; the metadata writer of each root writes it last.
+        """
         a = job.assign
         ch = self.channel(job)
-        prefix = f"tierckpt/{a.token}/{self.first_tier.name}"
+        tier = self.first_tier
+        prefix = f"tierckpt/{a.token}/{tier.name}"
         timeout = self.cfg.job.commit_timeout
         try:
             job.durable.result(timeout=None)
-            ch.publish(f"{prefix}/rank{a.rank}", encode_report(True, size=job.size, crcs=job.crcs))
+            self._check_file(job)
+            ch.publish(f"{prefix}/rank{a.rank}", encode_report(True, size=job.size, crcs=job.crcs, seq=self._floor(a.rank)))
+            job.reported_ok = True
         except BaseException as e:  # noqa: BLE001
             ch.publish(f"{prefix}/rank{a.rank}", encode_report(False, error=f"{type(e).__name__}: {e}"))
             if a.rank == 0:
@@ -415,7 +492,8 @@ class Engine:
             try:
                 md, results = job.global_md.result(timeout=timeout)
                 reports = gather_reports(ch, prefix, a.world, timeout, f"checkpoint {a.checkpoint_id}")
-                job.metadata_json = build_metadata(md, results, reports, job, self.chunk_size)
+                seq = 1 + max(int(r.get("seq", 0)) for r in reports)
+                job.metadata_json = build_metadata(md, results, reports, job, self.chunk_size, seq)
                 ch.publish(f"{prefix}/outcome", b"M" + job.metadata_json)
             except BaseException as e:
                 ch.publish(f"{prefix}/outcome", b"E" + str(e).encode())
@@ -424,21 +502,102 @@ class Engine:
         if outcome[:1] != b"M":
             raise CaptureError(f"checkpoint {a.checkpoint_id} was not committed: {outcome[1:].decode(errors='replace')}")
         job.metadata_json = outcome[1:]
+        self._note_seq(job.seq)
         written = f"{prefix}/written{a.meta_writer_rank}"
         if a.meta_writer_rank == a.rank:
-            tier = self.first_tier
             try:
                 tier.put(metadata_key(a.checkpoint_id), job.metadata_json, if_absent=True)
             except BaseException as e:
                 ch.publish(written, b"E" + str(e).encode())
                 raise
             ch.publish(written, b"OK")
-            best_effort_retention(apply_local_retention if tier is self.local else apply_s3_retention, self, job)
+            job.release_lease()
+            self.retain_first_tier(job)
         else:
             ack = ch.wait_get(written, timeout + 30, f"checkpoint {a.checkpoint_id}: metadata write by rank {a.meta_writer_rank}")
             if ack != b"OK":
                 raise CaptureError(f"checkpoint {a.checkpoint_id}: rank {a.meta_writer_rank} could not write its metadata: "
                                    f"{ack[1:].decode(errors='replace')}")
+            job.release_lease()
+
+    def _check_file(self, job: RankSave) -> None:
+        """A save never commits a file it cannot still see: this rank's data file must be on the
+        first tier with its planned size (a deletion elsewhere may have raced the save)."""
+        if not job.size:
+            return
+        key = data_key(job.id, job.assign.file)
+        try:
+            size = self.first_tier.size(key)
+        except CheckpointNotFound:
+            raise CaptureError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
+                               "vanished before the commit (deleted by another process?)") from None
+        if size != job.size:
+            raise CaptureError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
+                               f"has {size} bytes, {job.size} were written")
+
+    def _floor(self, rank: int) -> int:
+        """The highest commit seq this rank can see: its first tier (when listing it is cheap) and,
+        on rank 0, every other configured tier; listed once per engine, then tracked."""
+        with self._seq_lock:
+            if self._seq_floor is None:
+                floor = 0
+                tiers = [self.first_tier] if self.first_tier.cheap_listing else []
+                if rank == 0:
+                    tiers = [t for t in (self.local, self.s3_tier() if self.cfg.s3 is not None else None) if t is not None]
+                for t in tiers:
+                    try:
+                        floor = max(floor, max_seq(t))
+                    except TierckptError as e:
+                        log.warning("cannot read the commit order on %s (numbering from what is known): %s", t.url, e)
+                self._seq_floor = floor
+            return self._seq_floor
+
+    def _note_seq(self, seq: int) -> None:
+        with self._seq_lock:
+            self._seq_floor = max(self._seq_floor or 0, seq)
+
+    def retain_first_tier(self, job: RankSave) -> None:
+        """Retention on the first tier after ``job`` committed there (its metadata writer only;
+        called by the commit thread, and by the promoter after each promotion).
+
+        Best effort: a failure is logged and never fails the committed checkpoint; the next
+        commit retries. With a promoter, checkpoints not yet on S3 are protected (and nothing
+        is deleted before the promoter has looked for a backlog left by an earlier run).
+        """
+        if job.assign.meta_writer_rank != job.assign.rank:
+            return
+        tier = self.first_tier
+        try:
+            protect = self.in_flight_ids() | {job.id}
+            if tier is self.local:
+                assert self.cfg.local is not None
+                owed: set[str] = set()
+                if self.promoter is not None:
+                    if not self.promoter.settled:
+                        log.debug("local retention after %s waits for the promoter's backlog check", job.id)
+                        return
+                    owed = self.promoter.owed()
+                enforce(tier, self.cfg.local.keep, 0, protect, owed=owed, need_bytes=2 * job.size)
+            else:
+                self.retain_s3(job)
+        except Exception as e:  # noqa: BLE001 - see docstring
+            log.warning("retention after committing %s failed (will retry after the next commit): %s", job.id, e)
+
+    def retain_s3(self, job: RankSave) -> None:
+        """``[s3] keep``/``keep_every`` after ``job`` committed on S3 (rank 0), then abort stale uploads."""
+        self.retain_s3_now({job.id})
+
+    def retain_s3_now(self, protect: set[str]) -> None:
+        """``[s3] keep``/``keep_every`` on S3 now (rank 0 only), sparing ``protect`` and saves in flight."""
+        s3 = self.s3_tier()
+        cfg = self.cfg.s3
+        assert cfg is not None
+        enforce(s3, cfg.keep, cfg.keep_every, self.in_flight_ids() | protect)
+        abort = getattr(s3, "abort_stale_uploads", None)
+        if abort is not None:
+            aborted = abort("", older_than_s=self.cfg.job.commit_timeout)
+            if aborted:
+                log.info("aborted %d stale multipart uploads on %s", aborted, s3.url)
 
     def _retire(self, job: RankSave) -> None:
         with self._jobs_lock:
@@ -459,13 +618,16 @@ class Engine:
             self._errors.append((job.owner, exc))
         job.settle_failure()
         log.error("%s", exc)
-        if durable and job.size and stage != "promotion to S3":
-            # The data file was complete but the checkpoint will never commit: remove it (its
-            # name carries this save's token, so no committed checkpoint's file is touched).
+        if durable and job.size and not job.reported_ok:
+            # The data file was complete but the checkpoint can never commit (this rank never
+            # reported it good): remove it. Its name carries this save's token, so no committed
+            # checkpoint's file is touched. After an OK report the coordinator may still commit
+            # it, so the file stays (retention removes it if the checkpoint never commits).
             try:
                 self.first_tier.delete(data_key(job.id, job.assign.file))
             except Exception as e:  # noqa: BLE001 - left for retention's partial cleanup
                 log.warning("could not remove the data file of failed checkpoint %s: %s", job.id, e)
+        job.release_lease()
 
     # -- waiting (training thread) ----------------------------------------------------------
     def _pending(self) -> list[RankSave]:
@@ -509,6 +671,8 @@ class Engine:
     def wait(self, timeout: float | None = None, owner: Any = None) -> None:
         """Block until every checkpoint in flight is committed on every configured tier."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.promoter is not None:  # a backlog promoted at start is part of "everything done"
+            self.promoter.started.wait(timeout)
         for j in self._pending():
             fut = j.promoted if self.promoter is not None else j.committed
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -592,7 +756,8 @@ class _Workers:
             t.join(timeout=10)
 
 
-def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list[dict], job: RankSave, chunk_size: int) -> bytes:
+def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list[dict], job: RankSave, chunk_size: int,
+                   seq: int) -> bytes:
     """Coordinator: merge DCP's metadata, every rank's write results and reported CRCs into JSON."""
     storage: dict = {}
     files: dict[str, int] = {}
@@ -607,7 +772,7 @@ def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list
     md = replace(md, storage_data=storage)
     manifest = CheckpointManifest(
         checkpoint_id=job.id, world_size=job.assign.world, chunk_size=chunk_size, files=files,
-        created=job.assign.created, committed=time.time(), step=job.assign.step, save_token=job.assign.token,
+        created=job.assign.created, committed=time.time(), step=job.assign.step, save_token=job.assign.token, seq=seq,
     )
     return metadata_to_json(md, manifest)
 

@@ -33,10 +33,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .commit import committed_in_order
+from . import lease as leases
+from .catalog import find_latest, read_checkpoint_metadata
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, item_intact, metadata_from_json, metadata_key, padded
+from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, item_intact, metadata_key, padded
 from .tiers import make_tiers
 from .tiers.base import Tier
 
@@ -51,16 +52,6 @@ MAX_GAP = 256 << 10  # merge items separated by at most this many bytes
 def open_tiers(cfg: TierConfig) -> list[Tier]:
     """The configured tiers, fastest first (local, then S3)."""
     return make_tiers(cfg)
-
-
-def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Metadata, Any]:
-    """Read and validate ``ID/metadata.json`` from ``tier``."""
-    key = metadata_key(check_checkpoint_id(checkpoint_id))
-    raw = tier.get(key)
-    md, manifest = metadata_from_json(raw, f"{tier.url}/{key}")
-    if manifest.checkpoint_id != checkpoint_id:
-        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata names checkpoint {manifest.checkpoint_id!r}")
-    return md, manifest
 
 
 @dataclass
@@ -96,6 +87,7 @@ class TieredReader(StorageReader):
         self.metadata: Metadata | None = None
         self.chunk_size = 0
         self._holding: list[Tier] = []
+        self._leases: list[leases.Lease] = []
         self.served: dict[str, str] = {}  # file -> tier name that served it (last read)
         self._lock = threading.Lock()
 
@@ -107,33 +99,21 @@ class TieredReader(StorageReader):
         self.checkpoint_id = cid
         self.resolved_id = None
         self.metadata = None
+        self.release()
+
+    def release(self) -> None:
+        """Give up the leases this reader holds (done at the end of ``read_data``; idempotent)."""
+        for lease in self._leases:
+            lease.release()
+        self._leases = []
 
     def resolve(self) -> str:
-        """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers.
-
-        On each tier the newest commit whose metadata is valid counts; a corrupt newest one is
-        logged and skipped (the next tier or an older checkpoint serves)."""
+        """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers,
+        in commit order, whose metadata is valid and whose data a tier can serve (anything newer
+        that fails is logged and skipped; see :func:`tierckpt.catalog.find_latest`)."""
         if self.checkpoint_id != "latest":
             return self.checkpoint_id
-        best: tuple[float, str] | None = None
-        for tier in self.tiers:
-            try:
-                done = committed_in_order(tier)
-            except TierckptError as e:
-                log.warning("tier %s unreachable while resolving latest: %s", tier.url, e)
-                continue
-            for info in reversed(done):
-                try:
-                    _md, man = read_checkpoint_metadata(tier, info.checkpoint_id)
-                except (CheckpointNotFound, CorruptCheckpoint) as e:
-                    log.error("skipping %s on %s for 'latest': %s", info.checkpoint_id, tier.url, e)
-                    continue
-                if best is None or man.committed > best[0]:
-                    best = (man.committed, info.checkpoint_id)
-                break
-        if best is None:
-            raise CheckpointNotFound("no committed checkpoint on any tier: " + ", ".join(t.url for t in self.tiers))
-        return best[1]
+        return find_latest(self.tiers).checkpoint_id
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         cid = self.resolve()
@@ -167,14 +147,23 @@ class TieredReader(StorageReader):
         self.chunk_size = getattr(recs[0], "chunk_size", 0) if recs else 0
         self._holding = []
         self._file_tier: dict[str, Tier] = {}  # where each data file is read from (one lookup per file)
+        self.release()
+        gone = []
         for tier in self.tiers:
             try:
-                if tier.exists(metadata_key(self.resolved_id)):
-                    self._holding.append(tier)
+                if not tier.exists(metadata_key(self.resolved_id)):
+                    continue
+                # A lease keeps retention and gc (in any process) away until read_data is done.
+                self._leases.append(leases.acquire(tier, self.resolved_id, purpose="load"))
+                self._holding.append(tier)
+            except CheckpointNotFound as e:
+                gone.append(str(e))
+                log.warning("%s", e)
             except TierckptError as e:
                 log.warning("tier %s unreachable while loading %s: %s", tier.url, self.resolved_id, e)
         if not self._holding:
-            raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a committed copy")
+            raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a committed copy"
+                                     + (f" ({'; '.join(gone)})" if gone else ""))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return dataclasses.replace(plan, storage_data=self.resolved_id)
@@ -222,9 +211,12 @@ class TieredReader(StorageReader):
                 else:
                     it.data = b""
                 self._deliver(it)
-        with ThreadPoolExecutor(max_workers=min(self.threads, max(1, len(runs))), thread_name_prefix="tierckpt-read") as ex:
-            for f in [ex.submit(self._read_run, run) for run in runs]:
-                f.result()
+        try:
+            with ThreadPoolExecutor(max_workers=min(self.threads, max(1, len(runs))), thread_name_prefix="tierckpt-read") as ex:
+                for f in [ex.submit(self._read_run, run) for run in runs]:
+                    f.result()
+        finally:
+            self.release()
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
                 for ri, t in zip(it.reads, it.targets):
@@ -325,6 +317,11 @@ class TieredReader(StorageReader):
                 return
             last_err = None
         where = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])}) in {file} (written by rank {_writer_rank(file)})"
+        if isinstance(last_err, CheckpointNotFound):
+            gone = [t.url for t in self._holding if not _committed(t, self.resolved_id)]
+            if gone:
+                raise CheckpointNotFound(f"checkpoint {self.resolved_id} was deleted from {', '.join(gone)} while it was "
+                                         f"being read (by a process that ignores leases?): cannot read {where}")
         if last_err is not None:
             raise CorruptCheckpoint(f"checkpoint {self.resolved_id}: cannot read {where}: {last_err}")
         raise ChecksumMismatch(
@@ -360,6 +357,13 @@ class TieredReader(StorageReader):
                                         f"does not fit the destination {list(target.shape)}")
             target.copy_(view)
         it.scratch = None
+
+
+def _committed(tier: Tier, cid: str) -> bool:
+    try:
+        return tier.exists(metadata_key(cid))
+    except TierckptError:
+        return True
 
 
 def TieredWriterIdCheck(cid: str) -> bool:

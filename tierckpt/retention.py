@@ -1,51 +1,57 @@
-"""What to keep on each tier, what to delete, and when it is safe.
+"""What each tier keeps, what it deletes, and how a deletion stays safe.
 
-Rules (per tier):
+:func:`plan_retention` is a pure function of what a tier holds (from
+:func:`~tierckpt.catalog.list_checkpoints`, in commit order), the policy and what is protected:
 
-* only *committed* checkpoints count towards ``keep`` (the newest ``keep`` stay; 0 keeps all);
+* only committed checkpoints with a readable commit header count towards ``keep`` (the newest
+  ``keep`` stay; 0 keeps all); one whose header is unreadable is never deleted by retention;
 * with ``keep_every = K`` a committed checkpoint whose step is a multiple of K stays forever;
-* the newest committed checkpoint is never deleted, nor anything still in flight in this process
-  (being flushed, committed or promoted);
-* an uncommitted (partial) checkpoint is deleted only when it is older than the start of a
-  checkpoint that committed since: it can no longer become committed.
+* the newest committed checkpoint is never deleted, nor anything in ``protect`` (in flight in
+  this process, leased by a reader or a save anywhere, still owed to a later tier);
+* an uncommitted (partial) checkpoint goes when nobody holds a lease on it (a live save or fetch
+  always does, from before its first file: see :mod:`tierckpt.lease`).
 
-Retention runs after a commit on that tier, by the rank that wrote the metadata there, and on
-demand (``tierckpt-restore gc``).
+:func:`apply_retention` deletes under the lease protocol (:func:`tierckpt.lease.guarded_delete`):
+metadata first, then exactly the objects that were listed, so a save of the same id that started
+after the listing is never touched. Who calls it: the engine after each commit (the rank that
+wrote the metadata on that tier), the promoter after each promotion, and ``tierckpt-restore gc``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .commit import CheckpointInfo, delete_checkpoint, list_checkpoints
-from .tiers.base import Tier
+from .catalog import CheckpointInfo, list_checkpoints
+from .errors import TierckptError
+from .layout import METADATA, check_checkpoint_id, checkpoint_prefixes, metadata_key, split_key
+from .lease import guarded_delete, live_leases
+from .tiers.base import ObjectInfo, Tier
 
-if TYPE_CHECKING:
-    from .pipeline import Engine, RankSave
-
-__all__ = ["RetentionPlan", "plan_retention", "apply_retention", "apply_local_retention", "apply_s3_retention",
-           "best_effort_retention"]
+__all__ = ["RetentionPlan", "plan_retention", "apply_retention", "enforce", "delete_checkpoint", "checkpoint_objects"]
 
 log = logging.getLogger("tierckpt.retention")
 
 
 @dataclass
 class RetentionPlan:
-    """Ids to delete (committed ones past the policy, and stale partials) and why."""
+    """Ids to delete (committed ones past the policy, and stale partials) with the reason, and ids kept."""
 
     delete: list[tuple[str, str]]  # (checkpoint id, reason)
     keep: list[str]
 
 
 def plan_retention(infos: list[CheckpointInfo], keep: int, keep_every: int = 0,
-                   protect: set[str] | frozenset[str] = frozenset(), partial_before: float | None = None) -> RetentionPlan:
-    """Decide what goes. ``infos`` as from :func:`~tierckpt.commit.list_checkpoints`.
+                   protect: set[str] | frozenset[str] = frozenset(), *, partials: bool = True,
+                   now: float | None = None, grace: float = 0.0) -> RetentionPlan:
+    """Decide what goes (pure: no I/O). ``infos`` as from :func:`~tierckpt.catalog.list_checkpoints`.
 
-    ``partial_before``: delete uncommitted checkpoints last touched before this time (None: keep them).
+    ``partials``: also delete uncommitted checkpoints not in ``protect`` (the caller adds every
+    leased id to it) whose newest object is older than ``grace`` seconds before ``now``.
     """
-    committed = [c for c in infos if c.committed]
+    now = time.time() if now is None else now
+    committed = [c for c in infos if c.ordered]
     delete: list[tuple[str, str]] = []
     if keep > 0 and len(committed) > keep:
         for c in committed[:-keep]:
@@ -54,56 +60,70 @@ def plan_retention(infos: list[CheckpointInfo], keep: int, keep_every: int = 0,
             if keep_every and c.step is not None and c.step % keep_every == 0:
                 continue
             delete.append((c.checkpoint_id, f"committed, older than the newest {keep}"))
-    if partial_before is not None and committed:
+    if partials:
         for c in infos:
-            if not c.committed and c.checkpoint_id not in protect and c.mtime < partial_before:
-                delete.append((c.checkpoint_id, "partial (never committed)"))
+            if not c.committed and c.checkpoint_id not in protect and c.mtime < now - grace:
+                delete.append((c.checkpoint_id, "partial (never committed, no live save holds it)"))
     gone = {d for d, _ in delete}
-    if committed:
-        assert committed[-1].checkpoint_id not in gone
+    if committed and committed[-1].checkpoint_id in gone:  # never: the loop above stops short of it
+        raise TierckptError(f"retention: refusing to delete the newest committed checkpoint {committed[-1].checkpoint_id}")
     return RetentionPlan(delete=delete, keep=[c.checkpoint_id for c in infos if c.checkpoint_id not in gone])
 
 
-def apply_retention(tier: Tier, plan: RetentionPlan) -> int:
-    """Delete what ``plan`` says from ``tier``; return the number of checkpoints removed."""
-    n = 0
+def checkpoint_objects(tier: Tier, checkpoint_id: str) -> dict[str, ObjectInfo]:
+    """The objects of ``checkpoint_id`` on ``tier`` by their name inside the checkpoint, wherever the
+    layout puts them (:func:`tierckpt.layout.checkpoint_prefixes`)."""
+    out: dict[str, ObjectInfo] = {}
+    for prefix in checkpoint_prefixes(checkpoint_id):
+        for info in tier.list(prefix):
+            sk = split_key(info.key)
+            if sk is not None and sk[0] == checkpoint_id:
+                out[sk[1]] = info
+    return out
+
+
+def delete_checkpoint(tier: Tier, checkpoint_id: str, objects: dict[str, ObjectInfo] | None = None) -> int:
+    """Delete a checkpoint's objects from ``tier``: the metadata first (it stops being committed
+    before any data goes), then exactly ``objects`` (default: what is listed now). Not guarded by
+    leases: callers that may race readers use :func:`apply_retention`. Returns objects removed."""
+    check_checkpoint_id(checkpoint_id)
+    if objects is None:
+        objects = checkpoint_objects(tier, checkpoint_id)
+    tier.delete_many([metadata_key(checkpoint_id)])
+    return 1 + tier.delete_many([o.key for name, o in objects.items() if name != METADATA])
+
+
+def apply_retention(tier: Tier, plan: RetentionPlan, infos: list[CheckpointInfo] | None = None) -> list[str]:
+    """Delete what ``plan`` says from ``tier``, each checkpoint under the lease protocol.
+
+    ``infos`` (the listing the plan came from) names the objects to delete; without it each
+    checkpoint is listed again. Returns the ids really deleted (a leased one is skipped and logged).
+    """
+    by_id = {c.checkpoint_id: c for c in infos or []}
+    done = []
     for cid, why in plan.delete:
-        log.info("retention on %s: deleting %s (%s)", tier.url, cid, why)
-        delete_checkpoint(tier, cid)
-        n += 1
-    return n
+        objects = by_id[cid].objects if cid in by_id else None
+        if guarded_delete(tier, cid, lambda: delete_checkpoint(tier, cid, objects), reason=f"retention: {why}"):
+            log.info("retention on %s: deleted %s (%s)", tier.url, cid, why)
+            done.append(cid)
+    return done
 
 
-def apply_local_retention(engine: "Engine", job: "RankSave") -> int:
-    """After ``job`` committed on the local tier: apply ``[local] keep`` there."""
-    assert engine.local is not None and engine.cfg.local is not None
-    protect = engine.in_flight_ids() | {job.id}
-    if engine.promoter is not None:
-        protect |= engine.promoter.pending_ids()
-    plan = plan_retention(list_checkpoints(engine.local), engine.cfg.local.keep, 0, protect, job.assign.created)
-    return apply_retention(engine.local, plan)
+def enforce(tier: Tier, keep: int, keep_every: int = 0, protect: set[str] | frozenset[str] = frozenset(),
+            *, owed: set[str] | frozenset[str] = frozenset(), need_bytes: int = 0, partials: bool = True) -> list[str]:
+    """List ``tier``, plan and apply retention; return the ids deleted.
 
-
-def apply_s3_retention(engine: "Engine", job: "RankSave") -> int:
-    """After ``job`` committed on S3 (rank 0): apply ``[s3] keep``/``keep_every``, abort stale uploads."""
-    s3 = engine.s3_tier()
-    cfg = engine.cfg.s3
-    assert cfg is not None
-    protect = engine.in_flight_ids() | {job.id}
-    plan = plan_retention(list_checkpoints(s3), cfg.keep, cfg.keep_every, protect, job.assign.created)
-    n = apply_retention(s3, plan)
-    abort = getattr(s3, "abort_stale_uploads", None)
-    if abort is not None:
-        aborted = abort("", older_than_s=engine.cfg.job.commit_timeout)
-        if aborted:
-            log.info("aborted %d stale multipart uploads on %s", aborted, s3.url)
-    return n
-
-
-def best_effort_retention(fn, engine: "Engine", job: "RankSave") -> None:
-    """Run a retention pass after ``job`` committed; a failure is logged, never fails the checkpoint
-    (it is committed already; the next commit retries retention)."""
-    try:
-        fn(engine, job)
-    except Exception as e:  # noqa: BLE001 - see docstring
-        log.warning("retention after committing %s failed (will retry after the next commit): %s", job.id, e)
+    Protected: ``protect``, every checkpoint with a live lease, and ``owed`` (committed here but
+    not yet on a later tier) — unless the tier reports less than ``need_bytes`` free, in which
+    case owed checkpoints past the policy may go, each with a warning naming it.
+    """
+    infos = list_checkpoints(tier)
+    leased = set(live_leases(tier))
+    guard = set(protect) | leased
+    full = bool(owed) and need_bytes > 0 and tier.free_bytes() is not None and tier.free_bytes() < need_bytes  # type: ignore[operator]
+    plan = plan_retention(infos, keep, keep_every, guard if full else guard | set(owed), partials=partials)
+    for cid, _why in plan.delete:
+        if cid in owed:
+            log.warning("retention on %s: deleting %s although it is not on the next tier yet: the disk is "
+                        "nearly full (less than %d bytes free)", tier.url, cid, need_bytes)
+    return apply_retention(tier, plan, infos)

@@ -52,7 +52,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import plancache
-from .commit import default_channel, is_committed
+from .catalog import is_committed
+from .commit import default_channel
 from .config import TierConfig, load_config
 from .errors import CommitConflict, CorruptCheckpoint, TierckptError
 from .layout import check_checkpoint_id, rank_file, step_of

@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """Side-by-side benchmark of tierckpt against the raw disk, ``torch.save`` and DCP's own writers.
 
-    python tools/bench.py [--size-gib 2] [--out bench-out/bench.json] [--only local,lazy,e2e,rss]
-                          [--dir DIR] [--repeats 3] [--quick]
+    python tools/bench.py [--size-gib 2] [--cpu-gib 0.75] [--out bench-out/bench.json]
+                          [--only local,cpu,lazy,e2e,rss] [--dir DIR] [--repeats 3] [--quick] [--nice N]
 
-Sections (each a function returning a dict; ratios are computed within the run):
+Sections (each a function returning a dict; ratios are computed within the run). Every section
+counts CPU seconds (this process's user+system time, all threads) next to wall time where it
+times something; tables show a CPU-s/GiB column when measured.
 
 * ``local``: one ~``--size-gib`` state dict (a few dozen fp32/bf16 tensors of mixed sizes, a few
-  small ones, non-tensor items). Saves: raw ``pwrite``+``fsync`` of the same byte count (1 and 2
-  threads: the ceiling), ``torch.save``+fsync, DCP ``FileSystemWriter`` (default and
+  small ones, non-tensor items). Saves: raw ``pwrite``+``fsync`` of the same byte count, buffered
+  and with ``O_DIRECT`` from a page-aligned buffer into a preallocated file (1 and 2 threads; the
+  best ``O_DIRECT`` one is the ceiling: the same I/O the local tier does), ``torch.save``+fsync,
+  DCP ``FileSystemWriter`` (default and
   ``thread_count=4``), ``TieredWriter`` for two pool/chunk sizes (time until ``wait()``: durable and
   committed; the time blocked in ``dcp.save`` is reported too). Loads, page cache dropped before
   each when possible: ``torch.load`` + copy into the destination, DCP ``FileSystemReader`` and
@@ -17,8 +21,13 @@ Sections (each a function returning a dict; ratios are computed within the run):
 * ``lazy``: an MLP trained with Adam, a checkpoint after every optimizer step; the time the
   training thread is blocked per checkpoint with sync ``dcp.save(FileSystemWriter)``,
   ``dcp.async_save`` (its default stager) and ``TieredWriter`` + ``attach(optimizer)``.
+* ``cpu``: CPU seconds per checkpointed GiB in steady state: a ~``--cpu-gib`` state saved again
+  and again (each save waited for), newest 2 kept (TieredWriter ``keep=2``; DCP directories
+  removed), blocks of saves interleaved over TieredWriter, sync ``FileSystemWriter`` and
+  ``dcp.async_save``; per-thread breakdown from ``/proc/self/task`` and ``writer.stats``.
 * ``e2e``: a small GPT-style model trained on random tokens, a checkpoint every iteration: total
-  wall time with no checkpoint, TieredWriter, sync FileSystemWriter, ``dcp.async_save``.
+  wall time with no checkpoint, TieredWriter, ``dcp.async_save``, sync FileSystemWriter, in
+  interleaved rounds (the no-checkpoint blocks of different rounds give the drift).
 * ``s3`` (only with ``--only``): per server (moto in a subprocess, SeaweedFS ``weed mini``), on a
   ~256 MiB state (64 MiB ``--quick``), interleaved: raw boto3 multipart upload of our data file
   (same part size/concurrency, no checksums) vs our promotion (``promote_s``); TieredReader from
@@ -65,15 +74,15 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from tierckpt import HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter  # noqa: E402
-from tierckpt.commit import delete_checkpoint  # noqa: E402
+from tierckpt.retention import delete_checkpoint  # noqa: E402
 from tierckpt.tiers.local import drain_deletions  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-SECTION_NAMES = ("local", "lazy", "e2e", "rss", "s3", "restore")
-DEFAULT_SECTIONS = ("local", "lazy", "e2e", "rss")  # s3/restore: only with --only (need S3 servers, add minutes)
+SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore")
+DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore: only with --only (need S3 servers, add minutes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,19 +122,22 @@ def fmt(v: Any, spec: str) -> str:
 def print_table(title: str, sec: dict) -> None:
     rows = sec.get("rows", [])
     w = max([len(r["name"]) for r in rows] + [20])
+    cpu = any(r.get("cpu_s_per_gib") is not None for r in rows)  # CPU seconds per GiB, when measured
     print()
     print(f"== {title} ==")
-    print(f"{'name':<{w}} | {'median s':>9} | {'min s':>9} | {'GiB/s':>7} | {'ratio':>7} | note")
-    print("-" * (w + 52))
+    print(f"{'name':<{w}} | {'median s':>9} | {'min s':>9} | {'GiB/s':>7} | {'ratio':>7} | "
+          + (f"{'CPU-s/GiB':>9} | " if cpu else "") + "note")
+    print("-" * (w + 52 + (12 if cpu else 0)))
     for r in rows:
         print(f"{r['name']:<{w}} | {fmt(r['median_s'], '9.4f')} | {fmt(r['min_s'], '9.4f')} | "
-              f"{fmt(r['gib_s'], '7.3f')} | {fmt(r['ratio'], '7.3f')} | {r.get('note', '')}")
+              f"{fmt(r['gib_s'], '7.3f')} | {fmt(r['ratio'], '7.3f')} | "
+              + (f"{fmt(r.get('cpu_s_per_gib'), '9.3f')} | " if cpu else "") + r.get("note", ""))
     for k, v in sec.get("ratios", {}).items():
         tgt = sec.get("targets", {}).get(k)
         ok = ""
         if tgt is not None and v is not None:
             op, val = tgt
-            good = v >= val if op == ">=" else v <= val
+            good = {">=": v >= val, "<=": v <= val, "<": v < val, ">": v > val}[op]
             ok = f"  (target {op} {val}: {'MET' if good else 'MISSED'})"
         print(f"  ratio {k} = {fmt(v, '.4f')}{ok}")
     for n in sec.get("notes", []):
@@ -369,13 +381,21 @@ def compare_state(got: dict, want: dict) -> list[str]:
     return bad
 
 
-def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int) -> float:
-    """``pwrite`` ``nbytes`` from the touched ``buf`` (64 MiB writes) into one file, then fsync."""
+def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int, direct: bool = False) -> float:
+    """``pwrite`` ``nbytes`` from the touched ``buf`` (64 MiB writes) into one file, then fsync.
+
+    ``direct``: the same I/O as the local tier's sink: the file preallocated
+    (``posix_fallocate``), written with ``O_DIRECT`` from the page-aligned ``buf`` (the last
+    partial 4 KiB block through a buffered descriptor)."""
     mv = memoryview(buf.numpy())
     step = 64 * MiB
     nslices = len(mv) // step
     t0 = now()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    wfd = fd
+    if direct:
+        os.posix_fallocate(fd, 0, nbytes)
+        wfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     try:
         def span(lo: int, hi: int) -> None:
             off = lo
@@ -383,7 +403,11 @@ def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int) -> float
                 n = min(step, hi - off)
                 j = (off // step) % nslices  # cycle over the touched buffer, 64 MiB at a time
                 src = mv[j * step : j * step + n]
-                w = os.pwrite(fd, src, off)
+                if direct and n % 4096:
+                    a = n - n % 4096
+                    w = (os.pwrite(wfd, src[:a], off) if a else 0) + os.pwrite(fd, src[a:], off + a)
+                else:
+                    w = os.pwrite(wfd, src, off)
                 off += w
 
         if threads == 1:
@@ -398,6 +422,8 @@ def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int) -> float
         os.fsync(fd)
     finally:
         os.close(fd)
+        if wfd != fd:
+            os.close(wfd)
     return now() - t0
 
 
@@ -411,7 +437,14 @@ def section_local(ctx: Ctx) -> dict:
     nbytes = tensor_bytes(sd)
     ntensors = sum(isinstance(v, torch.Tensor) for v in sd.values())
     dest = empty_like_state(sd)
-    rawbuf = torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8)
+    import mmap
+
+    # page-aligned (O_DIRECT needs it), huge pages when available, touched below
+    _rawmm = mmap.mmap(-1, 256 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):
+        _rawmm.madvise(mmap.MADV_HUGEPAGE)
+    rawbuf = torch.frombuffer(_rawmm, dtype=torch.uint8)
+    rawbuf.copy_(torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8))
 
     pools = [(512 * MiB, 32 * MiB), (1 * GiB, 64 * MiB)]
     # keep=0 and the previous checkpoint deleted before the timer starts: the same treatment as the
@@ -478,23 +511,26 @@ def section_local(ctx: Ctx) -> dict:
     methods: dict[str, Callable[[], float]] = {
         "raw write+fsync 1 thread": None,  # filled below (need cleanup after)
         "raw write+fsync 2 threads": None,
+        "raw O_DIRECT write+fsync 1 thread": None,
+        "raw O_DIRECT write+fsync 2 threads": None,
         "torch.save+fsync": generic("torch.save+fsync", do_torch_save),
         "DCP FileSystemWriter": generic("DCP FileSystemWriter", lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p))),
         "DCP FileSystemWriter thread_count=4": generic(
             "DCP FileSystemWriter thread_count=4", lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4))),
     }
-    for threads in (1, 2):
-        name = f"raw write+fsync {threads} thread{'s' if threads > 1 else ''}"
+    for direct in (False, True):
+        for threads in (1, 2):
+            name = f"raw {'O_DIRECT ' if direct else ''}write+fsync {threads} thread{'s' if threads > 1 else ''}"
 
-        def raw(threads: int = threads, name: str = name) -> float:
-            p = out_path(name)
-            rm(p)
-            os.sync()
-            t = raw_write(p, nbytes, rawbuf, threads)
-            rm(p)
-            return t
+            def raw(threads: int = threads, name: str = name, direct: bool = direct) -> float:
+                p = out_path(name)
+                rm(p)
+                os.sync()
+                t = raw_write(p, nbytes, rawbuf, threads, direct)
+                rm(p)
+                return t
 
-        methods[name] = raw
+            methods[name] = raw
     for label, cfg in cfgs.items():
         methods[f"tiered {label}"] = tiered_save(label, cfg)
 
@@ -513,12 +549,15 @@ def section_local(ctx: Ctx) -> dict:
     dcp.load(tiny, storage_reader=dcp.FileSystemReader(root / "warm"))
     rm(root / "warm")
 
+    save_cpu: dict[str, list[float]] = {}
     for r in range(R):
         for name, fn in methods.items():
             log(f"local: save rep {r + 1}/{R}: {name}")
             if name.startswith("tiered"):
                 os.sync()
+            c0 = cpu_seconds()
             save_times.setdefault(name, []).append(fn())
+            save_cpu.setdefault(name, []).append(cpu_seconds() - c0)
     rm(out_path("DCP FileSystemWriter thread_count=4"))
 
     # ---- loads -------------------------------------------------------------------------
@@ -546,6 +585,7 @@ def section_local(ctx: Ctx) -> dict:
         load_paths[f"TieredReader {label}"] = cfg.local.resolved_path()  # keep=1: only this checkpoint
 
     load_times: dict[str, list[float]] = {}
+    load_cpu: dict[str, list[float]] = {}
     verified: dict[str, Any] = {}
     for r in range(R):
         for name, fn in loads.items():
@@ -558,16 +598,21 @@ def section_local(ctx: Ctx) -> dict:
             else:
                 warm_file_tree(load_paths[name])
             t0 = now()
+            c0 = cpu_seconds()
             fn()
             load_times.setdefault(name, []).append(now() - t0)
+            load_cpu.setdefault(name, []).append(cpu_seconds() - c0)
             if r == 0:
                 bad = compare_state(dest, sd)
                 verified[name] = "ok" if not bad else f"MISMATCH in {bad[:5]}"
 
     # ---- rows --------------------------------------------------------------------------
     rows = []
-    ceiling_name = min(("raw write+fsync 1 thread", "raw write+fsync 2 threads"), key=lambda n: med(save_times[n]))
+    ceiling_name = min(("raw O_DIRECT write+fsync 1 thread", "raw O_DIRECT write+fsync 2 threads"),
+                       key=lambda n: med(save_times[n]))
     ceiling_bw = nbytes / med(save_times[ceiling_name])
+    buffered_name = min(("raw write+fsync 1 thread", "raw write+fsync 2 threads"), key=lambda n: med(save_times[n]))
+    gib = nbytes / GiB
     for name, ts in save_times.items():
         bw = nbytes / med(ts)
         note = ""
@@ -579,14 +624,16 @@ def section_local(ctx: Ctx) -> dict:
             note = (f"blocked in dcp.save {e['blocked_in_save_s']['median'] * 1e3:.1f} ms, captured "
                     f"{e['captured_s']['median']:.2f} s, durable {e['lib_flush_durable_s']['median']:.2f} s, "
                     f"commit tail {e['commit_tail_s']['median']:.2f} s")
-        rows.append(row("save: " + name, ts, nbytes, ratio=bw / ceiling_bw, note=note, details=e))
+        rows.append(row("save: " + name, ts, nbytes, ratio=bw / ceiling_bw, note=note, details=e,
+                        cpu_s_per_gib=med(save_cpu[name]) / gib))
     for label, t in first_save.items():
         rows.append(row(f"save: tiered {label} first save (fresh pool)", [t], nbytes, ratio=(nbytes / t) / ceiling_bw,
                         note="once, before the repeats; touches the pool"))
     fs_load = med(load_times["DCP FileSystemReader"])
     for name, ts in load_times.items():
         rows.append(row("load: " + name, ts, nbytes, ratio=fs_load / med(ts),
-                        note=f"{'cold' if cold else 'warm'}; verify {verified.get(name)}"))
+                        note=f"{'cold' if cold else 'warm'}; verify {verified.get(name)}",
+                        cpu_s_per_gib=med(load_cpu[name]) / gib))
 
     ratios: dict[str, float] = {}
     targets: dict[str, tuple[str, float]] = {}
@@ -597,9 +644,12 @@ def section_local(ctx: Ctx) -> dict:
         ratios[f"(info) tiered_durable_bw/raw_ceiling [{label}]"] = (nbytes / durable) / ceiling_bw
         ratios[f"tiered_load_bw/fsreader_load_bw [{label}]"] = fs_load / med(load_times[f"TieredReader {label}"])
         targets[f"tiered_load_bw/fsreader_load_bw [{label}]"] = (">=", 2.0)
+    ratios["(info) raw O_DIRECT ceiling / raw buffered"] = med(save_times[buffered_name]) / med(save_times[ceiling_name])
     notes = [
         f"state: {nbytes / GiB:.3f} GiB in {ntensors} tensors (+ non-tensor items); {R} interleaved repeats; "
-        f"ratio column: save bw / ceiling ({ceiling_name}), load: FileSystemReader time / this time",
+        f"ratio column: save bw / ceiling ({ceiling_name}: fallocate + O_DIRECT pwrite of 64 MiB from a page-aligned "
+        "buffer + fsync, the I/O the local tier's sink does), load: FileSystemReader time / this time; "
+        "CPU-s/GiB: this process's user+system CPU (all threads) during the operation per GiB",
         f"loads are {'cold (page cache dropped before each)' if cold else 'warm (drop_caches not permitted; every file pre-read)'}",
         "tiered save time = dcp.save start .. writer.wait() returned (fsynced, renamed, metadata committed, "
         "keep=0); every writer's previous output is deleted before its timer starts, "
@@ -935,7 +985,7 @@ def section_e2e(ctx: Ctx) -> dict:
     if ctx.quick:
         vocab, d, layers, heads, ff, T, B, iters = 4096, 384, 4, 6, 1536, 128, 4, 3
     else:
-        vocab, d, layers, heads, ff, T, B, iters = 8192, 768, 8, 12, 3072, 128, 16, 10
+        vocab, d, layers, heads, ff, T, B, iters = 8192, 768, 8, 12, 3072, 128, 16, 6
     model = TinyGPT(vocab, d, layers, heads, ff, T)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     nparams = sum(p.numel() for p in model.parameters())
@@ -1031,42 +1081,227 @@ def section_e2e(ctx: Ctx) -> dict:
             out["lib_durable_s"] = [h.flush_s for h in hist]
             out["lib_prestep_wait_s"] = [h.prestep_wait_s for h in hist]
             out["lib_save_blocked_s"] = [h.save_blocked_s for h in hist]
+            out["lib_cpu_s"] = [getattr(h, "cpu_s", 0.0) for h in hist]
             handle.remove()
         for d in dirs:
             rm(d)
         return out
 
-    modes = {m: run_mode(m) for m in ("none", "tiered", "sync FileSystemWriter", "async_save")}
-    modes["none (again, drift check)"] = run_mode("none")
-    tn = (modes["none"]["total_s"] + modes["none (again, drift check)"]["total_s"]) / 2
-    cn = (modes["none"]["cpu_s"] + modes["none (again, drift check)"]["cpu_s"]) / 2
+    # Interleaved rounds (none, tiered, async, sync, none, tiered, ...), so that a change in what
+    # else runs on the machine hits every mode alike; the none blocks of different rounds give the
+    # drift. With one round (--quick) a last none block is the drift check.
+    rounds = 1 if ctx.quick else 2
+    order = ("none", "tiered", "async_save", "sync FileSystemWriter")
+    blocks: dict[str, list[dict]] = {m: [] for m in order}
+    for r in range(rounds):
+        for m in order:
+            log(f"e2e: round {r + 1}/{rounds}")
+            blocks[m].append(run_mode(m))
+    if rounds == 1:
+        blocks["none"].append(run_mode("none"))
+    nn_ = len(blocks["none"])
+    modes: dict[str, dict] = {}
+    for m, bl in blocks.items():
+        agg: dict[str, Any] = {"blocks": bl, "total_s": sum(b["total_s"] for b in bl) / (len(bl) if m == "none" else 1),
+                               "cpu_s": sum(b["cpu_s"] for b in bl) / (len(bl) if m == "none" else 1),
+                               "rm_s": sum(b["rm_s"] for b in bl), "drain_s": sum(b["drain_s"] for b in bl)}
+        for k in ("fb_s", "opt_step_s", "ckpt_call_s", "lib_capture_s", "lib_durable_s", "lib_prestep_wait_s",
+                  "lib_cpu_s"):
+            if k in bl[0]:
+                agg[k] = [x for b in bl for x in b[k]]
+        modes[m] = agg
+    # none: per-block mean scaled to the other modes' number of blocks
+    scale = rounds
+    tn = modes["none"]["total_s"] * scale
+    cn = modes["none"]["cpu_s"] * scale
     tt = modes["tiered"]["total_s"]
+    ckpt_gib = state_bytes * iters * rounds / GiB
     rows = []
     for m, r in modes.items():
-        note = (f"sum fwd+bwd {sum(r['fb_s']):.1f} s (median {med(r['fb_s']):.2f}), opt.step {sum(r['opt_step_s']):.1f} s, "
-                f"ckpt calls {sum(r['ckpt_call_s']):.1f} s; CPU {r['cpu_s'] - cn:+.1f} s vs none")
+        total = r["total_s"] * (scale if m == "none" else 1)
+        cpu = r["cpu_s"] * (scale if m == "none" else 1)
+        note = (f"blocks {', '.join(format(b['total_s'], '.1f') for b in r['blocks'])} s; sum fwd+bwd {sum(r['fb_s']):.1f} s "
+                f"(median {med(r['fb_s']):.2f}), opt.step {sum(r['opt_step_s']):.1f} s, "
+                f"ckpt calls {sum(r['ckpt_call_s']):.1f} s; CPU {cpu - cn:+.1f} s vs none")
         if m == "tiered":
             note += (f"; capture {med(r['lib_capture_s']):.2f} s, durable {med(r['lib_durable_s']):.2f} s, "
-                     f"pre-step wait {med(r['lib_prestep_wait_s']) * 1e3:.0f} ms")
+                     f"pre-step wait {med(r['lib_prestep_wait_s']) * 1e3:.0f} ms, "
+                     f"writer.stats cpu_s {med(r['lib_cpu_s']):.3f} s/ckpt")
         if m != "none":
-            note += f"; final drain {r['drain_s']:.2f} s incl."
+            note += f"; final drains {r['drain_s']:.2f} s incl."
         if r["rm_s"]:
             note += f"; rm of old dirs {r['rm_s']:.2f} s incl."
-        rows.append(row(f"total {iters} iters: {m}", [r["total_s"]], state_bytes * iters if m != "none" else None,
-                        ratio=r["total_s"] / tn, note="ratio: vs none (mean of both runs); " + note))
-    ratios = {"tiered/none": tt / tn, "sync/tiered": modes["sync FileSystemWriter"]["total_s"] / tt,
-              "async/tiered": modes["async_save"]["total_s"] / tt}
-    targets = {"tiered/none": ("<=", 1.05), "sync/tiered": (">=", 2.2)}
+        rows.append(row(f"total {rounds}x{iters} iters: {m}" + (" (mean of blocks x rounds)" if m == "none" else ""),
+                        [total], state_bytes * iters * rounds if m != "none" else None,
+                        ratio=total / tn, note="ratio: vs none; " + note,
+                        cpu_s_per_gib=None if m == "none" else (cpu - cn) / ckpt_gib))
+    nb = [b["total_s"] for b in modes["none"]["blocks"]]
+    ratios = {"tiered/none": tt / tn, "async/none": modes["async_save"]["total_s"] / tn,
+              "sync/none": modes["sync FileSystemWriter"]["total_s"] / tn,
+              "async/tiered": modes["async_save"]["total_s"] / tt,
+              "sync/tiered": modes["sync FileSystemWriter"]["total_s"] / tt,
+              "(info) none drift: last/first none block": nb[-1] / nb[0]}
+    targets = {"tiered/none": ("<=", 1.05), "async/tiered": (">", 1.0), "sync/tiered": (">=", 2.2)}
     notes = [f"GPT {nparams / 1e6:.1f}M params ({layers} x TransformerEncoderLayer d={d}, vocab {vocab}), batch {B}x{T}; "
-             f"state+Adam {state_bytes / MiB:.0f} MiB; {iters} timed iterations after 1 untimed; "
-             f"tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: checkpoint bytes per wall second",
-             "CPU: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint runs' "
-             "(what checkpointing costs on these 2 cores)"]
+             f"state+Adam {state_bytes / MiB:.0f} MiB; {rounds} interleaved round(s) of blocks (order: "
+             f"{', '.join(order)}{', none' if rounds == 1 else ''}), each block {iters} timed iterations after 1 "
+             f"untimed, a checkpoint every iteration; tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: "
+             "checkpoint bytes per wall second",
+             "CPU-s/GiB column: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint "
+             "blocks' (scaled to the same iteration count), per checkpointed GiB: what checkpointing costs on these cores"]
     rm(root)
     del model, opt
     gc.collect()
     return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "modes": modes,
             "params": nparams, "state_bytes": state_bytes, "iters": iters}
+
+
+# ---------------------------------------------------------------------------------------------
+# C2. CPU seconds per checkpointed GiB, steady state (consecutive checkpoints with retention)
+# ---------------------------------------------------------------------------------------------
+
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds (user+system) of every live thread of this process, by native thread id
+    (``/proc/self/task/*/stat``; clock-tick resolution)."""
+    tck = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        fields = s[s.rindex(")") + 2:].split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tck
+    return out
+
+
+_THREAD_GROUPS = (("tierckpt-capture", "tierckpt capture"), ("tierckpt-flush", "tierckpt flush"),
+                  ("tierckpt-commit", "tierckpt commit"), ("tierckpt-janitor", "tierckpt janitor"),
+                  ("MainThread", "main thread"), ("AsyncCheckpointExecutor", "DCP async executor"))
+
+
+def thread_groups(before: dict[int, float], after: dict[int, float], total: float) -> dict[str, float]:
+    """CPU seconds per thread group between two :func:`thread_cpu` snapshots; threads that are
+    not Python threads (torch intra-op, gloo) and threads that exited in between make up the rest
+    of ``total`` (process CPU from getrusage, which counts exited threads too)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid, c in after.items():
+        d = c - before.get(tid, 0.0)
+        if d <= 0:
+            continue
+        name = names.get(tid, "")
+        group = next((g for p, g in _THREAD_GROUPS if name.startswith(p)), "other live threads" if name else "native threads")
+        out[group] = out.get(group, 0.0) + d
+    out["exited threads / rounding"] = max(0.0, total - sum(out.values()))
+    return out
+
+
+def section_cpu(ctx: Ctx) -> dict:
+    """CPU seconds per checkpointed GiB: TieredWriter vs DCP sync ``FileSystemWriter`` vs ``dcp.async_save``.
+
+    Steady state: each mode saves one checkpoint after another (each waited for before the next),
+    keeping the newest 2 (TieredWriter: ``keep=2`` retention; DCP: the oldest directory removed
+    after each save), after warm-up saves that reach that state. Blocks of saves are interleaved
+    (A B C A B C). CPU = this process's user+system seconds over the block (getrusage: every
+    thread, exited ones too) per GiB of tensor bytes; per-thread figures from /proc/self/task.
+    """
+    size = int((0.25 if ctx.quick else ctx.args.cpu_gib) * GiB)
+    nblock = 3 if ctx.quick else 5
+    reps = 1 if ctx.quick else 2
+    root = ctx.work / "cpu"
+    root.mkdir()
+    sd = make_state(size, seed=7)
+    nbytes = tensor_bytes(sd)
+    log(f"cpu: {nbytes / GiB:.3f} GiB state, {reps} x {nblock} saves per mode")
+    cfg = tiered_cfg(root / "tiered", 1 * GiB, 64 * MiB, keep=2)
+    writer = TieredWriter(cfg)
+    dirs: dict[str, list[Path]] = {}
+    count = {"n": 0}
+
+    def save_once(mode: str) -> float:
+        count["n"] += 1
+        n = count["n"]
+        t0 = now()
+        if mode == "tierckpt":
+            dcp.save(sd, checkpoint_id=f"cpu-{n:04d}", storage_writer=writer)
+            writer.wait()
+        else:
+            d = root / f"{mode.split()[1]}-{n:04d}"
+            if mode == "DCP sync FileSystemWriter":
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(d))
+            else:
+                resp = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(d))
+                if hasattr(resp, "staging_completion"):
+                    resp.staging_completion.result()
+                    resp = resp.upload_completion
+                resp.result()
+            lst = dirs.setdefault(mode, [])
+            lst.append(d)
+            while len(lst) > 2:  # the same retention as keep=2
+                rm(lst.pop(0))
+        return now() - t0
+
+    modes = ("tierckpt", "DCP sync FileSystemWriter", "DCP async_save")
+    for m in modes:  # warm-up: pool touched, code paths loaded, retention in steady state
+        for _ in range(3):
+            save_once(m)
+    res: dict[str, dict[str, Any]] = {m: {"cpu_per_gib": [], "wall_s": [], "threads": {}, "lib": {}} for m in modes}
+    for r in range(reps):
+        for m in modes:
+            log(f"cpu: rep {r + 1}/{reps}: {m}")
+            gc.collect()
+            hist0 = len(writer.history)
+            th0 = thread_cpu()
+            c0 = cpu_seconds()
+            walls = [save_once(m) for _ in range(nblock)]
+            cpu = cpu_seconds() - c0
+            th = thread_groups(th0, thread_cpu(), cpu)
+            e = res[m]
+            e["cpu_per_gib"].append(cpu / (nbytes * nblock / GiB))
+            e["wall_s"] += walls
+            for g, v in th.items():
+                e["threads"].setdefault(g, []).append(v / (nbytes * nblock / GiB))
+            if m == "tierckpt":
+                for h in writer.history[hist0:]:
+                    for k in ("capture_cpu_s", "crc_cpu_s", "write_cpu_s"):
+                        v = getattr(h, k, None)
+                        if v is not None:
+                            e["lib"].setdefault(k, []).append(v / (h.bytes / GiB))
+    rows = []
+    ref = med(res["tierckpt"]["cpu_per_gib"])
+    for m in modes:
+        e = res[m]
+        cpg = med(e["cpu_per_gib"])
+        parts = ", ".join(f"{g} {med(v):.3f}" for g, v in sorted(e["threads"].items(), key=lambda kv: -med(kv[1]))
+                          if med(v) >= 0.005)
+        note = f"CPU-s/GiB by thread: {parts}"
+        if e["lib"]:
+            note += "; writer.stats per GiB: " + ", ".join(f"{k} {med(v):.3f}" for k, v in e["lib"].items())
+        rows.append(row(f"{m}: save until durable+committed", e["wall_s"], nbytes, ratio=cpg / ref if ref else None,
+                        note=note, cpu_s_per_gib=cpg, cpu_s_per_gib_all=e["cpu_per_gib"],
+                        threads={g: med(v) for g, v in e["threads"].items()}, lib={k: med(v) for k, v in e["lib"].items()}))
+    ratios = {"tierckpt CPU-s/GiB": ref,
+              "tierckpt/DCP sync (CPU per GiB)": ref / med(res["DCP sync FileSystemWriter"]["cpu_per_gib"]),
+              "tierckpt/async_save (CPU per GiB)": ref / med(res["DCP async_save"]["cpu_per_gib"])}
+    targets = {"tierckpt CPU-s/GiB": ("<=", 0.3), "tierckpt/DCP sync (CPU per GiB)": ("<", 1.0),
+               "tierckpt/async_save (CPU per GiB)": ("<", 1.0)}
+    notes = [f"state {nbytes / GiB:.3f} GiB ({len([v for v in sd.values() if isinstance(v, torch.Tensor)])} tensors); "
+             f"{reps} interleaved blocks of {nblock} consecutive saves per mode after 3 warm-up saves; each save waited for "
+             "(tierckpt: writer.wait(), DCP: the save / its future) before the next; newest 2 kept (tierckpt keep=2, "
+             "pool 1GiB/64MiB, 4 flush threads; DCP: rmtree of the oldest directory, inside the block)",
+             "cpu/GiB = this process's user+system CPU over the block / GiB saved; ratio column: vs tierckpt. "
+             "Not counted: kernel writeback threads (buffered writes the kernel flushes in the background, "
+             "before fsync, are charged to kworkers: DCP's figures are a lower bound)"]
+    writer.wait()
+    for lst in dirs.values():
+        for d in lst:
+            rm(d)
+    rm(root)
+    del sd
+    gc.collect()
+    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "modes": res, "state_bytes": nbytes}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1569,7 +1804,7 @@ def section_restore(ctx: Ctx) -> dict:
 
 
 SECTIONS: dict[str, Callable[[Ctx], dict]] = {
-    "local": section_local, "lazy": section_lazy, "e2e": section_e2e, "rss": section_rss,
+    "local": section_local, "cpu": section_cpu, "lazy": section_lazy, "e2e": section_e2e, "rss": section_rss,
     "s3": section_s3, "restore": section_restore,
 }
 
@@ -1577,6 +1812,7 @@ SECTIONS: dict[str, Callable[[Ctx], dict]] = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=2.0, help="state size of section local (default 2)")
+    ap.add_argument("--cpu-gib", type=float, default=0.75, help="state size of section cpu (default 0.75)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench.json"), help="JSON output path")
     ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
                     help=f"comma-separated sections of {SECTION_NAMES} (default: {','.join(DEFAULT_SECTIONS)})")

@@ -8,8 +8,12 @@ Plain helpers, not fixtures (``tests/s3_fixtures.py`` wraps them):
   missing or does not come up.
 * :func:`make_bucket` creates a bucket (idempotent).
 
-Both servers accept any credentials; :func:`ensure_dummy_credentials` (called by every helper)
-sets ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_DEFAULT_REGION`` to dummies when unset.
+Both servers accept any credentials by default; :func:`ensure_dummy_credentials` (called by
+every helper) sets ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_DEFAULT_REGION`` to
+dummies when unset. ``start_seaweedfs(..., identities=[Identity(...), ...])`` enforces
+credentials instead: only the listed access keys are accepted, each allowed only its SeaweedFS
+actions (``Admin``, ``Read``, ``List``, ``Write``, ``Tagging``), so that tests can use a
+read-only key; :func:`s3_client` and :func:`make_bucket` then take ``credentials=(key, secret)``.
 
 SeaweedFS notes: ``weed mini`` runs master, volume, filer and S3 in one process. It needs about
 ten ports; each gets a free port ``p`` whose gRPC twin ``p + 10000`` is free too (some
@@ -31,11 +35,14 @@ import subprocess
 import sys
 import sysconfig
 import time
+import json
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 __all__ = [
+    "Identity",
     "ServerUnavailable",
     "ensure_dummy_credentials",
     "start_moto",
@@ -58,6 +65,33 @@ class ServerUnavailable(RuntimeError):
     """The server cannot run here; the message says why (used as a pytest skip reason)."""
 
 
+Credentials = tuple[str, str]
+"""``(access key id, secret access key)``."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One SeaweedFS S3 identity: an access key pair and the actions it may perform.
+
+    ``actions`` are SeaweedFS action names, optionally bucket-scoped (``"Read:bucket"``):
+    ``Admin``, ``Read``, ``List``, ``Write``, ``Tagging``. An identity with ``Read`` and ``List``
+    only is a read-only key: writes and deletes get ``403 AccessDenied``.
+    """
+
+    name: str
+    access_key: str
+    secret_key: str
+    actions: tuple[str, ...] = ("Admin", "Read", "List", "Write", "Tagging")
+
+    @property
+    def credentials(self) -> Credentials:
+        return self.access_key, self.secret_key
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                "actions": list(self.actions)}
+
+
 def ensure_dummy_credentials() -> None:
     """Give boto3 dummy credentials and a region unless the environment already has them."""
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -66,19 +100,22 @@ def ensure_dummy_credentials() -> None:
 
 
 @functools.lru_cache(maxsize=32)
-def s3_client(endpoint_url: str, *, max_attempts: int = 3):  # noqa: ANN201 - a boto3 client
+def s3_client(endpoint_url: str, *, max_attempts: int = 3, credentials: Credentials | None = None):  # noqa: ANN201
     """A plain boto3 S3 client for ``endpoint_url`` (path-style), for test setup and checks.
 
-    Cached per (endpoint, max_attempts): boto3 clients are thread-safe and slow to build.
+    ``credentials`` (access key, secret) override the environment's. Cached per (endpoint,
+    max_attempts, credentials): boto3 clients are thread-safe and slow to build.
     """
     import boto3
     from botocore.config import Config
 
     ensure_dummy_credentials()
+    keys = {} if credentials is None else {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
     return boto3.session.Session().client(
         "s3",
         endpoint_url=endpoint_url,
         region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+        **keys,
         config=Config(
             s3={"addressing_style": "path"},
             retries={"max_attempts": max_attempts, "mode": "standard"},
@@ -90,12 +127,13 @@ def s3_client(endpoint_url: str, *, max_attempts: int = 3):  # noqa: ANN201 - a 
     )
 
 
-def make_bucket(endpoint_url: str, name: str) -> None:
-    """Create bucket ``name`` at ``endpoint_url``; an existing bucket of ours is fine."""
+def make_bucket(endpoint_url: str, name: str, *, credentials: Credentials | None = None) -> None:
+    """Create bucket ``name`` at ``endpoint_url`` (as ``credentials``, default: the
+    environment's); an existing bucket of ours is fine."""
     from botocore.exceptions import ClientError
 
     try:
-        s3_client(endpoint_url).create_bucket(Bucket=name)
+        s3_client(endpoint_url, credentials=credentials).create_bucket(Bucket=name)
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
             raise
@@ -192,13 +230,23 @@ def _tail(path: Path, n: int = 600) -> str:
         return "(no log)"
 
 
-def start_seaweedfs(tmpdir: str | os.PathLike[str], *, timeout_s: float = SEAWEED_START_TIMEOUT_S) -> tuple[str, StopFn]:
+def start_seaweedfs(
+    tmpdir: str | os.PathLike[str],
+    *,
+    timeout_s: float = SEAWEED_START_TIMEOUT_S,
+    identities: Sequence[Identity] | None = None,
+) -> tuple[str, StopFn]:
     """Start ``weed mini`` with its data under ``tmpdir``, on loopback, on free ports.
 
     Returns ``(endpoint_url, stop)`` once a full S3 round trip works. ``stop`` terminates the
     process (SIGTERM, then SIGKILL after 10 s). Raises :class:`ServerUnavailable` (with the log
     tail) when the binary is missing, cannot run, or is not ready within ``timeout_s``.
     The start-up time is logged and stored in ``start_seaweedfs.last_startup_s``.
+
+    With ``identities`` the S3 gateway enforces them (``-s3.config``, written to
+    ``tmpdir/s3-identities.json`` with mode 0600): unknown keys, wrong secrets and actions an
+    identity lacks are refused with 403. The readiness round trip then uses the first identity
+    holding ``Admin`` (``ValueError`` if there is none).
     """
     ensure_dummy_credentials()
     weed = find_weed()
@@ -208,6 +256,17 @@ def start_seaweedfs(tmpdir: str | os.PathLike[str], *, timeout_s: float = SEAWEE
     data = root / "weed-data"
     data.mkdir(parents=True, exist_ok=True)
     log_path = root / "weed.log"
+    probe: Credentials | None = None
+    s3_config: Path | None = None
+    if identities is not None:
+        admin = next((i for i in identities if any(a.split(":")[0] == "Admin" for a in i.actions)), None)
+        if admin is None:
+            raise ValueError("start_seaweedfs: identities need one with the Admin action (used to probe readiness)")
+        probe = admin.credentials
+        s3_config = root / "s3-identities.json"
+        fd = os.open(s3_config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"identities": [i.to_json() for i in identities]}, f)
     ports = {name: free_port(with_grpc_twin=True) for name in ("master", "volume", "filer", "s3", "admin")}
     args = [
         weed,
@@ -226,6 +285,8 @@ def start_seaweedfs(tmpdir: str | os.PathLike[str], *, timeout_s: float = SEAWEE
     ]
     for name, port in ports.items():
         args += [f"-{name}.port={port}", f"-{name}.port.grpc={port + 10000}"]
+    if s3_config is not None:
+        args.append(f"-s3.config={s3_config}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     t0 = time.monotonic()
     logf = open(log_path, "wb")
@@ -250,7 +311,7 @@ def start_seaweedfs(tmpdir: str | os.PathLike[str], *, timeout_s: float = SEAWEE
         deadline = t0 + timeout_s
         _wait_port(ports["s3"], deadline, proc, log_path)
         t_port = time.monotonic() - t0
-        _wait_round_trip(url, deadline, proc, log_path)
+        _wait_round_trip(url, deadline, proc, log_path, probe)
     except BaseException:
         stop()
         raise
@@ -263,9 +324,11 @@ def start_seaweedfs(tmpdir: str | os.PathLike[str], *, timeout_s: float = SEAWEE
 start_seaweedfs.last_startup_s = None  # type: ignore[attr-defined]
 
 
-def _wait_round_trip(url: str, deadline: float, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+def _wait_round_trip(
+    url: str, deadline: float, proc: subprocess.Popen[bytes], log_path: Path, credentials: Credentials | None = None
+) -> None:
     """Create a probe bucket, put/get/delete an object, until it works (volumes may lag)."""
-    client = s3_client(url, max_attempts=1)
+    client = s3_client(url, max_attempts=1, credentials=credentials)
     bucket = f"tierckpt-probe-{uuid.uuid4().hex[:8]}"
     last: BaseException | None = None
     while time.monotonic() < deadline:

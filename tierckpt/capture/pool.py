@@ -1,7 +1,11 @@
 """The host buffer pool: one allocation per process, reused by every checkpoint.
 
 The pool is a single ``uint8`` tensor of ``buffer_size`` bytes (page-locked when CUDA is
-available and ``[host] pinned`` is set), cut into fixed slots of ``chunk_size`` bytes. Capture
+available and ``[host] pinned`` is set), cut into fixed slots of ``chunk_size`` bytes. It starts
+at a multiple of :data:`POOL_ALIGN` (a page, at least 4 KiB) and slots are multiples of 4 KiB, so
+every slot can be handed to ``O_DIRECT`` writes as is. Pageable pools are anonymous ``mmap``
+memory (page-aligned; transparent huge pages requested, which cuts page-pinning work in direct
+I/O); pinned pools come from ``cudaHostAlloc`` (page-aligned). Capture
 takes a slot per chunk and blocks when none is free (backpressure); the flush returns the slot
 once the chunk is written. Host memory is therefore bounded by the pool, whatever the state size.
 
@@ -13,6 +17,7 @@ counts real allocations (tests assert it does not grow).
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from typing import Callable, ClassVar
 
@@ -20,9 +25,39 @@ import torch
 
 from ..errors import CaptureError
 
-__all__ = ["HostPool", "get_pool"]
+__all__ = ["HostPool", "get_pool", "POOL_ALIGN", "aligned_buffer"]
 
 log = logging.getLogger("tierckpt.capture")
+
+POOL_ALIGN = max(4096, mmap.PAGESIZE)  # the pool's start; O_DIRECT needs (at most) this alignment
+
+
+def aligned_buffer(nbytes: int, pinned: bool = False) -> tuple[torch.Tensor, object]:
+    """A ``uint8`` tensor of ``nbytes`` starting at a multiple of :data:`POOL_ALIGN`, and the
+    object that owns its memory (keep it referenced as long as the tensor is used).
+
+    Pageable: an anonymous ``mmap`` (zero-filled by the kernel on first touch) with
+    ``MADV_HUGEPAGE`` where available. Pinned: ``torch.empty(..., pin_memory=True)``, whose
+    memory comes from ``cudaHostAlloc`` and is page-aligned; should it not be, one extra page is
+    allocated and the tensor sliced at the first aligned address (the slice shares the
+    page-locked storage).
+    """
+    if pinned:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % POOL_ALIGN == 0:
+            return raw, raw
+        del raw
+        raw = torch.empty(nbytes + POOL_ALIGN, dtype=torch.uint8, pin_memory=True)
+        off = (-raw.data_ptr()) % POOL_ALIGN
+        return raw[off : off + nbytes], raw
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled or unsupported: plain pages
+            pass
+    t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return t, mm
 
 
 class HostPool:
@@ -36,7 +71,9 @@ class HostPool:
         self.chunk_size = chunk_size
         self.nslots = buffer_size // chunk_size
         self.pinned = bool(pinned and torch.cuda.is_available())
-        self.buffer = torch.empty(self.nslots * chunk_size, dtype=torch.uint8, pin_memory=self.pinned)
+        if chunk_size % 4096:
+            raise CaptureError(f"host pool: chunk_size {chunk_size} is not a multiple of 4 KiB (direct I/O needs it)")
+        self.buffer, self._owner = aligned_buffer(self.nslots * chunk_size, self.pinned)
         # First touch of fresh memory is slow (1-4 GiB/s on some hosts): pay it here, once, before
         # any slot is handed out (so that no capture ever races the zero-fill).
         self.buffer.fill_(0)

@@ -22,7 +22,8 @@ def make_local(cfg: "TierConfig") -> Tier | None:
         return None
     from .local import LocalTier
 
-    return LocalTier(cfg.local.resolved_path(), fsync=cfg.local.fsync)
+    return LocalTier(cfg.local.resolved_path(), fsync=cfg.local.fsync, node_local=cfg.local.node_local,
+                     direct_io=cfg.local.direct_io)
 
 
 def make_s3(cfg: "TierConfig") -> Tier | None:

@@ -73,10 +73,16 @@ class Tier(abc.ABC):
     Attributes:
         name: short name used in logs and messages (``"local"``, ``"s3"``).
         url: where it lives, for messages (a directory path or ``s3://bucket/prefix``).
+        cheap_listing: listing and ``exists`` cost no network round trip (a local file system):
+            callers may check every data file of a checkpoint before choosing the tier.
+        node_local: each node sees its own copy of this tier (``{node}`` in a local path): a
+            node holds only the data files of its own ranks.
     """
 
     name: str = "tier"
     url: str = ""
+    cheap_listing: bool = False
+    node_local: bool = False
 
     # -- writes ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -87,6 +93,11 @@ class Tier(abc.ABC):
         key already exists; this is the commit primitive (rename-without-replace on file systems,
         ``If-None-Match: *`` on object stores).
         """
+
+    def put_volatile(self, key: str, data: bytes) -> None:
+        """Store a small object that need not survive a machine crash (leases): like
+        :meth:`put` without ``if_absent``, minus the durability cost where a tier has one."""
+        self.put(key, data)
 
     @abc.abstractmethod
     def open_sink(self, key: str, size: int) -> DataSink:
@@ -167,6 +178,22 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Delete one object; a missing key is not an error."""
+
+    def delete_many(self, keys: "list[str]") -> int:
+        """Delete exactly these objects (missing ones are skipped); return how many existed.
+
+        Unlike :meth:`delete_prefix`, objects created under the same prefix after the caller
+        listed it are left alone (a save of the same id that just started)."""
+        n = 0
+        for key in keys:
+            if self.exists(key):
+                n += 1
+            self.delete(key)
+        return n
+
+    def free_bytes(self) -> "int | None":
+        """Free space for new objects, when the tier has a meaningful figure (a disk); else None."""
+        return None
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix`` (which must end with ``/``); return how many."""

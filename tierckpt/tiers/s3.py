@@ -32,9 +32,13 @@ reported as a conflict; a retried ``CompleteMultipartUpload`` that comes back wi
 
 Errors: missing objects raise :class:`~tierckpt.errors.CheckpointNotFound`, bad ranges
 :class:`~tierckpt.errors.CorruptCheckpoint`, an unreachable endpoint (after retries)
-:class:`~tierckpt.errors.TierUnavailable`, everything else :class:`~tierckpt.errors.TierError`;
-messages name the ``s3://`` url of the key (and the part). Credentials come only from boto3's
-standard chain and are never part of a message, a log line or a repr.
+:class:`~tierckpt.errors.TierUnavailable`, refused credentials or permissions (``AccessDenied``,
+unknown access key, wrong secret key, expired token, no credentials; an authentication failure
+is never retried, by botocore or here) :class:`~tierckpt.errors.TierAccessDenied`, everything
+else :class:`~tierckpt.errors.TierError`; messages name the ``s3://`` url of the key (and the
+part). Credentials come only from boto3's standard chain and are never part of a message, a log
+line or a repr: every text from botocore, urllib3 or the server goes through
+:func:`tierckpt.redact.redact` (botocore's connection errors quote the full request URL).
 
 Server notes (checked with moto 5.2 and SeaweedFS 4.48): both honour ``If-None-Match: *`` on
 ``PutObject`` (412 ``PreconditionFailed``); SeaweedFS verifies ``x-amz-checksum-crc32c`` on
@@ -58,16 +62,18 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import google_crc32c
 
-from ..config import MiB, S3_MAX_PART, S3Config
+from ..config import MiB, S3_MAX_PART, S3Config, check_endpoint_url
 from ..errors import (
     CheckpointNotFound,
     CommitConflict,
     ConfigError,
     CorruptCheckpoint,
+    TierAccessDenied,
     TierckptError,
     TierError,
     TierUnavailable,
 )
+from ..redact import redact, redact_url
 from .base import DataSink, ObjectInfo, Tier, check_key
 
 try:  # boto3 is a hard dependency; keep the import error readable if it is missing.
@@ -80,6 +86,7 @@ try:  # boto3 is a hard dependency; keep the import error readable if it is miss
         IncompleteReadError,
     )
     from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
     from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
     _IMPORT_ERROR: ImportError | None = None
@@ -158,7 +165,30 @@ def _err_retried(e: "ClientError") -> int:
 
 
 def _err_message(e: "ClientError") -> str:
-    return str(e.response.get("Error", {}).get("Message", "")) or str(e)
+    """The server's message of ``e``, redacted and cut to one short line."""
+    text = " ".join(redact(str(e.response.get("Error", {}).get("Message", "")) or redact(e)).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+_DENIED: dict[str, str] = {
+    "AccessDenied": "the credentials in use are not allowed to do this (check the bucket policy and IAM permissions)",
+    "AllAccessDisabled": "all access to the bucket is disabled",
+    "AccountProblem": "a problem with the account prevents this operation",
+    "InvalidAccessKeyId": "the server does not know the access key id in use (check AWS_ACCESS_KEY_ID or the profile)",
+    "SignatureDoesNotMatch": "the secret access key does not match the access key id "
+                             "(check AWS_SECRET_ACCESS_KEY or the profile)",
+    "InvalidSecurity": "the security credentials are invalid",
+    "ExpiredToken": "the session token has expired (refresh the credentials)",
+    "TokenRefreshRequired": "the session token has expired (refresh the credentials)",
+    "InvalidToken": "the session token is malformed or invalid",
+}
+"""S3 error codes that mean "the credentials were refused or lack permission", with a hint each."""
+
+
+def _is_denied(e: "ClientError") -> bool:
+    """Whether ``e`` is an authentication or authorization failure (never worth a retry)."""
+    code = _err_code(e)
+    return code in _DENIED or (_err_status(e) in (401, 403) and code in ("", "401", "403", "Forbidden", "Unauthorized"))
 
 
 def _is_not_found(e: "ClientError") -> bool:
@@ -239,7 +269,8 @@ def make_client(cfg: S3Config) -> Any:
 
     Credentials come from boto3's standard chain (environment, shared files, instance role).
     A fresh :class:`boto3.session.Session` is used because sessions are not thread-safe while
-    clients are.
+    clients are. Raises :class:`ConfigError` for an endpoint URL or region botocore refuses
+    (the message shows the URL redacted).
     """
     if _IMPORT_ERROR is not None:  # pragma: no cover
         raise TierUnavailable(f"the S3 tier needs boto3: {_IMPORT_ERROR}")
@@ -259,8 +290,16 @@ def make_client(cfg: S3Config) -> Any:
         response_checksum_validation="when_required",
         user_agent_extra="tierckpt",
     )
-    session = boto3.session.Session()
-    return session.client("s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region or None, config=conf)
+    check_endpoint_url(cfg.endpoint_url)
+    try:
+        session = boto3.session.Session()
+        return session.client("s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region or None, config=conf)
+    except ValueError as e:  # botocore refuses an endpoint or region our checks let through
+        raise ConfigError(f"[s3] endpoint_url/region: botocore refuses {redact_url(cfg.endpoint_url)!r} / "
+                          f"{cfg.region!r}: {redact(e)}") from None
+    except BotoCoreError as e:
+        raise TierUnavailable(f"cannot create the S3 client for {redact_url(cfg.endpoint_url) or 'AWS'}: "
+                              f"{type(e).__name__}: {redact(e)}") from None
 
 
 # -- the tier --------------------------------------------------------------------------------
@@ -325,15 +364,25 @@ class S3Tier(Tier):
             return TierUnavailable(f"{what} {url}: bucket {self.bucket!r} does not exist")
         if code == "InvalidRange" or status == 416:
             return CorruptCheckpoint(f"{url}: requested range is outside the object ({what})")
-        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
-            return TierError(f"{what} {url}: {code} (HTTP {status}); check the credentials and bucket policy")
-        return TierError(f"{what} {url} failed: {code or 'error'} (HTTP {status}): {_err_message(e)}")
+        if _is_denied(e):
+            hint = _DENIED.get(code, "the credentials were refused or lack permission for this operation")
+            name = f"{code}, HTTP {status}" if code and not code.isdigit() else f"HTTP {status}"
+            return TierAccessDenied(f"{what} {url}: access denied ({name}): {hint}")
+        return TierError(f"{what} {url} failed: {redact(code) or 'error'} (HTTP {status}): {_err_message(e)}")
 
     @staticmethod
     def _transport_error(e: BaseException, what: str, url: str) -> TierError:
+        """A tierckpt error for a botocore/urllib3 error that is not a ``ClientError`` (redacted:
+        botocore's messages carry the full request URL, endpoint user information included)."""
+        if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+            return TierAccessDenied(
+                f"{what} {url}: no usable S3 credentials ({type(e).__name__}): set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, a profile (AWS_PROFILE) or an instance role"
+            )
         if isinstance(e, BotoConnectionError):
-            return TierUnavailable(f"{what} {url}: cannot reach the S3 endpoint after retries: {type(e).__name__}: {e}")
-        return TierError(f"{what} {url} failed after retries: {type(e).__name__}: {e}")
+            return TierUnavailable(f"{what} {url}: cannot reach the S3 endpoint after retries: {type(e).__name__}: {redact(e)}")
+        retried = isinstance(e, (HTTPClientError, IncompleteReadError))
+        return TierError(f"{what} {url} failed{' after retries' if retried else ''}: {type(e).__name__}: {redact(e)}")
 
     def _retrying(self, fn: Callable[[], _T], what: str, url: str, *, own_retry: bool) -> _T:
         """Run ``fn`` (one boto3 call, already retried by botocore).
@@ -356,7 +405,7 @@ class S3Tier(Tier):
                 log.debug("%s %s: %s; retrying in %.2fs", what, url, type(e).__name__, delay)
                 time.sleep(delay)
             except BotoCoreError as e:
-                raise TierError(f"{what} {url} failed: {type(e).__name__}: {e}") from e
+                raise self._transport_error(e, what, url) from e
 
     def _call(self, fn: Callable[[], _T], what: str, url: str, *, own_retry: bool = False) -> _T:
         """:meth:`_retrying` with ``ClientError`` mapped to tierckpt errors."""
@@ -507,9 +556,9 @@ class S3Tier(Tier):
         except ClientError as e:
             if _err_code(e) == "NoSuchUpload":
                 return True
-            log.warning("cannot abort the multipart upload of %s: %s", self._url_of(full), _err_code(e) or e)
+            log.warning("cannot abort the multipart upload of %s: %s", self._url_of(full), redact(_err_code(e)) or _err_message(e))
         except Exception as e:  # noqa: BLE001 - abort must never raise
-            log.warning("cannot abort the multipart upload of %s: %s: %s", self._url_of(full), type(e).__name__, e)
+            log.warning("cannot abort the multipart upload of %s: %s: %s", self._url_of(full), type(e).__name__, redact(e))
         return False
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -595,8 +644,23 @@ class S3Tier(Tier):
         except ClientError as e:
             if _is_not_found(e):
                 return None
-            raise self._client_error(e, "head", url) from e
+            raise self._client_error(self._why_denied(full, e), "head", url) from e
         return int(resp["ContentLength"]), str(resp.get("ETag", "")).strip('"')
+
+    def _why_denied(self, full: str, e: "ClientError") -> "ClientError":
+        """A HEAD response has no body, so a refused HEAD says only "403". Ask once more with a
+        one-byte GET, whose error names the reason (``SignatureDoesNotMatch``, ``AccessDenied``,
+        ...); return that error, or ``e`` when the GET does not tell more."""
+        if not _is_denied(e) or _err_code(e) in _DENIED:
+            return e
+        try:
+            self._client.get_object(Bucket=self.bucket, Key=full, Range="bytes=0-0")["Body"].close()
+        except ClientError as g:
+            if _err_code(g) in _DENIED:
+                return g
+        except Exception:  # noqa: BLE001 - only an explanation; the HEAD's error stands
+            pass
+        return e
 
     def _open_range(
         self, full: str, start: int, end: int | None, if_match: str | None = None
@@ -673,7 +737,7 @@ class S3Tier(Tier):
                 if attempt >= _OWN_ATTEMPTS:
                     raise TierError(
                         f"get {url} [{start}, {start + (want or 0)}): the download broke {attempt} times, "
-                        f"last at byte {start + got}: {type(e).__name__}: {e}"
+                        f"last at byte {start + got}: {type(e).__name__}: {redact(e)}"
                     ) from e
                 delay = _backoff(attempt)
                 log.debug("get %s: body broke at byte %d (%s); resuming in %.2fs", url, start + got, type(e).__name__, delay)
@@ -801,10 +865,25 @@ class S3Tier(Tier):
             errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in ("NoSuchKey",)]
             if errors and not best_effort:
                 first = errors[0]
-                raise TierError(
-                    f"delete {self._url_of(first.get('Key', '?'))} failed: {first.get('Code')}: {first.get('Message', '')}"
-                    + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
-                )
+                code = str(first.get("Code", ""))
+                more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+                url = self._url_of(str(first.get("Key", "?")))
+                if code in _DENIED:
+                    raise TierAccessDenied(f"delete {url}: access denied ({code}): {_DENIED[code]}{more}")
+                message = " ".join(redact(first.get("Message", "")).split())[:300]
+                raise TierError(f"delete {url} failed: {redact(code)}: {message}{more}")
+
+    def delete_many(self, keys: list[str]) -> int:
+        """Delete exactly these keys with DeleteObjects (missing ones are not an error), then the
+        empty directory entries some servers (SeaweedFS) keep for their parents. Returns how many
+        keys were asked for (S3 does not tell which existed)."""
+        full = [self._full(k) for k in keys]
+        if not full:
+            return 0
+        self._delete_keys(full)
+        dirs = {k.rsplit("/", 1)[0] + "/" for k in full if "/" in k}
+        self._delete_keys(sorted(dirs, key=lambda d: (-d.count("/"), d)), best_effort=True)
+        return len(full)
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix`` (which must end with ``/``); return how many.
@@ -828,7 +907,7 @@ class S3Tier(Tier):
         try:
             self.abort_stale_uploads(prefix)
         except TierError as e:
-            log.warning("delete_prefix %s: cannot abort multipart uploads: %s", self._url_of(full_prefix), e)
+            log.warning("delete_prefix %s: cannot abort multipart uploads: %s", self._url_of(full_prefix), redact(e))
         return sum(1 for k in keys if not k.endswith("/"))
 
     def _last_part_time(self, key: str, upload_id: str) -> float | None:
@@ -1102,4 +1181,4 @@ class _S3Sink(DataSink):
             with self._lock:
                 self._abort_confirmed = confirmed
         except Exception as e:  # noqa: BLE001 - abort never raises
-            log.warning("abort %s: %s: %s", self._url, type(e).__name__, e)
+            log.warning("abort %s: %s: %s", self._url, type(e).__name__, redact(e))

@@ -1,0 +1,262 @@
+"""What is where, in commit order: listing checkpoints per tier and resolving ``latest``.
+
+Order comes from what the commit wrote, never from a clock on a file: every ``metadata.json``
+starts with a header line holding the checkpoint's commit sequence number (``seq``: one more
+than the highest the job had seen when it committed), its step and its commit time. Checkpoints
+are ordered by ``(seq, commit time, step)`` on every tier, so copying, touching or restoring
+files from a backup changes nothing. Reading a header costs one small ranged read per committed
+checkpoint; headers of committed checkpoints never change (``metadata.json`` is created once),
+so they are cached per process by (tier, key, size, mtime).
+
+A committed checkpoint whose header cannot be read is *unordered*: it is never ``latest`` and
+retention never deletes it (it is logged); ``tierckpt-restore list`` shows it.
+
+``latest`` over several tiers (:func:`find_latest`) is the newest checkpoint whose metadata is
+valid on some tier and that the tier can serve (its data files are there); anything newer that
+fails these checks is skipped with a log line naming it and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
+from .layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointManifest, CommitHeader, check_checkpoint_id, metadata_from_json,
+                     metadata_key, read_header, split_key, step_of)
+from .tiers.base import ObjectInfo, Tier
+
+__all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
+           "is_committed", "read_checkpoint_metadata", "commit_header", "max_seq", "servable"]
+
+log = logging.getLogger("tierckpt.catalog")
+
+
+@dataclass
+class CheckpointInfo:
+    """One checkpoint on one tier.
+
+    ``mtime`` is the newest file time of its objects (shown to people, used for nothing else);
+    ``header`` is the commit header (None when uncommitted or unreadable); ``objects`` maps each
+    object's name inside the checkpoint (``metadata.json``, ``rank-00000-ab12cd34.data``, leftovers
+    such as ``*.partial``) to its tier key and info.
+    """
+
+    checkpoint_id: str
+    committed: bool
+    mtime: float
+    size: int
+    files: int
+    step: int | None
+    header: CommitHeader | None = None
+    objects: dict[str, ObjectInfo] = field(default_factory=dict, repr=False)
+
+    @property
+    def ordered(self) -> bool:
+        """Committed, with a readable commit header (takes part in ``latest`` and retention)."""
+        return self.committed and self.header is not None
+
+    @property
+    def seq(self) -> int | None:
+        return None if self.header is None else self.header.seq
+
+    @property
+    def committed_at(self) -> float | None:
+        return None if self.header is None else self.header.committed
+
+    def to_json(self) -> dict:
+        return {"checkpoint_id": self.checkpoint_id, "committed": self.committed, "mtime": self.mtime, "size": self.size,
+                "files": self.files, "step": self.step, "seq": self.seq, "committed_at": self.committed_at}
+
+
+_headers: dict[tuple, CommitHeader | None] = {}
+_headers_lock = threading.Lock()
+
+
+def commit_header(tier: Tier, checkpoint_id: str, info: ObjectInfo | None = None) -> CommitHeader | None:
+    """The commit header of ``checkpoint_id`` on ``tier`` (None if unreadable); ``info`` is the
+    metadata object's listing entry when the caller has it (saves a lookup)."""
+    key = metadata_key(checkpoint_id)
+    size = info.size if info is not None else tier.size(key)
+    cache_key = (tier.url, key, size, info.mtime if info is not None else None)
+    if info is not None:
+        with _headers_lock:
+            if cache_key in _headers:
+                return _headers[cache_key]
+    try:
+        header = read_header(tier.get(key, 0, min(size, HEADER_MAX)))
+    except CheckpointNotFound:
+        return None
+    except (CorruptCheckpoint, OSError) as e:
+        log.warning("cannot read the commit header of %s on %s: %s", checkpoint_id, tier.url, e)
+        return None
+    if info is not None:
+        with _headers_lock:
+            if len(_headers) > 20000:
+                _headers.clear()
+            _headers[cache_key] = header
+    return header
+
+
+def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
+    """Every checkpoint on ``tier``: unordered committed ones first, then committed ones oldest
+    commit first, then partial (uncommitted) ones by file time."""
+    by_id: dict[str, CheckpointInfo] = {}
+    for info in tier.list(""):
+        split = split_key(info.key)
+        if split is None:
+            continue
+        cid, rest = split
+        try:
+            check_checkpoint_id(cid)
+        except CorruptCheckpoint:
+            continue
+        c = by_id.get(cid)
+        if c is None:
+            c = by_id[cid] = CheckpointInfo(cid, False, 0.0, 0, 0, step_of(cid))
+        c.size += info.size
+        c.files += 1
+        c.mtime = max(c.mtime, info.mtime)
+        c.objects[rest] = info
+        if rest == METADATA:
+            c.committed = True
+    for c in by_id.values():
+        if c.committed:
+            c.header = commit_header(tier, c.checkpoint_id, c.objects[METADATA])
+            if c.header is None:
+                log.warning("checkpoint %s on %s: its metadata header is unreadable; it is never 'latest' "
+                            "and retention leaves it alone", c.checkpoint_id, tier.url)
+    return sorted(by_id.values(), key=_list_order)
+
+
+def _list_order(c: CheckpointInfo) -> tuple:
+    if c.ordered:
+        assert c.header is not None
+        return (1, c.header.order_key(), c.checkpoint_id)
+    if c.committed:
+        return (0, (0, c.mtime, -1), c.checkpoint_id)
+    return (2, (0, c.mtime, -1), c.checkpoint_id)
+
+
+def committed_in_order(tier: Tier) -> list[CheckpointInfo]:
+    """Committed checkpoints with a readable header, oldest commit first."""
+    return [c for c in list_checkpoints(tier) if c.ordered]
+
+
+def max_seq(tier: Tier) -> int:
+    """The highest commit sequence number on ``tier`` (0 when none)."""
+    done = committed_in_order(tier)
+    return done[-1].header.seq if done else 0  # type: ignore[union-attr]
+
+
+def resolve_latest(tier: Tier) -> str:
+    """The id of the newest committed checkpoint on ``tier`` (by commit order; no validation)."""
+    done = committed_in_order(tier)
+    if not done:
+        raise CheckpointNotFound(f"{tier.url}: no committed checkpoint")
+    return done[-1].checkpoint_id
+
+
+def is_committed(tier: Tier, checkpoint_id: str) -> bool:
+    return tier.exists(f"{check_checkpoint_id(checkpoint_id)}/{METADATA}")
+
+
+def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Any, CheckpointManifest]:
+    """Read and validate ``ID/metadata.json`` from ``tier``: DCP ``Metadata`` and the manifest.
+
+    Whatever the file holds, the result is the parsed metadata, :class:`CorruptCheckpoint`
+    (naming the file) or :class:`CheckpointNotFound`; tier failures raise the tier's errors.
+    A file larger than :data:`~tierckpt.layout.MAX_METADATA_BYTES` is refused before it is read.
+    """
+    key = metadata_key(check_checkpoint_id(checkpoint_id))
+    size = tier.size(key)
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
+    raw = tier.get(key, 0, size)
+    md, manifest = metadata_from_json(raw, f"{tier.url}/{key}")
+    if manifest.checkpoint_id != checkpoint_id:
+        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata names checkpoint {manifest.checkpoint_id!r}")
+    return md, manifest
+
+
+def servable(tier: Tier, info: CheckpointInfo, manifest: CheckpointManifest) -> str | None:
+    """Why ``tier`` cannot serve the checkpoint (None when it can, as far as a listing tells).
+
+    Only tiers with cheap listings are checked (an object store's commit follows every upload).
+    On a shared tier every data file must be there with its recorded size; on a node-local tier
+    (each node holds its own ranks' files) at least one, and none of a wrong size.
+    """
+    if not tier.cheap_listing:
+        return None
+    need = {f: s for f, s in manifest.files.items() if s > 0}
+    if not need:
+        return None
+    have = {name: o.size for name, o in info.objects.items() if name in need}
+    wrong = [f for f, s in have.items() if s != need[f]]
+    if wrong:
+        return f"data file {wrong[0]} has {have[wrong[0]]} bytes, the metadata says {need[wrong[0]]}"
+    if tier.node_local:
+        return None if have else f"none of its {len(need)} data files is on this node"
+    missing = sorted(set(need) - set(have))
+    return f"data file {missing[0]} is missing ({len(missing)} of {len(need)})" if missing else None
+
+
+@dataclass
+class Latest:
+    """The newest loadable committed checkpoint over some tiers, and which of them hold it."""
+
+    checkpoint_id: str
+    committed: float
+    step: int | None
+    seq: int
+    tiers: list[str]
+    holding: list[Tier] = field(default_factory=list, repr=False)
+    manifest: CheckpointManifest | None = field(default=None, repr=False)
+    metadata: Any = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        return {"checkpoint_id": self.checkpoint_id, "step": self.step, "seq": self.seq,
+                "committed": self.committed, "tiers": self.tiers}
+
+
+def find_latest(tiers: list[Tier]) -> Latest:
+    """The newest committed checkpoint over ``tiers`` that is valid and servable.
+
+    Ordered by commit header (seq, commit time, step); the first candidate whose metadata parses
+    on some tier and whose files that tier can serve wins. Unreachable tiers are logged and
+    skipped; when nothing qualifies, the first unreachable tier's error is raised, else
+    :class:`CheckpointNotFound` naming the tiers.
+    """
+    listed: dict[str, list[tuple[Tier, CheckpointInfo]]] = {}
+    unreachable: list[TierckptError] = []
+    for tier in tiers:
+        try:
+            done = committed_in_order(tier)
+        except TierckptError as e:
+            unreachable.append(e)
+            continue
+        for c in done:
+            listed.setdefault(c.checkpoint_id, []).append((tier, c))
+    order = sorted(listed, key=lambda cid: max(c.header.order_key() for _t, c in listed[cid]), reverse=True)  # type: ignore[union-attr]
+    for cid in order:
+        holding: list[tuple[Tier, CheckpointInfo]] = listed[cid]
+        for tier, info in holding:
+            try:
+                md, man = read_checkpoint_metadata(tier, cid)
+            except (CheckpointNotFound, CorruptCheckpoint) as e:
+                log.error("skipping %s on %s for 'latest': %s", cid, tier.url, e)
+                continue
+            why = servable(tier, info, man)
+            if why is not None:
+                log.error("skipping %s on %s for 'latest': %s", cid, tier.url, why)
+                continue
+            ok = [t for t, i in holding if t is tier or servable(t, i, man) is None]
+            for e in unreachable:
+                log.warning("a tier was unreachable while resolving latest: %s", e)
+            return Latest(checkpoint_id=cid, committed=man.committed, step=man.step, seq=man.seq,
+                          tiers=[t.name for t in ok], holding=ok, manifest=man, metadata=md)
+    if unreachable:
+        raise unreachable[0]  # nothing found where we could look: the outage is the answer
+    raise CheckpointNotFound("no committed checkpoint on any tier: " + ", ".join(t.url for t in tiers))
