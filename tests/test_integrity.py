@@ -32,6 +32,8 @@ from tierckpt import (
     TieredWriter,
 )
 
+from test_roundtrip import find_error
+
 MiB = 1 << 20
 ALIGN = 64
 CHUNK = 256 << 10
@@ -54,23 +56,6 @@ def save(cfg, sd, cid) -> None:
 
 def load(cfg, sd, cid, **kw) -> None:
     dcp.load(sd, checkpoint_id=cid, storage_reader=TieredReader(cfg, **kw), no_dist=True)
-
-
-def find_error(exc: BaseException, cls: type) -> BaseException | None:
-    """``exc`` itself, or the first ``cls`` inside a DCP CheckpointException / cause chain."""
-    seen = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, cls):
-            return e
-        for v in (getattr(e, "failures", None) or {}).values():
-            todo.append(v[0] if isinstance(v, tuple) else v)
-        todo += [e.__cause__, e.__context__]
-    return None
 
 
 def load_fails(cfg, sd, cid, cls=CorruptCheckpoint, **kw) -> BaseException:

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 import s3servers
 from faultproxy import FaultProxy
 from test_restore_cli import assert_one_line_error, cli, cli_proc, write_config
+from test_roundtrip import find_error as find
 from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter, TierError, load_config
 from tierckpt.config import MiB, S3Config
 from tierckpt.errors import TierAccessDenied
@@ -104,22 +105,6 @@ def state(seed: int = 0) -> dict[str, Any]:
 
 def zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
-
-
-def find(exc: BaseException | None, cls: type) -> BaseException | None:
-    """``exc`` or the first ``cls`` in its DCP failures / cause / context chain."""
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, cls):
-            return e
-        for v in (getattr(e, "failures", None) or {}).values():
-            todo.append(v[0] if isinstance(v, tuple) else v)
-        todo += [e.__cause__, e.__context__]
-    return None
 
 
 def save_error(cfg: TierConfig, checkpoint_id: str, sd: dict[str, Any]) -> BaseException:
