@@ -47,20 +47,27 @@ def save_and_load(args: dict, rank: int, world: int) -> dict:
 SCENARIOS = {f.__name__: f for f in [save_and_load]}
 
 
-def main() -> None:
+def serve(scenarios: dict) -> None:
+    """Run ``SCENARIO`` of ``scenarios`` (named by argv) in a gloo process group and write its result.
+
+    The entry point of every scenario module started by :func:`distrun.run_world`."""
     name, args_json, result_path = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    result = scenarios[name](json.loads(args_json), rank, world)
+    Path(result_path).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def main() -> None:
     try:
         import dist_scenarios  # noqa: F401 - optional extra scenarios registered by tests
         SCENARIOS.update(getattr(dist_scenarios, "SCENARIOS", {}))
     except ImportError:
         pass
-    result = SCENARIOS[name](json.loads(args_json), rank, world)
-    Path(result_path).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    serve(SCENARIOS)
 
 
 if __name__ == "__main__":

@@ -121,16 +121,7 @@ def run_lazy_world(world: int, scenario: str, args: dict[str, Any], workdir: Pat
     return run_world(world, scenario, args, workdir, timeout=timeout, script=Path(__file__).resolve())
 
 
-def main() -> None:
-    name, args_json, result_path = sys.argv[1], sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    result = SCENARIOS[name](json.loads(args_json), rank, world)
-    Path(result_path).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    from dist_worker import serve
+
+    serve(SCENARIOS)

@@ -163,16 +163,7 @@ def restart_save(args: dict, rank: int, world: int) -> dict:
 SCENARIOS = {f.__name__: f for f in [cached_saves, refusals, restart_save]}
 
 
-def main() -> None:
-    name, args_json, result_path = sys.argv[1], sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    result = SCENARIOS[name](json.loads(args_json), rank, world)
-    Path(result_path).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    from dist_worker import serve
+
+    serve(SCENARIOS)

@@ -73,39 +73,8 @@ def _worker_imports():
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-    from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-    class NullWriter(StorageWriter):
-        """Stores nothing; resolves every item (BYTE_IO items are pickled there) as any writer must."""
-
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
-        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: list) -> list:
-            return plans
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            for it in plan.items:
-                planner.resolve_data(it)
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result([WriteResult(index=it.index, size_in_bytes=0, storage_data=None) for it in plan.items])
-            return fut
-
-        def finish(self, metadata: Any, results: Any) -> None:
-            pass
-
-        def storage_meta(self) -> Any:
-            return None
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return True
+    from bench import NullWriter  # tools/bench.py: DCP's planning floor, shared with its lazy section
 
     # One planner class per caching mode: DCP's plan cache is keyed by the planner's class name.
     class FloorCachePlanner(DefaultSavePlanner):
