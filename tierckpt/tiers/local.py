@@ -114,11 +114,13 @@ def open_new(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mod
     """``os.open`` a file to create, making its parent directories first. Deletions prune
     directories they leave empty, so one may vanish between the mkdir and the open: retried."""
     for attempt in range(8):
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            # mkdir(exist_ok=True) itself raises FileExistsError when the directory it found
+            # existing is pruned before it checks it: retried like a vanished directory
+            path.parent.mkdir(parents=True, exist_ok=True)
             return os.open(path, flags, mode)
-        except FileNotFoundError:
-            if attempt == 7:
+        except (FileNotFoundError, FileExistsError) as e:
+            if attempt == 7 or (isinstance(e, FileExistsError) and e.filename == str(path)):
                 raise
     raise AssertionError("unreachable")
 
