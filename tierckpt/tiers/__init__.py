@@ -23,7 +23,7 @@ def make_local(cfg: "TierConfig") -> Tier | None:
     from .local import LocalTier
 
     return LocalTier(cfg.local.resolved_path(), fsync=cfg.local.fsync, node_local=cfg.local.node_local,
-                     direct_io=cfg.local.direct_io)
+                     direct_io=cfg.local.direct_io, keep=cfg.local.keep, read_concurrency=cfg.local.flush_threads)
 
 
 def make_s3(cfg: "TierConfig") -> Tier | None:

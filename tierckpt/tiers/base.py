@@ -76,13 +76,29 @@ class Tier(abc.ABC):
         cheap_listing: listing and ``exists`` cost no network round trip (a local file system):
             callers may check every data file of a checkpoint before choosing the tier.
         node_local: each node sees its own copy of this tier (``{node}`` in a local path): a
-            node holds only the data files of its own ranks.
+            node holds only the data files of its own ranks. False: one root shared by all.
+        durable: a committed object survives the crash of the writing process (fsync'd files,
+            object stores). A checkpoint is committed only on durable tiers.
+        conditional_create: ``put(..., if_absent=True)`` is atomic (rename-without-replace,
+            ``If-None-Match``); the commit protocol needs it for the metadata write.
+        read_range: preferred bytes per read request (a multipart part on object stores).
+        read_concurrency: how many range reads of one file pay off in parallel.
+        keep / keep_every: the retention policy of this tier, from its configuration section
+            (``keep`` newest committed checkpoints, 0 = all; every ``keep_every``-th step kept).
+
+    Code outside ``tiers/`` decides by these flags, never by ``name``.
     """
 
     name: str = "tier"
     url: str = ""
     cheap_listing: bool = False
     node_local: bool = False
+    durable: bool = True
+    conditional_create: bool = True
+    read_range: int = 32 << 20
+    read_concurrency: int = 4
+    keep: int = 0
+    keep_every: int = 0
 
     # -- writes ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -190,6 +206,11 @@ class Tier(abc.ABC):
                 n += 1
             self.delete(key)
         return n
+
+    def abort_stale(self, older_than_s: float) -> int:
+        """Discard leftovers of interrupted writes older than ``older_than_s`` seconds (incomplete
+        multipart uploads); return how many. Tiers without such leftovers return 0."""
+        return 0
 
     def free_bytes(self) -> "int | None":
         """Free space for new objects, when the tier has a meaningful figure (a disk); else None."""

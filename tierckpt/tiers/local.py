@@ -298,13 +298,15 @@ class LocalTier(Tier):
     cheap_listing = True
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True, node_local: bool = False,
-                 direct_io: bool | str = "auto") -> None:
+                 direct_io: bool | str = "auto", keep: int = 0, read_concurrency: int = 4) -> None:
         if direct_io not in (True, False, "auto"):
             raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
         self.root = Path(root)
         self.url = str(self.root)
         self.fsync = fsync
         self.node_local = node_local
+        self.keep = keep
+        self.read_concurrency = read_concurrency
         self.direct_io = direct_io
         # None: not tried yet; True: accepted; False: refused here (buffered from now on)
         self._direct_ok: bool | None = None if (direct_io and _O_DIRECT) else False

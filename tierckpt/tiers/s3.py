@@ -334,6 +334,11 @@ class S3Tier(Tier):
         self._own_client = client is None
         self._client = make_client(cfg) if client is None else client
         self._conditional = cfg.conditional_commit
+        self.conditional_create = cfg.conditional_commit
+        self.read_range = cfg.part_size
+        self.read_concurrency = cfg.concurrency
+        self.keep = cfg.keep
+        self.keep_every = cfg.keep_every
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -926,6 +931,9 @@ class S3Tier(Tier):
         except BotoCoreError as e:
             raise self._transport_error(e, "list parts of", self._url_of(key)) from e
         return latest
+
+    def abort_stale(self, older_than_s: float) -> int:
+        return self.abort_stale_uploads("", older_than_s=older_than_s)
 
     def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0) -> int:
         """Abort multipart uploads under ``prefix`` idle for at least ``older_than_s`` seconds;
