@@ -85,7 +85,7 @@ def lazy_training_loop(args: dict, rank: int, world: int) -> dict:
         dcp.load(out, checkpoint_id=cid, storage_reader=TieredReader(cfg))
         same[cid] = _equal(exp, out)
     return {"ids": ids, "same": same, "history": len(writer.history),
-            "committed": [(Path(writer.engine.local.root) / metadata_key(c)).is_file() for c in ids]}
+            "committed": [(Path(writer.engine.first_tier.root) / metadata_key(c)).is_file() for c in ids]}
 
 
 def _clone(sd: Any) -> Any:

@@ -348,7 +348,7 @@ def test_roundtrip_bit_exact_all_modes(tmp_path: Path, monkeypatch: pytest.Monke
             w = TieredWriter(cfg)
             dcp.save(sd, checkpoint_id="step-1", storage_writer=w, no_dist=True)
             w.wait()
-            assert w.engine.local._direct_ok is (mode == "direct")  # type: ignore[union-attr]
+            assert w.engine.first_tier._direct_ok is (mode == "direct")  # type: ignore[union-attr]
             st = w.stats
             assert st.capture_cpu_s > 0 and st.crc_cpu_s > 0 and st.write_cpu_s > 0
             assert st.cpu_s == pytest.approx(st.plan_cpu_s + st.capture_cpu_s + st.crc_cpu_s + st.write_cpu_s)
@@ -434,6 +434,6 @@ def test_real_tmpfs_roundtrip_auto() -> None:
                 assert torch.equal(v.reshape(-1).view(torch.uint8), out[k].reshape(-1).view(torch.uint8)), k
             else:
                 assert out[k] == v, k
-        assert w.engine.local._direct_ok in (True, False)  # type: ignore[union-attr]  # decided, either way
+        assert w.engine.first_tier._direct_ok in (True, False)  # type: ignore[union-attr]  # decided, either way
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -37,7 +37,7 @@ from tierckpt import (
 from tierckpt.capture.pool import HostPool
 from tierckpt.catalog import resolve_latest
 from tierckpt.layout import metadata_key
-from tierckpt.pipeline import get_engine
+from tierckpt.engine import get_engine
 from tierckpt.tiers.base import DataSink
 from tierckpt.tiers.local import LocalTier
 
@@ -243,9 +243,10 @@ class _ErrorLog(logging.Handler):
 
 
 def _swap_tier(monkeypatch, writer: TieredWriter, **kw) -> _TestTier:
-    orig = writer.engine.local
+    orig = writer.engine.first_tier
     tier = _TestTier(orig.root, fsync=orig.fsync, **kw)
-    monkeypatch.setattr(writer.engine, "local", tier)
+    tier.orig = orig  # type: ignore[attr-defined]
+    writer.engine.chain[0] = tier
     return tier
 
 
@@ -317,7 +318,7 @@ def test_mutation_before_capture_is_a_torn_capture(make_cfg):
     assert isinstance(err, TornCaptureError), err
     assert "'t1'" in str(err) and "step-2" in str(err)
     assert not is_committed(cfg, "step-2")
-    assert resolve_latest(w.engine.local) == "step-1"
+    assert resolve_latest(w.engine.first_tier) == "step-1"
     assert bit_equal(exp1, load(cfg, sd1, "latest"))
     w.wait()  # raised once only
 
@@ -328,7 +329,7 @@ def test_mutation_before_capture_is_a_torn_capture(make_cfg):
     dcp.save(sd3, checkpoint_id="step-3", storage_writer=w3)
     w3.wait()
     assert is_committed(cfg, "step-3")
-    assert resolve_latest(w.engine.local) == "step-3"
+    assert resolve_latest(w.engine.first_tier) == "step-3"
     assert bit_equal(exp3, load(cfg, sd3, "latest"))
 
 
@@ -481,7 +482,7 @@ def test_pool_and_threads_reused_across_saves(make_cfg):
         wi.wait()
         assert HostPool.allocations == allocs
         assert threading.active_count() <= threads, [t.name for t in threading.enumerate()]
-    assert resolve_latest(w.engine.local) == "step-10"
+    assert resolve_latest(w.engine.first_tier) == "step-10"
     assert bit_equal(clone(sd), load(cfg, sd, "latest"))
     assert ids_on_disk(root_of(cfg)) == {"step-8", "step-9", "step-10"}  # keep=3
 
@@ -516,11 +517,11 @@ def test_flush_error_surfaces_on_wait_once(make_cfg, monkeypatch):
     w.wait_captured()
     opt.step()
     assert not is_committed(cfg, "step-2")
-    assert resolve_latest(w.engine.local) == "step-1"
+    assert resolve_latest(w.engine.first_tier) == "step-1"
     assert bit_equal(exp1, load(cfg, sd1, "step-1"))
 
-    monkeypatch.undo()
-    assert type(w.engine.local) is LocalTier
+    w.engine.chain[0] = tier.orig
+    assert type(w.engine.first_tier) is LocalTier
     sd3 = {"model": model.state_dict()}
     exp3 = clone(sd3)
     dcp.save(sd3, checkpoint_id="step-3", storage_writer=w)
@@ -541,10 +542,10 @@ def test_failed_checkpoint_never_writes_into_another_file(make_cfg, monkeypatch)
     w = TieredWriter(cfg)
     c = w.engine.chunk_size
     sizes = ((4 * c // 4 + 100,),)  # one float32 tensor of a little over 4 chunks: 5 chunks
-    orig = w.engine.local
+    orig = w.engine.first_tier
 
     t2 = _TestTier(orig.root, fsync=orig.fsync, hold_offset=0, fail_offset=c)
-    monkeypatch.setattr(w.engine, "local", t2)
+    w.engine.chain[0] = t2
     dcp.save(state(30, sizes), checkpoint_id="step-2", storage_writer=w)
     assert t2.holding.wait(30)
     err = next_error(w)
@@ -554,7 +555,7 @@ def test_failed_checkpoint_never_writes_into_another_file(make_cfg, monkeypatch)
     exp3 = clone(sd3)
     last = (sd3["t0"].numel() * 4 - 1) // c * c
     t3 = _TestTier(orig.root, fsync=orig.fsync, hold_offset=last)
-    monkeypatch.setattr(w.engine, "local", t3)
+    w.engine.chain[0] = t3
     try:
         dcp.save(sd3, checkpoint_id="step-3", storage_writer=w)
         assert t3.holding.wait(30)

@@ -31,7 +31,7 @@ from tierckpt import lease as leases
 from tierckpt.catalog import find_latest, list_checkpoints, resolve_latest
 from tierckpt.config import JobConfig
 from tierckpt.layout import data_key, metadata_key
-from tierckpt.pipeline import close_all
+from tierckpt.engine import close_all
 from tierckpt.retention import enforce, plan_retention
 from tierckpt.tiers.local import LocalTier, drain_deletions
 
@@ -237,7 +237,7 @@ def test_save_does_not_commit_a_vanished_file(tmp_path):
     eng._check_file = vanish_then_check
     try:
         dcp.save(state(2), checkpoint_id="step-2", storage_writer=w, no_dist=True)
-        with pytest.raises(tierckpt.CaptureError, match="vanished"):
+        with pytest.raises(tierckpt.CommitError, match="vanished"):
             w.wait()
     finally:
         eng._check_file = real

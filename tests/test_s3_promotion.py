@@ -197,7 +197,7 @@ def watch_s3_commits(writer: TieredWriter, client, bucket: str) -> dict[str, dic
     """Observe the engine's S3 tier: at the moment each ``ID/metadata.json`` is put, record
     whether it was absent and whether every data file it names was already complete on the server
     (checked with a direct client). The real put then runs unchanged."""
-    tier = writer.engine.s3_tier()
+    tier = writer.engine.tier("s3")
     seen: dict[str, dict] = {}
     real_put = tier.put
 
@@ -231,8 +231,9 @@ def writers() -> Any:
             w.engine.close()
         except TierckptError:
             pass
-        if w.engine.s3 is not None:
-            w.engine.s3.close()
+        for t in w.engine.chain.built():
+            if t.name == "s3":
+                t.close()
 
 
 def new_writer(cfg, writers: list) -> TieredWriter:
@@ -341,7 +342,7 @@ def test_outage_during_promotion(moto_endpoint, s3cfg, tmp_path, writers, caplog
 
         # The outage starts right after the first part of step-1 reached the server, so that a
         # multipart upload with parts is left behind (its abort fails too).
-        tier = w.engine.s3_tier()
+        tier = w.engine.tier("s3")
         real_upload_part = tier._upload_part
 
         def upload_part_then_outage(*a, **kw):
@@ -409,7 +410,7 @@ def test_outage_right_after_s3_commit_does_not_fail_the_promotion(moto_endpoint,
         s3 = s3cfg(moto_endpoint, endpoint_url=proxy.url)
         cfg = make_cfg(tmp_path, s3, max_attempts=1, connect_timeout=1.0, read_timeout=5.0)
         w = new_writer(cfg, writers)
-        tier = w.engine.s3_tier()
+        tier = w.engine.tier("s3")
         real_put = tier.put
 
         def put_then_outage(key: str, data: bytes, *, if_absent: bool = False) -> None:
@@ -547,23 +548,22 @@ def test_local_retention_done_when_wait_returns(moto_endpoint, s3cfg, tmp_path, 
     s3 = s3cfg(moto_endpoint)
     cfg = make_cfg(tmp_path, s3, local_keep=1)
     w = new_writer(cfg, writers)
-    tier = w.engine.s3_tier()
-    real_upload = tier.upload_file
+    tier = w.engine.tier("s3")
+    real_copy = tier.copy_from
 
-    def slow_step1_upload(key: str, path: str, **kw: Any) -> None:
+    def slow_step1_copy(src: Any, key: str) -> int:
         if "/step-1/" in key:
             time.sleep(0.5)
-        real_upload(key, path, **kw)
+        return real_copy(src, key)
 
-    tier.upload_file = slow_step1_upload  # type: ignore[method-assign]
-    promoter = w.engine.promoter
-    real_retention = promoter._local_retention
+    tier.copy_from = slow_step1_copy  # type: ignore[method-assign]
+    real_retention = w.engine.retain_first_tier
 
     def slow_retention(job: Any) -> None:
         time.sleep(0.5)
         real_retention(job)
 
-    promoter._local_retention = slow_retention
+    w.engine.retain_first_tier = slow_retention  # type: ignore[method-assign]
     save(w, state(1, big_mib=0), "step-1")
     save(w, state(2, big_mib=0), "step-2")
     w.wait()

@@ -2,15 +2,18 @@
 
 Public surface::
 
-    from tierckpt import TieredWriter, TieredReader, TierConfig, load_config
+    from tierckpt import TieredWriter, TieredReader, Config, load_config
     dcp.save(state_dict, checkpoint_id="step-100", storage_writer=TieredWriter(cfg))
     dcp.load(state_dict, checkpoint_id="latest", storage_reader=TieredReader(cfg))
 """
 
-from .config import HostConfig, JobConfig, LocalConfig, S3Config, TierConfig, load_config, parse_size
+from .config import Config, HostConfig, JobConfig, LocalConfig, S3Config, TierConfig, load_config, parse_size
 from .errors import (
     CaptureError,
     CheckpointNotFound,
+    CommitError,
+    ReplicationError,
+    SaveError,
     ChecksumMismatch,
     CommitConflict,
     ConfigError,
@@ -20,7 +23,7 @@ from .errors import (
     TierUnavailable,
     TornCaptureError,
 )
-from .pipeline import SaveStats
+from .save import SaveStats
 from .reader import TieredReader
 from .writer import TieredWriter
 
@@ -29,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TieredWriter",
     "TieredReader",
+    "Config",
     "TierConfig",
     "HostConfig",
     "LocalConfig",
@@ -43,7 +47,10 @@ __all__ = [
     "CorruptCheckpoint",
     "ChecksumMismatch",
     "CommitConflict",
+    "SaveError",
     "CaptureError",
+    "CommitError",
+    "ReplicationError",
     "TornCaptureError",
     "TierError",
     "TierUnavailable",

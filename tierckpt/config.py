@@ -1,9 +1,13 @@
-"""The tier configuration: one dataclass per tier, loaded from TOML and validated.
+"""The job's configuration: one dataclass per section, loaded from TOML and validated.
 
 ``load_config(path)`` reads a TOML file (``tomllib``); ``load_config()`` with no argument reads
 the file named by the ``TIERCKPT_CONFIG`` environment variable. Every problem raises
 :class:`~tierckpt.errors.ConfigError` with a one-line message naming the file, the section and
-the key. The same validation runs when a :class:`TierConfig` is built in Python.
+the key. The same validation runs when a :class:`Config` is built in Python.
+
+The tier sections (``[local]``, ``[s3]``, and any section a tier module registers with
+:func:`register_section`) describe the chain; which sections are tiers, and in which order, is
+decided by the tier registry (:mod:`tierckpt.tiers`).
 
 Sizes accept integers (bytes) or strings such as ``"512MiB"``, ``"8GiB"``, ``"64MB"``.
 """
@@ -30,8 +34,10 @@ __all__ = [
     "LocalConfig",
     "S3Config",
     "JobConfig",
+    "Config",
     "TierConfig",
     "load_config",
+    "register_section",
     "parse_size",
     "check_endpoint_url",
     "node_name",
@@ -333,8 +339,9 @@ class JobConfig:
 
 
 @dataclass
-class TierConfig:
-    """The whole configuration: ``[job]``, ``[host]``, and at least one of ``[local]`` and ``[s3]``.
+class Config:
+    """The whole configuration: ``[job]``, ``[host]``, and at least one tier section (``[local]``,
+    ``[s3]``, or one registered by a tier module, kept in ``sections``).
 
     ``source`` names the file it came from (for messages); it is empty when built in Python.
     """
@@ -344,30 +351,59 @@ class TierConfig:
     s3: S3Config | None = None
     job: JobConfig = field(default_factory=JobConfig)
     source: str = ""
+    sections: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
 
+    def section(self, name: str) -> Any:
+        """The section ``name`` (``"local"``, ``"s3"`` or a registered one), or None if absent."""
+        if name in _BUILTIN:
+            return getattr(self, name)
+        return self.sections.get(name)
+
     def validate(self) -> None:
         pre = f"{self.source}: " if self.source else ""
-        if self.local is None and self.s3 is None:
-            raise ConfigError(f"{pre}at least one of the sections [local] and [s3] is required")
+        for name in self.sections:
+            if name in _BUILTIN or name not in _SECTIONS:
+                raise ConfigError(f"{pre}sections: [{_nm(name)}] is not a registered section")
+        if self.local is None and self.s3 is None and not self.sections:
+            raise ConfigError(f"{pre}at least one tier section ({', '.join(_tier_sections())}) is required")
         try:
-            for name, section in (("host", self.host), ("job", self.job), ("local", self.local), ("s3", self.s3)):
-                if section is not None:
-                    _coerce_section(name, section)
-            self.host.validate()
-            self.job.validate()
-            if self.local is not None:
-                self.local.validate()
-            if self.s3 is not None:
-                self.s3.validate()
+            present = [(n, sec) for n, sec in (("host", self.host), ("job", self.job), ("local", self.local),
+                                                ("s3", self.s3), *self.sections.items()) if sec is not None]
+            for name, section in present:
+                _coerce_section(name, section)
+            for _name, section in present:
+                section.validate()
         except ConfigError as e:
             raise ConfigError(f"{pre}{e}") from None
 
 
+TierConfig = Config
+"""The former name of :class:`Config` (it always was the whole configuration, not one tier's)."""
+
 _SECTIONS: dict[str, type] = {"host": HostConfig, "local": LocalConfig, "s3": S3Config, "job": JobConfig}
+_BUILTIN = frozenset(_SECTIONS)
+_REQUIRED: dict[str, list[str]] = {"local": ["path"], "s3": ["bucket"]}
 _SIZE_KEYS = {("host", "buffer_size"), ("host", "chunk_size"), ("s3", "part_size")}
+
+
+def register_section(name: str, cls: type, *, required: tuple[str, ...] = (), sizes: tuple[str, ...] = ()) -> None:
+    """Accept ``[name]`` in configuration files, parsed into the dataclass ``cls`` (which has a
+    ``validate()`` raising :class:`ConfigError`) and kept in :attr:`Config.sections`. Called by a tier
+    module when it registers its tier (:func:`tierckpt.tiers.register_tier`); ``required`` keys must
+    be given, ``sizes`` keys accept sizes like ``"64MiB"``. Registering the same name twice with the
+    same class is a no-op."""
+    if name in _BUILTIN or (name in _SECTIONS and _SECTIONS[name] is not cls):
+        raise ConfigError(f"section [{_nm(name)}] is already defined")
+    _SECTIONS[name] = cls
+    _REQUIRED[name] = list(required)
+    _SIZE_KEYS.update((name, k) for k in sizes)
+
+
+def _tier_sections() -> list[str]:
+    return [f"[{n}]" for n in _SECTIONS if n not in ("host", "job")]
 
 
 def _brief(value: Any) -> str:
@@ -426,8 +462,8 @@ def _nm(name: Any) -> str:
     return name if isinstance(name, str) and _PLAIN.match(name) else repr(name)
 
 
-def config_from_dict(data: Mapping[str, Any], source: str = "") -> TierConfig:
-    """Build and validate a :class:`TierConfig` from parsed TOML (``source`` names the file)."""
+def config_from_dict(data: Mapping[str, Any], source: str = "") -> Config:
+    """Build and validate a :class:`Config` from parsed TOML (``source`` names the file)."""
     pre = f"{source}: " if source else ""
     sections: dict[str, Any] = {}
     for name, body in data.items():
@@ -443,21 +479,22 @@ def config_from_dict(data: Mapping[str, Any], source: str = "") -> TierConfig:
             if key not in fields:
                 raise ConfigError(f"{where}: unknown key (known: {', '.join(fields)})")
             kwargs[key] = _coerce(name, key, value, str(fields[key].type), where)
-        for req in {"local": ["path"], "s3": ["bucket"]}.get(name, []):
+        for req in _REQUIRED.get(name, []):
             if req not in kwargs:
                 raise ConfigError(f"{pre}[{name}] {req}: missing required key")
         sections[name] = cls(**kwargs)
-    return TierConfig(
+    return Config(
         host=sections.get("host", HostConfig()),
         local=sections.get("local"),
         s3=sections.get("s3"),
         job=sections.get("job", JobConfig()),
         source=source,
+        sections={n: v for n, v in sections.items() if n not in _BUILTIN},
     )
 
 
-def load_config(path: str | os.PathLike | None = None) -> TierConfig:
-    """Load and validate the tier configuration file at ``path`` (or ``$TIERCKPT_CONFIG``)."""
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    """Load and validate the configuration file at ``path`` (or ``$TIERCKPT_CONFIG``)."""
     if path is None:
         path = os.environ.get(CONFIG_ENV)
         if not path:

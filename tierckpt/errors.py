@@ -15,8 +15,11 @@ __all__ = [
     "CorruptCheckpoint",
     "ChecksumMismatch",
     "CommitConflict",
+    "SaveError",
     "CaptureError",
     "TornCaptureError",
+    "CommitError",
+    "ReplicationError",
     "TierError",
     "TierUnavailable",
     "TierAccessDenied",
@@ -47,12 +50,26 @@ class CommitConflict(TierckptError, FileExistsError):
     """Another writer already committed (or is committing) the same checkpoint id."""
 
 
-class CaptureError(TierckptError, RuntimeError):
-    """The background capture, flush, commit or promotion of a checkpoint failed."""
+class SaveError(TierckptError, RuntimeError):
+    """A checkpoint's background save failed; the subclass names the stage."""
+
+
+class CaptureError(SaveError):
+    """Capturing a checkpoint into host memory, or flushing it to the first tier, failed."""
 
 
 class TornCaptureError(CaptureError):
     """A tensor was modified in place while its copy to host memory was still pending."""
+
+
+class CommitError(SaveError):
+    """A checkpoint could not be committed on a tier: a rank failed, died or timed out in the commit
+    protocol, its data file vanished before the commit, or the metadata could not be written."""
+
+
+class ReplicationError(SaveError):
+    """Copying a committed checkpoint down the chain (local to S3, ...) or committing it there failed.
+    The checkpoint stays committed on the tiers it reached."""
 
 
 class TierError(TierckptError, OSError):

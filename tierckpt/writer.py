@@ -55,9 +55,11 @@ from . import plancache
 from .catalog import is_committed
 from .commit import default_channel
 from .config import TierConfig, load_config
+from .tiers.base import Tier
 from .errors import CommitConflict, CorruptCheckpoint, TierckptError
 from .layout import check_checkpoint_id, rank_file, step_of
-from .pipeline import Engine, RankAssign, RankSave, SaveStats, get_engine
+from .engine import Engine, get_engine
+from .save import RankAssign, RankSave, SaveStats
 from .planning import SaveInputs, expand_results, layout_cache, patch_dtypes
 
 __all__ = ["TieredWriter"]
@@ -342,13 +344,16 @@ class TieredWriter(StorageWriter):
         self.checkpoint_id: str | None = None
         self._rank = 0
         self._distributed = False
-        self._root = str(self.engine.local.root.resolve()) if self.engine.local is not None else ""
+        first = self.engine.first_tier
+        # A first tier listed cheaply (a local disk) is checked by every rank and holds the plan cache.
+        self._local: Tier | None = first if first.cheap_listing else None
+        self._root = self._local.root_id() if self._local is not None else ""
         self._layouts = layout_cache(self.engine.chunk_size)
         self._persister: plancache.Persister | None = None
-        if self.engine.local is not None and plancache.dcp_caches() is not None:
-            self._persister = _persister(self.engine.local)
+        if self._local is not None and plancache.dcp_caches() is not None:
+            self._persister = _persister(self._local)
             if not plancache.status().attempted:  # a restarted job: read the plans this rank persisted
-                plancache.preload(self.engine.local, _global_rank())
+                plancache.preload(self._local, _global_rank())
         # Per DCP call sequence: dcp.async_save runs each save on its own thread, and two may
         # overlap on one writer, so the save in progress is tracked per thread.
         self._tls = threading.local()
@@ -391,7 +396,7 @@ class TieredWriter(StorageWriter):
         """First save of the process: put the plans persisted by the previous run of the job into
         DCP's plan cache if every rank agrees (see :mod:`tierckpt.plancache`)."""
         st = plancache.seed(
-            self.engine.local if self._persister is not None else None,
+            self._local if self._persister is not None else None,
             default_channel(True) if self._distributed else None,
             distributed=self._distributed, is_coordinator=is_coordinator, global_rank=_global_rank(),
             world=dist.get_world_size() if self._distributed else 1,
@@ -416,8 +421,8 @@ class TieredWriter(StorageWriter):
         # must get a fresh id, never the previous one.
         requested, ctx.requested = ctx.requested, None
         committed = False
-        if self.engine.local is not None and requested is not None:
-            committed = is_committed(self.engine.local, requested)
+        if self._local is not None and requested is not None:
+            committed = is_committed(self._local, requested)
         seq, channel = _session.next_seq()
         info = ctx.info = _LocalInfo(self._root, requested, committed, seq, _global_rank())
         if channel is not None and self._distributed and not ctx.is_coordinator:
@@ -478,8 +483,9 @@ class TieredWriter(StorageWriter):
             if i.committed_here:
                 raise CommitConflict(f"checkpoint {cid} is already committed at {i.root} (rank {r}); "
                                      "use a new checkpoint_id (ids are never overwritten)")
-        if self.engine.local is None and self.engine.cfg.s3 is not None and is_committed(self.engine.s3_tier(), cid):
-            raise CommitConflict(f"checkpoint {cid} is already committed at {self.engine.s3_tier().url}")
+        first = self.engine.first_tier
+        if self._local is None and is_committed(first, cid):
+            raise CommitConflict(f"checkpoint {cid} is already committed at {first.url}")
         token = uuid.uuid4().hex
         with _session.lock:
             if _session.channel is None:

@@ -143,6 +143,53 @@ class Tier(abc.ABC):
             sink.abort()
             raise
 
+    def copy_from(self, src: "Tier", key: str) -> int:
+        """Copy object ``key`` from ``src`` to this tier under the same key (replication down the
+        chain); return its size. Nothing is visible under ``key`` here until the copy is complete.
+
+        The default reads ``src`` in ``self.read_range`` pieces (a multipart part on object
+        stores, so each write is uploaded straight from the buffer), ``self.read_concurrency`` at
+        a time, each thread reusing one buffer, and writes them through :meth:`open_sink`; on any
+        failure the sink is aborted. Tiers with a server-side copy may override it.
+        """
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        size = src.size(key)
+        piece = max(1 << 20, int(self.read_range))
+        n = -(-size // piece)
+        sink = self.open_sink(key, size)
+        bufs = threading.local()
+        stop = threading.Event()
+
+        def one(i: int) -> None:
+            if stop.is_set():
+                return
+            off = i * piece
+            ln = min(piece, size - off)
+            buf = getattr(bufs, "b", None)
+            if buf is None or len(buf) < ln:
+                buf = bufs.b = bytearray(max(ln, min(piece, size)))
+            view = memoryview(buf)[:ln]
+            src.read_into(key, off, view)
+            sink.write_at(off, view)
+
+        try:
+            if n:
+                with ThreadPoolExecutor(max(1, min(int(self.read_concurrency), n)), thread_name_prefix="tierckpt-copy") as pool:
+                    futures = [pool.submit(one, i) for i in range(n)]
+                    try:
+                        for f in futures:
+                            f.result()
+                    except BaseException:
+                        stop.set()
+                        raise
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        return size
+
     # -- reads ----------------------------------------------------------------------------
     @abc.abstractmethod
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
@@ -225,6 +272,15 @@ class Tier(abc.ABC):
             self.delete(info.key)
             n += 1
         return n
+
+    def root_id(self) -> str:
+        """What identifies this tier's root across processes (ranks writing to the same root
+        elect one metadata writer). The default is :attr:`url`."""
+        return self.url
+
+    def settle(self) -> None:
+        """Wait for work this tier deferred to the background (deletions moved out of the way and
+        removed later). The default has none."""
 
     def close(self) -> None:
         """Release clients, pools and handles. The tier may not be used afterwards."""

@@ -379,6 +379,12 @@ class LocalTier(Tier):
             _unlink_quietly(tmp)
             raise _tier_error(e, f"cannot write {final}") from e
 
+    def settle(self) -> None:
+        drain_deletions()
+
+    def root_id(self) -> str:
+        return str(self.root.resolve())
+
     def free_bytes(self) -> int | None:
         import shutil
 
@@ -735,5 +741,8 @@ _janitor = _Janitor()
 
 
 def drain_deletions(timeout: float = 600.0) -> None:
-    """Block until directories deleted by :meth:`LocalTier.delete_prefix` are really gone."""
-    _janitor.drain(timeout)
+    """Block until directories deleted by :meth:`LocalTier.delete_prefix` are really gone (a no-op
+    once the interpreter is tearing this module down)."""
+    janitor = globals().get("_janitor")
+    if janitor is not None:
+        janitor.drain(timeout)

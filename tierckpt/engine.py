@@ -1,0 +1,594 @@
+"""One checkpoint's life on one rank: capture -> flush -> commit -> replication down the chain.
+
+The :class:`Engine` is process-wide per configuration (so a fresh ``TieredWriter`` per
+``dcp.save`` reuses the same pool and threads); :func:`get_engine` finds it, and
+``Engine(cfg, tiers=[...])`` + :func:`register_engine` is the seam through which tests and the
+chaos harness give it their own tiers. It owns:
+
+* the tier chain (:class:`tierckpt.tiers.Chain`, fastest first; each tier built on first use),
+* the host pool (:mod:`tierckpt.capture.pool`),
+* one *capture* thread: takes a pool slot per chunk (blocking when the pool is full), issues the
+  chunk's copies (CUDA side stream, or a plain copy on CPU), hands the chunk to the flush pool;
+* *flush* threads (the first tier's ``read_concurrency``: ``[local] flush_threads``, or ``[s3]
+  concurrency`` in direct mode): wait for the chunk to land, checksum its pieces, write it at its
+  planned offset, release the slot; the last chunk closes (fsyncs) the file;
+* one *commit* thread: runs the commit protocol (:mod:`tierckpt.commit`) on the first tier for each
+  checkpoint in order, then its retention, then hands it to the first hop;
+* one :class:`~tierckpt.replicate.Replicator` per later tier (its own thread), in chain order.
+
+Futures per checkpoint (:class:`~tierckpt.save.RankSave`): ``captured`` (safe to mutate state),
+``durable`` (this rank's file is on the first tier), ``committed`` (metadata written there),
+``replicated`` (committed on every tier of the chain). A failure sets the exception on every
+future not yet done, is logged at ERROR at once, and is raised by the next
+``wait``/``wait_captured`` call (once).
+
+Threads here never call collectives; cross-rank agreement goes through a :class:`Channel`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import google_crc32c
+import torch
+
+from . import lease as leases
+from .capture.copier import Copier, Piece
+from .capture.pool import HostPool, get_pool
+from .catalog import max_seq
+from .commit import Channel, Round, default_channel, run_commit
+from .config import Config
+from .errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError, TornCaptureError
+from .layout import data_key, metadata_key
+from .replicate import Replicator, lower_priority
+from .retention import enforce
+from .save import RankAssign, RankSave, SaveStats, build_metadata
+from .tiers import Chain
+from .tiers.base import Tier
+
+__all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine", "register_engine", "close_all"]
+
+log = logging.getLogger("tierckpt")
+
+
+class Engine:
+    """Process-wide pipeline for one configuration. Obtain it with :func:`get_engine`."""
+
+    def __init__(self, cfg: Config, tiers: list[Tier] | None = None) -> None:
+        """``tiers``: the chain to use instead of the one ``cfg`` describes (fastest first)."""
+        self.cfg = cfg
+        self.chunk_size = cfg.host.effective_chunk_size
+        self._pool: HostPool | None = None
+        self.chain = Chain(cfg, tiers)
+        self.copier = Copier()
+        self._capture_q: queue.Queue[RankSave | None] = queue.Queue()
+        self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
+        self._flush_workers: _Workers | None = None
+        self._jobs: list[RankSave] = []
+        self._jobs_lock = threading.Lock()
+        self._errors: list[tuple[Any, BaseException]] = []  # (owner weakref or None, error)
+        self.history: list[SaveStats] = []
+        self._seq_floor: int | None = None  # highest commit seq seen on the tiers (see _floor)
+        self._seq_lock = threading.Lock()
+        self._closed = False
+        if cfg.job.log_level:
+            logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
+        self._capture_thread = threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
+        self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
+        self._capture_thread.start()
+        self._commit_thread.start()
+        chain = self.chain
+        self.hops = [Replicator(self, lambda: chain[0], lambda i=i: chain[i], i, chain.names[i]) for i in range(1, len(chain))]
+
+    @property
+    def pool(self) -> HostPool:
+        """The host pool, allocated on the first save (readers and tools never allocate it)."""
+        if self._pool is None:
+            self._pool = get_pool(self.cfg.host.buffer_size, self.chunk_size, self.cfg.host.pinned)
+        return self._pool
+
+    # -- tiers ----------------------------------------------------------------------------
+    @property
+    def first_tier(self) -> Tier:
+        """Where captured chunks are flushed and checkpoints first committed (the chain's first)."""
+        return self.chain.first
+
+    def tier(self, name: str) -> Tier:
+        """The chain's tier configured by section ``name`` (tools and tests)."""
+        return self.chain.named(name)
+
+    @property
+    def _flush(self) -> "_Workers":
+        """The flush threads, started on the first save (their number is the first tier's)."""
+        if self._flush_workers is None:
+            self._flush_workers = _Workers(self.first_tier.read_concurrency, "tierckpt-flush", self.cfg.job.background_nice)
+        return self._flush_workers
+
+    # -- submission (training thread) -----------------------------------------------------
+    def submit(self, job: RankSave) -> None:
+        """Queue a checkpoint for capture. Returns at once (the copies are only enqueued)."""
+        if self._closed:
+            raise TierckptError("the tierckpt engine is closed")
+        job.ready_events = Copier.record_ready(job.sources)
+        with self._jobs_lock:
+            self._jobs.append(job)
+        self.history.append(job.stats)
+        self._capture_q.put(job)
+        self._commit_q.put(job)
+
+    def in_flight_ids(self) -> set[str]:
+        with self._jobs_lock:
+            return {j.id for j in self._jobs}
+
+    # -- capture --------------------------------------------------------------------------
+    def _capture_loop(self) -> None:
+        try:
+            self.pool  # noqa: B018 - allocate and touch the pool now, not during the first save
+        except Exception as e:  # noqa: BLE001 - the first save reports it
+            log.warning("host pool allocation failed: %s", e)
+        while True:
+            job = self._capture_q.get()
+            if job is None:
+                return
+            try:
+                self._capture(job)
+            except BaseException as e:  # noqa: BLE001 - every failure must reach the user
+                self.fail(job, e, "capture")
+
+    def _capture(self, job: RankSave) -> None:
+        """Capture thread: plan, open the sink, copy chunk by chunk into pool slots (blocking on
+        a free slot), hand each chunk to the flush workers. CPU time goes to ``job.stats``."""
+        c0 = time.thread_time()
+        job.plan()
+        c1 = time.thread_time()
+        job.stats.add_cpu(plan_cpu_s=c1 - c0)
+        try:
+            self._capture_chunks(job)
+        finally:
+            job.stats.add_cpu(capture_cpu_s=time.thread_time() - c1)
+
+    def _capture_chunks(self, job: RankSave) -> None:
+        tier = self.first_tier
+        if job.size:
+            # The lease comes before the first file: a deletion that listed the checkpoint before
+            # the file existed leaves the file alone, one that lists it after sees the lease.
+            job.lease = leases.acquire(tier, job.id, kind="save", purpose=f"save by rank {job.assign.rank}",
+                                       require_committed=False, check_tombs=False)
+            job.sink = tier.open_sink(data_key(job.id, job.assign.file), job.size)
+        if not job.chunks:
+            self._capture_done(job)
+            self._durable(job)
+            return
+        for k, pieces in enumerate(job.chunks):
+            slot = self.pool.acquire(should_stop=lambda: job.failed)
+            if slot is None:
+                return
+            if job.failed:
+                self.pool.release(slot)
+                return
+            try:
+                n = job.chunk_len(k)
+                view = self.pool.slot(slot, n)
+                _zero_gaps(view, pieces)
+                events = self.copier.copy(pieces, view, job.ready_events)
+            except BaseException:
+                self.pool.release(slot)
+                raise
+            if not events and job.landed():
+                self._capture_done(job)
+            self._flush.submit(self._flush_chunk, job, k, slot, events)
+
+    def _capture_done(self, job: RankSave) -> None:
+        try:
+            job.check_versions()
+        except TornCaptureError as e:
+            self.fail(job, e, "capture")
+            return
+        job.t_captured = time.perf_counter()
+        job.stats.capture_s = job.t_captured - job.t_start
+        for s in job.sources:  # drop references to live state: the copies have landed
+            s.tensor = s.guard = s._flat = None
+            s.data = None
+        if not job.captured.done():
+            job.captured.set_result(None)
+
+    # -- flush ----------------------------------------------------------------------------
+    def _flush_chunk(self, job: RankSave, k: int, slot: int, events: list) -> None:
+        """Flush worker: wait for chunk ``k`` to land, CRC32C its pieces, write it at its offset
+        (direct I/O from the slot where the tier allows it), release the slot; the last chunk
+        closes (fsyncs) the file. CPU time goes to ``job.stats`` (``crc_cpu_s``/``write_cpu_s``)."""
+        c0 = time.thread_time()
+        crc = 0.0
+        try:
+            if events:
+                for ev in events:
+                    ev.synchronize()
+                if job.landed():
+                    self._capture_done(job)
+            if job.failed:
+                return
+            n = job.chunk_len(k)
+            view = self.pool.slot(slot, n)
+            arr = view.numpy()
+            c1 = time.thread_time()
+            crcs = job.crcs
+            for item, j, off, n in job.crc_pieces[k]:
+                crcs[item][j] = google_crc32c.value(arr[off : off + n])
+            crc = time.thread_time() - c1
+            assert job.sink is not None
+            job.sink.write_at(k * self.chunk_size, memoryview(arr))
+        except BaseException as e:  # noqa: BLE001
+            self.fail(job, e, "flush")
+            return
+        finally:
+            self.pool.release(slot)
+            job.stats.add_cpu(crc_cpu_s=crc, write_cpu_s=time.thread_time() - c0 - crc)
+        if job.flushed():
+            c0 = time.thread_time()
+            try:
+                job.sink.close()
+                self._durable(job)
+            except BaseException as e:  # noqa: BLE001
+                self.fail(job, e, "flush")
+            finally:
+                job.stats.add_cpu(write_cpu_s=time.thread_time() - c0)
+
+    def _durable(self, job: RankSave) -> None:
+        if job.failed:
+            return
+        job.t_durable = time.perf_counter()
+        job.stats.flush_s = job.t_durable - job.t_start
+        if not job.durable.done():
+            job.durable.set_result(None)
+
+    # -- commit ---------------------------------------------------------------------------
+    def channel(self, job: RankSave) -> Channel:
+        """The rendezvous of ``job``'s ranks: the process group's store, or in-process."""
+        return default_channel(job.assign.distributed)
+
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._commit_q.get()
+            if job is None:
+                return
+            try:
+                self._commit(job)
+                job.stats.commit_s = time.perf_counter() - job.t_durable
+                if not job.committed.done():
+                    job.committed.set_result(None)
+                log.info("checkpoint %s committed on %s (rank %d, %d bytes, capture %.3fs, flush %.3fs)",
+                         job.id, self.first_tier.name, job.assign.rank, job.size,
+                         job.stats.capture_s or 0.0, job.stats.flush_s or 0.0)
+            except BaseException as e:  # noqa: BLE001
+                self.fail(job, e, "commit")
+            if self.hops and not job.failed:
+                self.hops[0].submit(job)
+            else:
+                self._settle(job)
+
+    def _commit(self, job: RankSave) -> None:
+        """Run the commit protocol for ``job`` on the first tier (see :mod:`tierckpt.commit`).
+
+        Each rank reports only after checking that its data file is still there, whole; the
+        coordinator numbers the checkpoint (``seq``: one more than any rank has seen on its tiers)
+        and merges the metadata; the metadata writer of each root writes it last.
+        """
+        a = job.assign
+        tier = self.first_tier
+        timeout = self.cfg.job.commit_timeout
+        rnd = Round(self.channel(job), a.token, f"0-{tier.name}", a.rank, a.world, timeout,
+                    f"checkpoint {a.checkpoint_id}")
+
+        def work() -> dict:
+            job.durable.result(timeout=None)
+            self._check_file(job)
+            return {"size": job.size, "crcs": job.crcs, "seq": self._floor(a.rank)}
+
+        def merge(reports: list[dict]) -> bytes:
+            md, results = job.global_md.result(timeout=timeout)
+            seq = 1 + max(int(r.get("seq", 0)) for r in reports)
+            return build_metadata(md, results, reports, job, self.chunk_size, seq)
+
+        def reported() -> None:
+            job.reported_ok = True
+
+        job.metadata_json = run_commit(rnd, tier, metadata_key(a.checkpoint_id), work=work, writer=a.meta_writer_rank,
+                                       merge=merge, on_reported=reported)
+        self._note_seq(job.seq)
+        job.release_lease()
+        if a.meta_writer_rank == a.rank:
+            self.retain_first_tier(job)
+
+    def _check_file(self, job: RankSave) -> None:
+        """A save never commits a file it cannot still see: this rank's data file must be on the
+        first tier with its planned size (a deletion elsewhere may have raced the save)."""
+        if not job.size:
+            return
+        key = data_key(job.id, job.assign.file)
+        try:
+            size = self.first_tier.size(key)
+        except CheckpointNotFound:
+            raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
+                              "vanished before the commit (deleted by another process?)") from None
+        if size != job.size:
+            raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
+                              f"has {size} bytes, {job.size} were written")
+
+    def _floor(self, rank: int) -> int:
+        """The highest commit seq this rank can see: its first tier (when listing it is cheap) and,
+        on rank 0, every other configured tier; listed once per engine, then tracked."""
+        with self._seq_lock:
+            if self._seq_floor is None:
+                floor = 0
+                tiers = [self.first_tier] if self.first_tier.cheap_listing else []
+                if rank == 0:
+                    tiers = [self.chain[i] for i in range(len(self.chain))]
+                for t in tiers:
+                    try:
+                        floor = max(floor, max_seq(t))
+                    except TierckptError as e:
+                        log.warning("cannot read the commit order on %s (numbering from what is known): %s", t.url, e)
+                self._seq_floor = floor
+            return self._seq_floor
+
+    def _note_seq(self, seq: int) -> None:
+        with self._seq_lock:
+            self._seq_floor = max(self._seq_floor or 0, seq)
+
+    def retain_first_tier(self, job: RankSave) -> None:
+        """Retention on the first tier after ``job`` committed there (its metadata writer only;
+        called by the commit thread, and again after each hop).
+
+        Best effort: a failure is logged and never fails the committed checkpoint; the next
+        commit retries. Checkpoints still owed to a later tier are protected (and nothing is
+        deleted before every hop has looked for a backlog left by an earlier run).
+        """
+        if job.assign.meta_writer_rank != job.assign.rank:
+            return
+        tier = self.first_tier
+        try:
+            owed: set[str] = set()
+            for hop in self.hops:
+                if not hop.settled:
+                    log.debug("retention on %s after %s waits for the backlog check of %s", tier.url, job.id, hop.name)
+                    return
+                owed |= hop.owed()
+            self.retain(tier, {job.id}, owed=owed, need_bytes=2 * job.size)
+        except Exception as e:  # noqa: BLE001 - see docstring
+            log.warning("retention after committing %s failed (will retry after the next commit): %s", job.id, e)
+
+    def retain(self, tier: Tier, protect: set[str], *, owed: set[str] | frozenset[str] = frozenset(),
+               need_bytes: int = 0) -> None:
+        """``tier``'s retention (its ``keep``/``keep_every``) now, sparing ``protect``, saves in flight
+        and (unless the disk would fill) ``owed``; then abort the tier's stale partial uploads."""
+        enforce(tier, tier.keep, tier.keep_every, self.in_flight_ids() | protect, owed=owed, need_bytes=need_bytes)
+        aborted = tier.abort_stale(self.cfg.job.commit_timeout)
+        if aborted:
+            log.info("aborted %d stale multipart uploads on %s", aborted, tier.url)
+
+    def hop_done(self, hop: Replicator, job: RankSave) -> None:
+        """A hop thread is done with ``job``: retention on the first tier (it may have waited for
+        this copy), then the next hop, or the job is settled."""
+        if self.first_tier.cheap_listing or job.assign.rank == 0:
+            self.retain_first_tier(job)  # committed on the first tier, even if this hop failed
+        i = self.hops.index(hop)
+        if i + 1 < len(self.hops):
+            self.hops[i + 1].submit(job)
+        else:
+            self._settle(job)
+
+    def _settle(self, job: RankSave) -> None:
+        # Settled after retention, so that wait() returning means retention on every tier ran;
+        # retired last, so that a wait() in between still finds the job.
+        if not job.failed and not job.replicated.done():
+            job.replicated.set_result(None)
+        with self._jobs_lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+
+    def fail(self, job: RankSave, exc: BaseException, stage: str) -> None:
+        """Fail ``job`` once: the error is queued for the next wait *before* any future is set,
+        so a waiter woken by the future always finds it. ``stage`` (capture, flush, commit,
+        replication to ...) names the error class an unexpected exception is wrapped in."""
+        if not isinstance(exc, TierckptError):
+            cls = CommitError if stage == "commit" else ReplicationError if stage.startswith("replication") else CaptureError
+            wrapped = cls(f"checkpoint {job.id}: rank {job.assign.rank}: {stage} failed: {type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        if not job.claim_failure(exc):
+            return
+        durable = job.durable.done() and job.durable.exception() is None
+        with self._jobs_lock:
+            self._errors.append((job.owner, exc))
+        job.settle_failure()
+        log.error("%s", exc)
+        if durable and job.size and not job.reported_ok:
+            # The data file was complete but the checkpoint can never commit (this rank never
+            # reported it good): remove it. Its name carries this save's token, so no committed
+            # checkpoint's file is touched. After an OK report the coordinator may still commit
+            # it, so the file stays (retention removes it if the checkpoint never commits).
+            try:
+                self.first_tier.delete(data_key(job.id, job.assign.file))
+            except Exception as e:  # noqa: BLE001 - left for retention's partial cleanup
+                log.warning("could not remove the data file of failed checkpoint %s: %s", job.id, e)
+        job.release_lease()
+
+    # -- waiting (training thread) ----------------------------------------------------------
+    def _pending(self) -> list[RankSave]:
+        with self._jobs_lock:
+            return list(self._jobs)
+
+    def raise_errors(self, owner: Any = None) -> None:
+        """Raise the first queued background error that belongs to ``owner`` (a writer).
+
+        An error belongs to the writer whose save failed; errors of writers that no longer
+        exist (``dcp.save(..., storage_writer=TieredWriter(cfg))`` inline) go to whoever waits
+        next. With ``owner=None`` every queued error counts.
+        """
+        with self._jobs_lock:
+            mine = [(o, e) for o, e in self._errors
+                    if owner is None or o is None or o() is None or o() is owner]
+            if not mine:
+                return
+            self._errors = [x for x in self._errors if x not in mine]
+        errs = [e for _o, e in mine]
+        if len(errs) > 1:
+            log.error("%d more background errors before this one: %s", len(errs) - 1, "; ".join(map(str, errs[1:])))
+        raise errs[0]
+
+    def wait_captured(self, raise_errors: bool = True, owner: Any = None) -> float:
+        """Block until every enqueued capture landed; return the seconds spent blocked."""
+        t0 = time.perf_counter()
+        jobs = [j for j in self._pending() if not j.captured.done()]
+        for j in jobs:
+            try:
+                j.captured.result()
+            except BaseException:  # noqa: BLE001 - reported through raise_errors
+                pass
+        waited = time.perf_counter() - t0
+        if jobs:
+            jobs[-1].stats.prestep_wait_s += waited
+        if raise_errors:
+            self.raise_errors(owner)
+        return waited
+
+    def wait(self, timeout: float | None = None, owner: Any = None) -> None:
+        """Block until every checkpoint in flight is committed on every configured tier."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for hop in self.hops:  # a backlog replicated at start is part of "everything done"
+            hop.started.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for j in self._pending():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                j.replicated.result(timeout=left)
+            except TimeoutError:
+                raise CommitError(f"checkpoint {j.id}: not committed on every tier after {timeout} s") from None
+            except BaseException:  # noqa: BLE001 - reported through raise_errors
+                pass
+        for t in self.chain.built():
+            t.settle()  # deferred deletions (retention) are part of "everything done"
+        self.raise_errors(owner)
+
+    def close(self) -> None:
+        """Wait for everything in flight, then stop the threads."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            # Stop in data-flow order: the capture thread may still hand chunks to the flush
+            # workers (a failed checkpoint's last chunks), and each chunk holds a pool slot.
+            self._capture_q.put(None)
+            self._capture_thread.join(timeout=60)
+            if self._flush_workers is not None:
+                self._flush_workers.shutdown()
+            self._commit_q.put(None)
+            for hop in self.hops:
+                hop.close()
+
+
+class _Workers:
+    """A fixed set of daemon threads running submitted calls in FIFO order.
+
+    Unlike ``ThreadPoolExecutor`` it keeps accepting work during interpreter shutdown, so the
+    ``atexit`` handler can still drain checkpoints the user did not wait for.
+    """
+
+    def __init__(self, n: int, name: str, nice: int = 0) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._nice = nice
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._q.put((fn, args))
+                return
+        fn(*args)  # after shutdown: run here, so that the task's slot is still released
+
+    def _run(self) -> None:
+        lower_priority(self._nice)
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, args = item
+            fn(*args)  # callers catch their own errors (see Engine._flush_chunk)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+
+
+def _zero_gaps(view: torch.Tensor, pieces: list[Piece]) -> None:
+    """Zero the alignment padding of a chunk (bytes no piece covers)."""
+    at = 0
+    for p in sorted(pieces, key=lambda p: p.slot_off):
+        if p.slot_off > at:
+            view[at : p.slot_off].zero_()
+        at = max(at, p.slot_off + p.n)
+    if at < len(view):
+        view[at:].zero_()
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _engine_key(cfg: Config) -> str:
+    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, sorted(cfg.sections.items()), os.getpid()))
+
+
+def register_engine(engine: Engine) -> Engine:
+    """Make ``engine`` the one :func:`get_engine` returns for its configuration (the seam through
+    which tests and the chaos harness give writers and readers an ``Engine(cfg, tiers=...)``).
+    A previous engine of that configuration is closed first."""
+    key = _engine_key(engine.cfg)
+    with _engines_lock:
+        old = _engines.get(key)
+        _engines[key] = engine
+    if old is not None and old is not engine:
+        old.close()
+    return engine
+
+
+def get_engine(cfg: Config) -> Engine:
+    """The process-wide engine for ``cfg`` (equal configurations share one)."""
+    key = _engine_key(cfg)
+    with _engines_lock:
+        eng = _engines.get(key)
+        if eng is None or eng._closed:
+            eng = _engines[key] = Engine(cfg)
+        return eng
+
+
+def close_all() -> None:
+    """Close every engine (waits for in-flight checkpoints). Registered with ``atexit``."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for e in engines:
+        try:
+            e.close()
+        except TierckptError as err:
+            log.error("at exit: %s", err)
+
+
+import atexit  # noqa: E402
+
+atexit.register(close_all)
+

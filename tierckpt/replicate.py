@@ -1,0 +1,384 @@
+"""One hop of the tier chain: committed checkpoints are copied from one tier to the next and
+committed there.
+
+A :class:`Replicator` ``(src, dst)`` runs one background thread per engine (per process), fed in
+commit order. For each checkpoint, on every rank: copy this rank's data file from ``src`` to
+``dst`` (:meth:`Tier.copy_from`: parallel ranged reads into ranged writes, CRC32C per part where
+``dst`` checks it) while holding a read lease on it in ``src``, then run the commit protocol
+(:func:`tierckpt.commit.run_commit`) for ``dst``: rank reports, the coordinator's outcome, then
+the metadata writer of ``dst`` (rank 0 for a shared tier) writes ``ID/metadata.json`` with
+create-if-absent. ``latest`` on ``dst`` therefore moves only after every rank's copy completed.
+After the commit the writer applies ``dst``'s retention and aborts stale uploads.
+
+**The backlog.** A job killed after a commit on ``src`` but before the copy leaves checkpoints
+that exist on no later tier. Before its first copy (and again after any failed one) the hop runs
+a *backlog pass* on every rank, led by the coordinator:
+
+1. every rank reports the checkpoints committed on its ``src`` that are older than the one about
+   to be copied, with the data files it holds;
+2. the coordinator lists ``dst`` and picks what it should have but lacks: everything newer than
+   its newest, and ``dst.keep_every`` milestones; it assigns each data file to one rank holding it;
+3. the ranks copy their files (under read leases); the lowest rank holding the metadata checks
+   that every data file the metadata names was assigned, and publishes the metadata;
+4. the coordinator commits each complete checkpoint on ``dst`` (metadata last, create-if-absent),
+   oldest first, and publishes what was copied and what is still owed.
+
+Until the first pass has run, retention on ``src`` deletes nothing (:attr:`Replicator.settled`);
+afterwards it never deletes a checkpoint still owed to ``dst`` unless the disk would otherwise
+fill (then with a warning naming it).
+
+A failure (outage past the tier's retries, a rank that died) fails the replication of *that*
+checkpoint: it is logged at once, raised by the next ``writer.wait()``, the copy on ``dst``
+stays uncommitted (never loaded), training and ``src`` go on, and the next copy first retries it
+through a backlog pass. Replication never blocks training: only ``wait()`` waits for it.
+
+The engine is the hop's *owner* (:class:`HopOwner`); this module never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Protocol
+
+from . import lease as leases
+from .catalog import committed_in_order
+from .commit import Channel, LocalChannel, Round, run_commit
+from .config import Config
+from .errors import CommitConflict, TierckptError
+from .layout import data_key, metadata_from_json, metadata_key
+from .save import RankSave
+from .tiers.base import Tier
+
+__all__ = ["Replicator", "HopOwner", "lower_priority"]
+
+_LOST = "is on no live rank's first tier"
+
+log = logging.getLogger("tierckpt.replicate")
+
+
+def lower_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: per thread); no-op elsewhere."""
+    import os
+
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:
+        log.debug("cannot lower the priority of %s: %s", threading.current_thread().name, e)
+
+
+class HopOwner(Protocol):
+    """What a hop needs from whoever runs it (the engine)."""
+
+    cfg: Config
+
+    def channel(self, job: RankSave) -> Channel:
+        """The rendezvous of ``job``'s ranks."""
+
+    def fail(self, job: RankSave, exc: BaseException, stage: str) -> None:
+        """Fail ``job`` (its error reaches the next ``wait``)."""
+
+    def hop_done(self, hop: "Replicator", job: RankSave) -> None:
+        """``job`` left this hop (committed on ``dst``, or failed): pass it on or settle it."""
+
+    def retain(self, tier: Tier, protect: set[str], *, owed: set[str] = ..., need_bytes: int = 0) -> None:
+        """Apply ``tier``'s retention now, sparing ``protect`` and saves in flight."""
+
+
+class Replicator:
+    """Copies checkpoints committed on ``src`` to ``dst`` and commits them there (one hop).
+
+    Created by the engine for each tier after the first; ``index`` is ``dst``'s place in the
+    chain (it names the hop's keys). Every rank of the job runs the same hops in the same order.
+    """
+
+    def __init__(self, owner: HopOwner, src: Callable[[], Tier], dst: Callable[[], Tier], index: int, name: str) -> None:
+        self.owner = owner
+        self._src, self._dst = src, dst
+        self.index = index
+        self.name = name
+        self.hop = f"{index}-{name}"
+        self._q: queue.Queue[RankSave | None] = queue.Queue()
+        self._pending: set[str] = set()
+        self._owed: set[str] = set()  # committed on src, known missing on dst (backlog, failed copies)
+        self._need_pass = True  # coordinator: run a backlog pass before the next copy
+        self.settled = False  # a backlog pass (or a failed attempt at one) has run in this process
+        self.started = threading.Event()  # the start-up pass (single-process jobs) is over
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=f"tierckpt-replicate-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def src(self) -> Tier:
+        return self._src()
+
+    @property
+    def dst(self) -> Tier:
+        return self._dst()
+
+    def submit(self, job: RankSave) -> None:
+        """Queue a checkpoint committed on ``src`` (engine threads)."""
+        with self._lock:
+            self._pending.add(job.id)
+        self._q.put(job)
+
+    def owed(self) -> set[str]:
+        """Checkpoints committed on ``src`` that ``dst`` should get and does not have yet."""
+        with self._lock:
+            return self._pending | self._owed
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        lower_priority(self.owner.cfg.job.background_nice)
+        try:
+            self.dst  # noqa: B018 - build the tier (an S3 client) now, not during the first copy
+        except Exception as e:  # noqa: BLE001 - reported by the first copy that needs it
+            log.warning("tier %s not ready yet: %s", self.name, e)
+        self._startup_pass()
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if not job.failed:
+                self._backlog_step(job)
+                t0 = time.perf_counter()
+                try:
+                    self._replicate(job)
+                    job.stats.promote_s = (job.stats.promote_s or 0.0) + time.perf_counter() - t0
+                    log.info("checkpoint %s replicated to %s (rank %d, %.1f MiB in %.2f s)", job.id, self.dst.url,
+                             job.assign.rank, job.size / 2**20, time.perf_counter() - t0)
+                except BaseException as e:  # noqa: BLE001 - every failure must reach the user
+                    with self._lock:
+                        self._owed.add(job.id)
+                        self._need_pass = True
+                    self.owner.fail(job, e, f"replication to {self.name}")
+            with self._lock:
+                self._pending.discard(job.id)
+            self.owner.hop_done(self, job)
+
+    def _writer(self, job: RankSave) -> int:
+        """The rank that writes the metadata on ``dst`` for ``job``'s rank."""
+        return job.assign.meta_writer_rank if self.dst.node_local else 0
+
+    def _replicate(self, job: RankSave) -> None:
+        src, dst = self.src, self.dst
+        a = job.assign
+        rnd = Round(self.owner.channel(job), a.token, self.hop, a.rank, a.world, self.owner.cfg.job.commit_timeout,
+                    f"checkpoint {a.checkpoint_id} ({self.name})")
+
+        def work() -> dict:
+            if job.size:
+                with leases.acquire(src, a.checkpoint_id, purpose=f"replication to {self.name} by rank {a.rank}"):
+                    dst.copy_from(src, data_key(a.checkpoint_id, a.file))
+            return {"size": job.size}
+
+        writer = self._writer(job)
+        run_commit(rnd, dst, metadata_key(a.checkpoint_id), work=work, writer=writer,
+                   metadata=job.metadata_json, same_ok=True)
+        if writer == a.rank:
+            try:
+                self.owner.retain(dst, {job.id})
+            except Exception as e:  # noqa: BLE001 - the checkpoint is committed; the next commit retries
+                log.warning("retention on %s after replicating %s failed (will retry after the next one): %s",
+                            dst.url, job.id, e)
+
+    # -- the backlog ----------------------------------------------------------------------
+    def _startup_pass(self) -> None:
+        """Without a process group (one process is the whole job) the backlog is copied at once,
+        not only before the first copy: a job that resumes and never saves still replicates it.
+        With a process group the ranks meet at their first copy (see :meth:`_backlog_step`)."""
+        import torch.distributed as dist
+
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return
+            rnd = Round(LocalChannel(), f"startup-{uuid.uuid4().hex}", f"backlog-{self.hop}", 0, 1,
+                        self.owner.cfg.job.commit_timeout, f"backlog of {self.name} at start")
+            try:
+                self._backlog_pass(rnd, None, "")
+            except BaseException as e:  # noqa: BLE001 - retried before the first copy
+                log.warning("replicating the backlog to %s at start failed (retried before the first copy): %s",
+                            self.name, e)
+                return
+            finally:
+                rnd.finish()
+            self.settled = True
+        finally:
+            self.started.set()
+
+    def _backlog_step(self, job: RankSave) -> None:
+        """Before copying ``job``: the coordinator decides whether a backlog pass runs (first copy
+        of this process, or something is owed); every rank follows. Never raises."""
+        a = job.assign
+        rnd = Round(self.owner.channel(job), a.token, f"backlog-{self.hop}", a.rank, a.world,
+                    self.owner.cfg.job.commit_timeout, f"backlog of {self.name} before {job.id}")
+        try:
+            if a.rank == 0:
+                with self._lock:
+                    go = self._need_pass
+                rnd.put_shared("go", b"1" if go else b"0")
+            else:
+                go = rnd.get_shared("go", "backlog decision") == b"1"
+            if go:
+                self._backlog_pass(rnd, job.seq, job.id)
+        except BaseException as e:  # noqa: BLE001 - the backlog is retried before the next copy
+            log.warning("replicating the backlog to %s before %s failed (retried before the next copy): %s",
+                        self.name, job.id, e)
+            with self._lock:
+                self._need_pass = True
+                self._owed |= self._src_older(job)
+        finally:
+            rnd.finish()
+            self.settled = True
+
+    def _src_older(self, job: RankSave) -> set[str]:
+        try:
+            return {c.checkpoint_id for c in committed_in_order(self.src) if c.header and c.header.seq < job.seq}
+        except TierckptError:
+            return set()
+
+    def _backlog_pass(self, rnd: Round, below_seq: int | None, exclude: str) -> None:
+        """One backlog pass on this rank (see the module docstring); every rank of the job runs it
+        in the same round. ``below_seq``: only checkpoints committed before this one (the one
+        about to be copied normally); None: all."""
+        src, dst = self.src, self.dst
+        rank = rnd.rank
+        # 1. what this rank holds: committed on src, older than the job
+        mine: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            queued = set(self._pending)  # copied normally, soon
+        for c in committed_in_order(src):
+            assert c.header is not None
+            if (below_seq is None or c.header.seq < below_seq) and c.checkpoint_id != exclude and c.checkpoint_id not in queued:
+                files = {n: o.size for n, o in c.objects.items() if n.endswith(".data")}
+                mine[c.checkpoint_id] = {"seq": c.header.seq, "step": c.step, "files": files}
+        rnd.put_mine(f"have{rank}", json.dumps(mine).encode())
+        # 2. the coordinator's plan
+        if rank == 0:
+            plan = self._plan_backlog([json.loads(v) for v in rnd.gather_values("have")], rnd.world)
+            rnd.put_shared("plan", json.dumps(plan).encode())
+        else:
+            plan = json.loads(rnd.get_shared("plan", "plan"))
+        needed: list[str] = plan["needed"]
+        if not needed:
+            with self._lock:
+                self._owed -= set(mine)
+                if rank == 0:
+                    self._need_pass = False
+            return
+        log.info("%s: %d checkpoint(s) committed on %s are missing on %s: %s", rnd.what, len(needed), src.url,
+                 dst.url, ", ".join(needed))
+        # 3. copies of the files assigned to this rank; the metadata from its designated rank
+        results: dict[str, str] = {}
+        for cid in needed:
+            p = plan["plan"][cid]
+            try:
+                todo = [f for f, (r, _size) in p["files"].items() if r == rank]
+                if todo or p["md_rank"] == rank:
+                    with leases.acquire(src, cid, purpose=f"backlog replication to {self.name} by rank {rank}"):
+                        for f in todo:
+                            dst.copy_from(src, data_key(cid, f))
+                        if p["md_rank"] == rank:
+                            rnd.ch.publish(rnd.key(f"md/{cid}"), self._checked_metadata(cid, p["files"]))
+                results[cid] = "ok"
+            except BaseException as e:  # noqa: BLE001 - reported to the coordinator
+                results[cid] = f"rank {rank}: {type(e).__name__}: {e}"
+        rnd.put_mine(f"done{rank}", json.dumps(results).encode())
+        # 4. commits, oldest first, by the coordinator
+        if rank == 0:
+            outcome = self._commit_backlog(rnd, needed)
+            rnd.put_shared("outcome", b"M" + json.dumps(outcome).encode())
+        out = rnd.outcome()
+        assert out is not None
+        outcome = json.loads(out)
+        with self._lock:
+            self._owed -= set(mine)
+            self._owed |= set(outcome["failed"])
+            if rank == 0:
+                self._need_pass = bool(outcome["failed"])
+        if rank == 0 and outcome["promoted"]:
+            try:
+                self.owner.retain(dst, set(outcome["promoted"]))
+            except Exception as e:  # noqa: BLE001
+                log.warning("retention on %s after the backlog failed: %s", dst.url, e)
+
+    def _plan_backlog(self, have: list[dict], world: int) -> dict:
+        """Coordinator: union the ranks' holdings, compare with ``dst``, assign every file to one rank."""
+        dst = self.dst
+        on_dst = committed_in_order(dst)
+        dst_ids = {c.checkpoint_id for c in on_dst}
+        dst_newest = on_dst[-1].header.seq if on_dst else 0  # type: ignore[union-attr]
+        every = dst.keep_every
+        info: dict[str, dict] = {}
+        for h in have:
+            for cid, d in h.items():
+                info.setdefault(cid, d)
+        needed = sorted((cid for cid, d in info.items() if cid not in dst_ids and (
+            d["seq"] > dst_newest or (every and d["step"] is not None and d["step"] % every == 0))),
+            key=lambda cid: info[cid]["seq"])
+        plan: dict[str, dict] = {}
+        load = [0] * world
+        for cid in needed:
+            files: dict[str, list[int]] = {}
+            holders = [r for r in range(world) if cid in have[r]]
+            for r in holders:
+                for f, size in have[r][cid]["files"].items():
+                    if f not in files:
+                        best = min((q for q in holders if f in have[q][cid]["files"]), key=lambda q: (load[q], q))
+                        files[f] = [best, size]
+                        load[best] += size
+            plan[cid] = {"files": files, "md_rank": holders[0]}
+        return {"needed": needed, "plan": plan}
+
+    def _checked_metadata(self, cid: str, files: dict[str, list[int]]) -> bytes:
+        """The metadata of ``cid`` from this rank's ``src``, after checking that every data file it
+        names was found on some rank with its recorded size."""
+        src = self.src
+        raw = src.get(metadata_key(cid))
+        _md, man = metadata_from_json(raw, f"{src.url}/{metadata_key(cid)}")
+        for f, size in man.files.items():
+            if size and (f not in files or files[f][1] != size):
+                raise TierckptError(f"checkpoint {cid}: data file {f} ({size} bytes) {_LOST}")
+        return raw
+
+    def _commit_backlog(self, rnd: Round, needed: list[str]) -> dict:
+        dst = self.dst
+        errors: dict[str, str] = {}
+        for raw in rnd.gather_values("done"):
+            for cid, res in json.loads(raw).items():
+                if res != "ok":
+                    errors.setdefault(cid, res)
+        promoted, failed = [], {}
+        for cid in needed:
+            md = rnd.ch.try_get(rnd.key(f"md/{cid}"))
+            rnd.ch.delete(rnd.key(f"md/{cid}"))
+            if cid in errors or md is None:
+                why = errors.get(cid, "no metadata")
+                if _LOST in why:
+                    log.warning("%s: %s cannot be copied to %s (it stays on %s only): %s", rnd.what, cid, dst.url,
+                                self.src.url, why)
+                else:
+                    failed[cid] = why
+                    log.warning("%s: %s stays owed to %s: %s", rnd.what, cid, dst.url, why)
+                continue
+            try:
+                dst.put(metadata_key(cid), md, if_absent=True)
+            except CommitConflict:
+                pass  # committed meanwhile (another process): it is there
+            except TierckptError as e:
+                failed[cid] = str(e)
+                log.warning("%s: committing %s on %s failed: %s", rnd.what, cid, dst.url, e)
+                continue
+            promoted.append(cid)
+            log.info("%s: %s replicated to %s", rnd.what, cid, dst.url)
+        return {"promoted": promoted, "failed": failed}

@@ -1,0 +1,243 @@
+"""This rank's part of one checkpoint: what the coordinator assigned it, its futures and its figures.
+
+A :class:`RankSave` is built by ``TieredWriter.write_data`` on the thread running ``dcp.save``
+and then owned by the engine's threads (:mod:`tierckpt.engine`): capture, flush, commit,
+replication. Its futures settle in that order (``captured``, ``durable``, ``committed``,
+``replicated``); a failure sets the exception on every future not yet done.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import lease as leases
+from .capture.copier import Piece, Source
+from .errors import CommitError, TornCaptureError
+from .layout import CheckpointManifest, metadata_to_json, read_header
+from .planning import SaveInputs
+from .tiers.base import DataSink
+
+__all__ = ["RankAssign", "SaveStats", "RankSave", "build_metadata"]
+
+
+@dataclass
+class RankAssign:
+    """What the coordinator decided for one rank in ``prepare_global_plan``."""
+
+    checkpoint_id: str
+    token: str
+    rank: int
+    world: int
+    file: str
+    meta_writer_rank: int  # the rank that writes metadata.json on this rank's local root
+    distributed: bool
+    created: float
+    step: int | None
+
+
+@dataclass
+class SaveStats:
+    """Per-checkpoint, per-rank figures (seconds and bytes). ``None`` until the stage ran.
+
+    ``save_blocked_s``: time inside tierckpt's own hooks of ``dcp.save`` (from
+    ``set_up_storage_writer`` to ``write_data``/``finish``; DCP's planning around them is not
+    included: time the call itself for the full stall). ``prestep_wait_s``: time the optimizer
+    pre-step hook (or ``wait_captured``) waited for this capture. ``capture_s``/``flush_s``: from
+    ``write_data`` until every chunk landed in host memory / the file was durable.
+    ``commit_s``: from durable until committed. ``promote_s``: replication down the chain (every
+    hop after the first tier: copy and commit), until committed on the last tier.
+
+    CPU seconds (user+system, per thread: ``time.thread_time``) that tierckpt's own threads
+    spent on this checkpoint: ``plan_cpu_s`` (cutting chunks and checksum pieces, capture
+    thread), ``capture_cpu_s`` (opening the file, zeroing padding, issuing or doing the copies
+    into the pool: on CPU the memcpy itself), ``crc_cpu_s`` (CRC32C, flush threads),
+    ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads).
+    ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
+    ``save_blocked_s``), the commit protocol and retention.
+    """
+
+    checkpoint_id: str
+    rank: int
+    bytes: int = 0
+    items: int = 0
+    chunks: int = 0
+    save_blocked_s: float = 0.0
+    prestep_wait_s: float = 0.0
+    capture_s: float | None = None
+    flush_s: float | None = None
+    commit_s: float | None = None
+    promote_s: float | None = None
+    error: str | None = None
+    plan_cpu_s: float = 0.0
+    capture_cpu_s: float = 0.0
+    crc_cpu_s: float = 0.0
+    write_cpu_s: float = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of tierckpt's threads for this checkpoint (plan + capture + CRC + write)."""
+        return self.plan_cpu_s + self.capture_cpu_s + self.crc_cpu_s + self.write_cpu_s
+
+    def throughput(self, stage: str) -> float | None:
+        """Bytes per second of a stage (``capture``, ``flush``, ``promote``)."""
+        t = getattr(self, f"{stage}_s")
+        return self.bytes / t if t else None
+
+    def add_cpu(self, **secs: float) -> None:
+        """Add CPU seconds to the ``*_cpu_s`` fields named (any thread)."""
+        with _cpu_lock:
+            for k, v in secs.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__, cpu_s=self.cpu_s)
+
+
+_cpu_lock = threading.Lock()
+
+
+class RankSave:
+    """This rank's part of one checkpoint, from ``write_data`` until it is committed everywhere.
+
+    Built by ``TieredWriter.write_data`` on the thread running ``dcp.save`` from the save's
+    :class:`~tierckpt.planning.SaveInputs` (cached layout plus this save's tensors). Until
+    :meth:`plan` ran on the capture thread, ``sources`` holds only one source per CUDA device (for
+    the ready events ``Engine.submit`` records on the training thread); :meth:`plan` replaces it
+    with every item's source.
+    """
+
+    def __init__(self, assign: RankAssign, inputs: SaveInputs, chunk_size: int) -> None:
+        self.assign = assign
+        self.inputs: SaveInputs | None = inputs
+        self.size = inputs.size
+        self.chunk_size = chunk_size
+        self.sources: list[Source] = inputs.ready_sources()
+        self.hold: Any = None  # has wait(timeout): returns when the capture may start (see TieredWriter)
+        self.hold_timeout = 2.0
+        self.captured: Future[None] = Future()
+        self.durable: Future[None] = Future()
+        self.committed: Future[None] = Future()
+        self.replicated: Future[None] = Future()  # committed on every tier of the chain
+        self.global_md: Future[tuple[Metadata, list[list[WriteResult]]]] = Future()
+        self.owner: Any = None  # weakref to the TieredWriter that saved it (whose wait() gets its error)
+        self.stats = SaveStats(assign.checkpoint_id, assign.rank, bytes=self.size, items=inputs.n_items)
+        # Filled by plan(), on the capture thread, to keep the training thread's share small.
+        self.crcs: list[list[int]] = []
+        self.crc_pieces: list[list[tuple[int, int, int, int]]] = []
+        self.chunks: list[list[Piece]] = []
+        self.ready_events: dict = {}
+        self.sink: DataSink | None = None
+        self.lease: leases.Lease | None = None  # this save's lease on the first tier (until committed or failed)
+        self.reported_ok = False  # this rank told the coordinator its file is good: it may commit from now on
+        self.metadata_json: bytes | None = None
+        self._lock = threading.Lock()
+        self._landed = 0
+        self._flushed = 0
+        self._failed: BaseException | None = None
+        self.t_start = time.perf_counter()
+        self.t_captured = 0.0
+        self.t_durable = self.t_start
+
+    def plan(self) -> None:
+        """Capture thread, before the first copy: every item's source, the pieces of every chunk
+        and the CRC pieces (from the layout's cached plan; only this save's serialized items and
+        the sources are new). First waits for ``hold`` (at most ``hold_timeout`` seconds): the
+        writer releases it once ``dcp.save`` no longer needs this process's CPU."""
+        if self.hold is not None:
+            self.hold.wait(self.hold_timeout)
+        if self.inputs is None:  # failed before planning: nothing to capture
+            return
+        self.sources, self.chunks, self.crc_pieces, self.crcs = self.inputs.capture_plan()
+        self.inputs = None  # the sources hold what is still needed
+        self.stats.chunks = len(self.chunks)
+
+    def chunk_len(self, k: int) -> int:
+        return min(self.chunk_size, self.size - k * self.chunk_size)
+
+    @property
+    def id(self) -> str:
+        return self.assign.checkpoint_id
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def claim_failure(self, exc: BaseException) -> bool:
+        """Record ``exc`` as this checkpoint's failure; False if another failure came first."""
+        with self._lock:
+            if self._failed is not None:
+                return False
+            self._failed = exc
+        self.stats.error = str(exc)
+        return True
+
+    def settle_failure(self) -> None:
+        """After :meth:`claim_failure`: fail every pending future and discard the partial file."""
+        exc = self._failed
+        assert exc is not None
+        for f in (self.captured, self.durable, self.committed, self.replicated):
+            if not f.done():
+                f.set_exception(exc)
+        if self.sink is not None:
+            self.sink.abort()  # safe while flush workers still write: sinks refuse late writes
+        self.sources = []
+        self.inputs = None
+
+    def release_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    @property
+    def seq(self) -> int:
+        """The commit sequence number (0 until the coordinator's outcome arrived)."""
+        h = read_header(self.metadata_json) if self.metadata_json else None
+        return h.seq if h is not None else 0
+
+    def landed(self) -> bool:
+        """Count one chunk as landed in host memory; True when it was the last one."""
+        with self._lock:
+            self._landed += 1
+            return self._landed == len(self.chunks)
+
+    def flushed(self) -> bool:
+        with self._lock:
+            self._flushed += 1
+            return self._flushed == len(self.chunks)
+
+    def check_versions(self) -> None:
+        """The torn-capture guard: no tensor may have been modified in place before its copy landed."""
+        for s in self.sources:
+            if s.guard is not None and s.guard._version != s.version:
+                raise TornCaptureError(
+                    f"checkpoint {self.id}: rank {self.assign.rank}: tensor {s.fqn!r} was modified in place "
+                    "while its copy to host memory was pending (call writer.attach(optimizer) or "
+                    "writer.wait_captured() before the optimizer step); the checkpoint will not be committed"
+                )
+
+
+def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list[dict], job: RankSave, chunk_size: int,
+                   seq: int) -> bytes:
+    """Coordinator: merge DCP's metadata, every rank's write results and reported CRCs into JSON."""
+    storage: dict = {}
+    files: dict[str, int] = {}
+    for r, (res, rep) in enumerate(zip(results, reports)):
+        crcs = rep["crcs"]
+        if len(crcs) != len(res):
+            raise CommitError(f"checkpoint {job.id}: rank {r} reported {len(crcs)} checksums for {len(res)} items")
+        for wr, c in zip(res, crcs):
+            rec = replace(wr.storage_data, crcs=list(c))
+            storage[wr.index] = rec
+            files[rec.file] = rep["size"]
+    md = replace(md, storage_data=storage)
+    manifest = CheckpointManifest(
+        checkpoint_id=job.id, world_size=job.assign.world, chunk_size=chunk_size, files=files,
+        created=job.assign.created, committed=time.time(), step=job.assign.step, save_token=job.assign.token, seq=seq,
+    )
+    return metadata_to_json(md, manifest)
