@@ -6,12 +6,8 @@ The :class:`Engine` is process-wide per configuration (so a fresh ``TieredWriter
 chaos harness give it their own tiers. It owns:
 
 * the tier chain (:class:`tierckpt.tiers.Chain`, fastest first; each tier built on first use),
-* the host pool (:mod:`tierckpt.capture.pool`),
-* one *capture* thread: takes a pool slot per chunk (blocking when the pool is full), issues the
-  chunk's copies (CUDA side stream, or a plain copy on CPU), hands the chunk to the flush pool;
-* *flush* threads (the first tier's ``read_concurrency``: ``[local] flush_threads``, or ``[s3]
-  concurrency`` in direct mode): wait for the chunk to land, checksum its pieces, write it at its
-  planned offset, release the slot; the last chunk closes (fsyncs) the file;
+* the host pool and the capture thread and flush workers (:mod:`tierckpt.capture.stream`): chunks
+  copied from live tensors into pool slots, checksummed and written into the first tier;
 * one *commit* thread: runs the commit protocol (:mod:`tierckpt.commit`) on the first tier for each
   checkpoint in order, then its retention, then hands it to the first hop;
 * one :class:`~tierckpt.replicate.Replicator` per later tier (its own thread), in chain order.
@@ -34,18 +30,14 @@ import threading
 import time
 from typing import Any
 
-import google_crc32c
-import torch
-
-from . import lease as leases
-from .capture.copier import Copier, Piece
-from .capture.pool import HostPool, get_pool
+from .capture.pool import HostPool
+from .capture.stream import CaptureStream
 from .catalog import max_seq
 from .commit import Channel, Round, default_channel, run_commit
 from .config import Config
-from .errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError, TornCaptureError
+from .errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError
 from .layout import data_key, metadata_key
-from .replicate import Replicator, lower_priority
+from .replicate import Replicator
 from .retention import enforce
 from .save import RankAssign, RankSave, SaveStats, build_metadata
 from .tiers import Chain
@@ -63,12 +55,8 @@ class Engine:
         """``tiers``: the chain to use instead of the one ``cfg`` describes (fastest first)."""
         self.cfg = cfg
         self.chunk_size = cfg.host.effective_chunk_size
-        self._pool: HostPool | None = None
         self.chain = Chain(cfg, tiers)
-        self.copier = Copier()
-        self._capture_q: queue.Queue[RankSave | None] = queue.Queue()
         self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
-        self._flush_workers: _Workers | None = None
         self._jobs: list[RankSave] = []
         self._jobs_lock = threading.Lock()
         self._errors: list[tuple[Any, BaseException]] = []  # (owner weakref or None, error)
@@ -78,9 +66,8 @@ class Engine:
         self._closed = False
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
-        self._capture_thread = threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
         self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
-        self._capture_thread.start()
+        self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)
         self._commit_thread.start()
         chain = self.chain
         self.hops = [Replicator(self, lambda: chain[0], lambda i=i: chain[i], i, chain.names[i]) for i in range(1, len(chain))]
@@ -88,9 +75,7 @@ class Engine:
     @property
     def pool(self) -> HostPool:
         """The host pool, allocated on the first save (readers and tools never allocate it)."""
-        if self._pool is None:
-            self._pool = get_pool(self.cfg.host.buffer_size, self.chunk_size, self.cfg.host.pinned)
-        return self._pool
+        return self.stream.pool
 
     # -- tiers ----------------------------------------------------------------------------
     @property
@@ -102,149 +87,20 @@ class Engine:
         """The chain's tier configured by section ``name`` (tools and tests)."""
         return self.chain.named(name)
 
-    @property
-    def _flush(self) -> "_Workers":
-        """The flush threads, started on the first save (their number is the first tier's)."""
-        if self._flush_workers is None:
-            self._flush_workers = _Workers(self.first_tier.read_concurrency, "tierckpt-flush", self.cfg.job.background_nice)
-        return self._flush_workers
-
     # -- submission (training thread) -----------------------------------------------------
     def submit(self, job: RankSave) -> None:
         """Queue a checkpoint for capture. Returns at once (the copies are only enqueued)."""
         if self._closed:
             raise TierckptError("the tierckpt engine is closed")
-        job.ready_events = Copier.record_ready(job.sources)
         with self._jobs_lock:
             self._jobs.append(job)
         self.history.append(job.stats)
-        self._capture_q.put(job)
+        self.stream.submit(job)
         self._commit_q.put(job)
 
     def in_flight_ids(self) -> set[str]:
         with self._jobs_lock:
             return {j.id for j in self._jobs}
-
-    # -- capture --------------------------------------------------------------------------
-    def _capture_loop(self) -> None:
-        try:
-            self.pool  # noqa: B018 - allocate and touch the pool now, not during the first save
-        except Exception as e:  # noqa: BLE001 - the first save reports it
-            log.warning("host pool allocation failed: %s", e)
-        while True:
-            job = self._capture_q.get()
-            if job is None:
-                return
-            try:
-                self._capture(job)
-            except BaseException as e:  # noqa: BLE001 - every failure must reach the user
-                self.fail(job, e, "capture")
-
-    def _capture(self, job: RankSave) -> None:
-        """Capture thread: plan, open the sink, copy chunk by chunk into pool slots (blocking on
-        a free slot), hand each chunk to the flush workers. CPU time goes to ``job.stats``."""
-        c0 = time.thread_time()
-        job.plan()
-        c1 = time.thread_time()
-        job.stats.add_cpu(plan_cpu_s=c1 - c0)
-        try:
-            self._capture_chunks(job)
-        finally:
-            job.stats.add_cpu(capture_cpu_s=time.thread_time() - c1)
-
-    def _capture_chunks(self, job: RankSave) -> None:
-        tier = self.first_tier
-        if job.size:
-            # The lease comes before the first file: a deletion that listed the checkpoint before
-            # the file existed leaves the file alone, one that lists it after sees the lease.
-            job.lease = leases.acquire(tier, job.id, kind="save", purpose=f"save by rank {job.assign.rank}",
-                                       require_committed=False, check_tombs=False)
-            job.sink = tier.open_sink(data_key(job.id, job.assign.file), job.size)
-        if not job.chunks:
-            self._capture_done(job)
-            self._durable(job)
-            return
-        for k, pieces in enumerate(job.chunks):
-            slot = self.pool.acquire(should_stop=lambda: job.failed)
-            if slot is None:
-                return
-            if job.failed:
-                self.pool.release(slot)
-                return
-            try:
-                n = job.chunk_len(k)
-                view = self.pool.slot(slot, n)
-                _zero_gaps(view, pieces)
-                events = self.copier.copy(pieces, view, job.ready_events)
-            except BaseException:
-                self.pool.release(slot)
-                raise
-            if not events and job.landed():
-                self._capture_done(job)
-            self._flush.submit(self._flush_chunk, job, k, slot, events)
-
-    def _capture_done(self, job: RankSave) -> None:
-        try:
-            job.check_versions()
-        except TornCaptureError as e:
-            self.fail(job, e, "capture")
-            return
-        job.t_captured = time.perf_counter()
-        job.stats.capture_s = job.t_captured - job.t_start
-        for s in job.sources:  # drop references to live state: the copies have landed
-            s.tensor = s.guard = s._flat = None
-            s.data = None
-        if not job.captured.done():
-            job.captured.set_result(None)
-
-    # -- flush ----------------------------------------------------------------------------
-    def _flush_chunk(self, job: RankSave, k: int, slot: int, events: list) -> None:
-        """Flush worker: wait for chunk ``k`` to land, CRC32C its pieces, write it at its offset
-        (direct I/O from the slot where the tier allows it), release the slot; the last chunk
-        closes (fsyncs) the file. CPU time goes to ``job.stats`` (``crc_cpu_s``/``write_cpu_s``)."""
-        c0 = time.thread_time()
-        crc = 0.0
-        try:
-            if events:
-                for ev in events:
-                    ev.synchronize()
-                if job.landed():
-                    self._capture_done(job)
-            if job.failed:
-                return
-            n = job.chunk_len(k)
-            view = self.pool.slot(slot, n)
-            arr = view.numpy()
-            c1 = time.thread_time()
-            crcs = job.crcs
-            for item, j, off, n in job.crc_pieces[k]:
-                crcs[item][j] = google_crc32c.value(arr[off : off + n])
-            crc = time.thread_time() - c1
-            assert job.sink is not None
-            job.sink.write_at(k * self.chunk_size, memoryview(arr))
-        except BaseException as e:  # noqa: BLE001
-            self.fail(job, e, "flush")
-            return
-        finally:
-            self.pool.release(slot)
-            job.stats.add_cpu(crc_cpu_s=crc, write_cpu_s=time.thread_time() - c0 - crc)
-        if job.flushed():
-            c0 = time.thread_time()
-            try:
-                job.sink.close()
-                self._durable(job)
-            except BaseException as e:  # noqa: BLE001
-                self.fail(job, e, "flush")
-            finally:
-                job.stats.add_cpu(write_cpu_s=time.thread_time() - c0)
-
-    def _durable(self, job: RankSave) -> None:
-        if job.failed:
-            return
-        job.t_durable = time.perf_counter()
-        job.stats.flush_s = job.t_durable - job.t_start
-        if not job.durable.done():
-            job.durable.set_result(None)
 
     # -- commit ---------------------------------------------------------------------------
     def channel(self, job: RankSave) -> Channel:
@@ -482,67 +338,10 @@ class Engine:
             self.wait()
         finally:
             self._closed = True
-            # Stop in data-flow order: the capture thread may still hand chunks to the flush
-            # workers (a failed checkpoint's last chunks), and each chunk holds a pool slot.
-            self._capture_q.put(None)
-            self._capture_thread.join(timeout=60)
-            if self._flush_workers is not None:
-                self._flush_workers.shutdown()
+            self.stream.close()
             self._commit_q.put(None)
             for hop in self.hops:
                 hop.close()
-
-
-class _Workers:
-    """A fixed set of daemon threads running submitted calls in FIFO order.
-
-    Unlike ``ThreadPoolExecutor`` it keeps accepting work during interpreter shutdown, so the
-    ``atexit`` handler can still drain checkpoints the user did not wait for.
-    """
-
-    def __init__(self, n: int, name: str, nice: int = 0) -> None:
-        self._q: queue.Queue = queue.Queue()
-        self._nice = nice
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn, *args) -> None:
-        with self._lock:
-            if not self._stopped:
-                self._q.put((fn, args))
-                return
-        fn(*args)  # after shutdown: run here, so that the task's slot is still released
-
-    def _run(self) -> None:
-        lower_priority(self._nice)
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, args = item
-            fn(*args)  # callers catch their own errors (see Engine._flush_chunk)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._stopped = True
-        for _ in self._threads:
-            self._q.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
-
-
-def _zero_gaps(view: torch.Tensor, pieces: list[Piece]) -> None:
-    """Zero the alignment padding of a chunk (bytes no piece covers)."""
-    at = 0
-    for p in sorted(pieces, key=lambda p: p.slot_off):
-        if p.slot_off > at:
-            view[at : p.slot_off].zero_()
-        at = max(at, p.slot_off + p.n)
-    if at < len(view):
-        view[at:].zero_()
 
 
 _engines: dict[str, Engine] = {}

@@ -46,6 +46,7 @@ import uuid
 from typing import Any, Callable, Protocol
 
 from . import lease as leases
+from .background import lower_priority
 from .catalog import committed_in_order
 from .commit import Channel, LocalChannel, Round, run_commit
 from .config import Config
@@ -54,24 +55,11 @@ from .layout import data_key, metadata_from_json, metadata_key
 from .save import RankSave
 from .tiers.base import Tier
 
-__all__ = ["Replicator", "HopOwner", "lower_priority"]
+__all__ = ["Replicator", "HopOwner"]
 
 _LOST = "is on no live rank's first tier"
 
 log = logging.getLogger("tierckpt.replicate")
-
-
-def lower_priority(nice: int) -> None:
-    """Add ``nice`` to the calling thread's niceness (Linux: per thread); no-op elsewhere."""
-    import os
-
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as e:
-        log.debug("cannot lower the priority of %s: %s", threading.current_thread().name, e)
 
 
 class HopOwner(Protocol):
