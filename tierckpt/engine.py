@@ -230,8 +230,7 @@ class Engine:
     def hop_done(self, hop: Replicator, job: RankSave) -> None:
         """A hop thread is done with ``job``: retention on the first tier (it may have waited for
         this copy), then the next hop, or the job is settled."""
-        if self.first_tier.cheap_listing or job.assign.rank == 0:
-            self.retain_first_tier(job)  # committed on the first tier, even if this hop failed
+        self.retain_first_tier(job)  # committed on the first tier, even if this hop failed
         i = self.hops.index(hop)
         if i + 1 < len(self.hops):
             self.hops[i + 1].submit(job)

@@ -137,7 +137,11 @@ class Replicator:
             job = self._q.get()
             if job is None:
                 return
-            if not job.failed:
+            if job.failed:  # an earlier hop failed: committed on the first tier, owed here too
+                with self._lock:
+                    self._owed.add(job.id)
+                    self._need_pass = True
+            else:
                 self._backlog_step(job)
                 t0 = time.perf_counter()
                 try:
