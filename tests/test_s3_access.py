@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 import s3servers
 from faultproxy import FaultProxy
 from test_restore_cli import assert_one_line_error, cli, cli_proc, write_config
-from test_roundtrip import find_error as find
+from tierckpt.testing import find_error as find
 from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter, TierError, load_config
 from tierckpt.config import MiB, S3Config
 from tierckpt.errors import TierAccessDenied
