@@ -74,7 +74,7 @@ def _worker_imports():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
-    from bench import NullWriter  # tools/bench.py: DCP's planning floor, shared with its lazy section
+    from benchlib.lazy import NullWriter  # DCP's planning floor, shared with tools/bench.py's lazy section
 
     # One planner class per caching mode: DCP's plan cache is keyed by the planner's class name.
     class FloorCachePlanner(DefaultSavePlanner):
