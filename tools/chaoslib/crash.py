@@ -17,6 +17,7 @@ from tierckpt.catalog import list_checkpoints
 from tierckpt.config import TierConfig, config_from_dict
 from tierckpt.layout import step_of
 from tierckpt.tiers import make_local, make_s3
+from train_gpt import read_events
 
 from chaoslib.core import CaseResult, is_not_found, only, short, toml_text
 from chaoslib.env import Env, tail, wait_proc
@@ -43,18 +44,6 @@ KILL_POINTS: dict[str, tuple[str, ...]] = {
 STAGE_OF = {"save.return": "capture", "local.open": "capture", "local.write": "flush", "local.close": "flush",
             "local.commit": "commit", "local.delete": "retention", "local.delete_prefix": "retention",
             "s3.upload": "promotion", "s3.commit": "promotion", "s3.delete": "retention", "s3.delete_prefix": "retention"}
-
-
-def read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a killed run's last line may be torn
-    return out
 
 
 def trainer_argv(cfg_path: Path, log_path: Path, seed: int, *extra: str) -> list[str]:
