@@ -19,21 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tierckpt import TieredReader, TieredWriter  # noqa: E402
 from tierckpt.config import config_from_dict  # noqa: E402
+from tierckpt.testing import bits, compare, placeholder  # noqa: E402,F401 - re-exported to the tests
+from tierckpt.testing.errors import err_text as _err  # noqa: E402
 
 MiB = 1 << 20
 
 
 # -- deterministic state (shared with the tests) ----------------------------------------------
-
-def bits(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A tensor whose bytes are random (NaN payloads, -0, subnormals included for floats)."""
-    n = 1
-    for s in shape:
-        n *= s
-    g = torch.Generator().manual_seed(seed)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
-
 
 def rank_state(rank: int, seed: int) -> dict:
     s = seed * 1000 + rank * 10
@@ -56,40 +48,8 @@ def shared_state(seed: int) -> dict:
     return {"rep": bits((33, 5), torch.float32, seed * 7 + 1), "obj": {"seed": seed, "name": "shared"}}
 
 
-def placeholder(x):
-    if isinstance(x, torch.Tensor):
-        return torch.zeros_like(x) if x.dtype != torch.bool else torch.zeros(x.shape, dtype=torch.bool)
-    if isinstance(x, dict):
-        return {k: placeholder(v) for k, v in x.items()}
-    return None
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def compare(expected: dict, got: dict, prefix: str = "") -> list[str]:
-    """Keys whose values differ (tensors: dtype, shape and raw bytes)."""
-    bad = []
-    for k, v in expected.items():
-        g = got.get(k)
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            bad += compare(v, g if isinstance(g, dict) else {}, name + ".")
-        elif isinstance(v, torch.Tensor):
-            if not isinstance(g, torch.Tensor) or g.dtype != v.dtype or g.shape != v.shape or not torch.equal(raw(g), raw(v)):
-                bad.append(name)
-        elif v != g:
-            bad.append(name)
-    return bad
-
-
 def cfg_of(args: dict):
     return config_from_dict(args["config"])
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:2000]
 
 
 # -- scenarios ------------------------------------------------------------------------------------

@@ -6,19 +6,17 @@ gloo process group is up; its return value is written as JSON to RESULT_PATH.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tierckpt import TierConfig, TieredReader, TieredWriter  # noqa: E402
 from tierckpt.config import config_from_dict  # noqa: E402
+from tierckpt.testing.launch import serve  # noqa: E402,F401 - also the entry point of other scenario modules
 
 
 def make_cfg(args: dict) -> TierConfig:
@@ -45,20 +43,6 @@ def save_and_load(args: dict, rank: int, world: int) -> dict:
 
 
 SCENARIOS = {f.__name__: f for f in [save_and_load]}
-
-
-def serve(scenarios: dict) -> None:
-    """Run ``SCENARIO`` of ``scenarios`` (named by argv) in a gloo process group and write its result.
-
-    The entry point of every scenario module started by :func:`distrun.run_world`."""
-    name, args_json, result_path = sys.argv[1], sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    result = scenarios[name](json.loads(args_json), rank, world)
-    Path(result_path).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 def main() -> None:

@@ -122,6 +122,6 @@ def run_lazy_world(world: int, scenario: str, args: dict[str, Any], workdir: Pat
 
 
 if __name__ == "__main__":
-    from dist_worker import serve
+    from tierckpt.testing.launch import serve
 
     serve(SCENARIOS)

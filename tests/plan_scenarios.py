@@ -24,6 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tierckpt import TieredReader, TieredWriter, plancache  # noqa: E402
 from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.planning import layout_cache  # noqa: E402
+from tierckpt.testing.errors import err_text  # noqa: E402
+
+
+def _err(e: BaseException) -> str:
+    return err_text(e, 3000)
 
 
 class CachingPlanner(DefaultSavePlanner):
@@ -55,9 +60,6 @@ def _version_for(args: dict, rank: int, save: int) -> dict:
             cur = v
     return cur
 
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:3000]
 
 
 def _load_back(cfg, rank: int, cid: str, sd: dict) -> list[str]:
@@ -164,6 +166,6 @@ SCENARIOS = {f.__name__: f for f in [cached_saves, refusals, restart_save]}
 
 
 if __name__ == "__main__":
-    from dist_worker import serve
+    from tierckpt.testing.launch import serve
 
     serve(SCENARIOS)

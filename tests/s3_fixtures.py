@@ -4,6 +4,7 @@
 * ``moto_endpoint`` (session): moto's S3 server on loopback; its URL.
 * ``seaweed_endpoint`` (session): ``weed mini`` on loopback; its URL. Skips the test, with the
   reason, when the SeaweedFS binary is missing or does not start.
+* ``serve_seaweedfs(workdir, **kw)``: the body of such a fixture, for servers with other options.
 * ``s3cfg`` (function): a factory ``s3cfg(endpoint_url, **overrides) -> S3Config`` that creates
   a fresh bucket and returns a validated config with test-friendly defaults (5 MiB parts, short
   timeouts, a ``ckpt`` prefix).
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -20,7 +22,7 @@ from tierckpt.config import MiB, S3Config
 
 import s3servers  # tools/s3servers.py (conftest puts tools/ on sys.path)
 
-__all__ = ["moto_endpoint", "seaweed_endpoint", "s3cfg", "S3CfgFactory"]
+__all__ = ["moto_endpoint", "seaweed_endpoint", "s3cfg", "S3CfgFactory"]  # what conftest takes; serve_seaweedfs is imported by name
 
 S3CfgFactory = Callable[..., S3Config]
 
@@ -35,17 +37,24 @@ def moto_endpoint() -> Iterator[str]:
         stop()
 
 
-@pytest.fixture(scope="session")
-def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a SeaweedFS ``weed mini`` server for the whole session (skips if unavailable)."""
+def serve_seaweedfs(workdir: Path, **kw: Any) -> Iterator[str]:
+    """Body of a SeaweedFS fixture: start ``weed mini`` in ``workdir`` (``kw``: passed to
+    :func:`s3servers.start_seaweedfs`, e.g. ``identities``), yield its URL, stop it afterwards;
+    skips the test, with the reason, when it is unavailable."""
     try:
-        url, stop = s3servers.start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+        url, stop = s3servers.start_seaweedfs(workdir, **kw)
     except s3servers.ServerUnavailable as e:
         pytest.skip(f"SeaweedFS unavailable: {e}")
     try:
         yield url
     finally:
         stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a SeaweedFS ``weed mini`` server for the whole session (skips if unavailable)."""
+    yield from serve_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
 
 
 @pytest.fixture

@@ -13,8 +13,6 @@ compare what it loads itself. Scenarios return JSON-able facts; the assertions l
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import sys
 import traceback
@@ -26,6 +24,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from tierckpt.testing import bits, compare, placeholder  # noqa: E402,F401 - re-exported to the tests
+from tierckpt.testing.errors import err_text  # noqa: E402
+from tierckpt.testing.launch import serve  # noqa: E402
+
+
+def _err(e: BaseException) -> str:
+    return err_text(e, 3000)
+
+
 MiB = 1 << 20
 
 # -- deterministic state (shared with the tests) ----------------------------------------------
@@ -33,16 +40,6 @@ MiB = 1 << 20
 SHARD_ROWS = 96  # rows of the Shard(0) DTensor per rank
 SHARD_COLS = 8192  # float32: 96 x 8192 x 4 B = 3 MiB per rank
 OWN_ELEMS = 3 * MiB // 4  # float32: 3 MiB of rank-own data -> each rank file is ~6 MiB (2 parts of 5 MiB)
-
-
-def bits(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A tensor whose bytes are random (NaN payloads, -0, subnormals included for floats)."""
-    n = 1
-    for s in shape:
-        n *= s
-    g = torch.Generator().manual_seed(seed)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
 
 
 def own_state(rank: int, seed: int) -> dict:
@@ -65,38 +62,6 @@ def expected_state(world: int, seed: int) -> dict:
     out["w"] = sharded_full(world, seed)
     out["step"] = seed
     return out
-
-
-def placeholder(x):
-    if isinstance(x, torch.Tensor):
-        return torch.zeros_like(x)
-    if isinstance(x, dict):
-        return {k: placeholder(v) for k, v in x.items()}
-    return None
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def compare(expected: dict, got: dict, prefix: str = "") -> list[str]:
-    """Keys whose values differ (tensors: dtype, shape and raw bytes)."""
-    bad = []
-    for k, v in expected.items():
-        g = got.get(k) if isinstance(got, dict) else None
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            bad += compare(v, g if isinstance(g, dict) else {}, name + ".")
-        elif isinstance(v, torch.Tensor):
-            if not isinstance(g, torch.Tensor) or g.dtype != v.dtype or g.shape != v.shape or not torch.equal(raw(g), raw(v)):
-                bad.append(name)
-        elif v != g:
-            bad.append(name)
-    return bad
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:3000]
 
 
 # -- scenarios (run inside the worker processes) -------------------------------------------------
@@ -169,21 +134,5 @@ def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
 
 # -- worker entry ---------------------------------------------------------------------------------
 
-def main() -> None:
-    import torch.distributed as dist
-
-    name, args_json, result_path = sys.argv[1], sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        result = SCENARIOS[name](json.loads(args_json), rank, world)
-    except BaseException as e:  # noqa: BLE001 - the test gets the error as text
-        result = {"errors": [f"scenario crashed: {_err(e)}\n{traceback.format_exc()[-3000:]}"]}
-    Path(result_path).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # skip the atexit drain: everything was waited for above
-
-
 if __name__ == "__main__":
-    main()
+    serve(SCENARIOS, report_errors=True)

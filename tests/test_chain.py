@@ -23,7 +23,7 @@ import pytest
 
 from tierckpt.commit import LocalChannel, Round, run_commit
 from tierckpt.errors import CommitConflict, CommitError, TierckptError, TierError
-from tierckpt.testing.faults import FaultyTier
+from tierckpt.testing import FaultyTier
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.local import LocalTier
 

@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 
 import s3servers  # tools/ (conftest puts it on sys.path)
-from distrun import free_port  # tests/
+from tierckpt.testing import free_port
+from train_gpt import read_events as events  # tools/ (conftest puts it on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tools" / "train_gpt.py"
@@ -58,19 +59,6 @@ pytestmark = [
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-def events(path: Path) -> list[dict]:
-    """The trainer's JSON-lines events (a killed run's last line may be torn: skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
 
 def of(evs: list[dict], kind: str) -> list[dict]:
     return [e for e in evs if e.get("event") == kind]

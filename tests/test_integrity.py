@@ -32,7 +32,7 @@ from tierckpt import (
     TieredWriter,
 )
 
-from test_roundtrip import find_error
+from tierckpt.testing import find_error
 
 MiB = 1 << 20
 ALIGN = 64

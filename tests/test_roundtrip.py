@@ -23,6 +23,8 @@ from tierckpt import (
     TieredReader,
     TieredWriter,
 )
+from tierckpt.testing import bits as random_bits  # random_bits(shape, dtype, generator)
+from tierckpt.testing import find_error, raw
 
 MiB = 1 << 20
 
@@ -53,46 +55,15 @@ def load(cfg, sd, cid="latest", **kw) -> TieredReader:
     return r
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert a.dtype == b.dtype, what
     assert a.shape == b.shape, what
     assert torch.equal(raw(a), raw(b)), f"{what}: bytes differ"
 
 
-def find_error(exc: BaseException, cls: type) -> BaseException | None:
-    """``exc`` itself, or the first ``cls`` inside a DCP CheckpointException / cause chain."""
-    seen = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, cls):
-            return e
-        for v in (getattr(e, "failures", None) or {}).values():
-            todo.append(v[0] if isinstance(v, tuple) else v)
-        todo += [e.__cause__, e.__context__]
-    return None
-
-
 def committed_ids(cfg) -> set[str]:
     root = cfg.local.resolved_path()
     return {p.name for p in root.iterdir() if (p / "metadata.json").is_file()}
-
-
-def random_bits(shape, dtype, gen) -> torch.Tensor:
-    """A tensor of ``dtype`` whose bytes are uniformly random (NaN payloads, -0, subnormals, inf)."""
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    b = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    return b.view(dtype).reshape(shape)
 
 
 @pytest.fixture

@@ -31,8 +31,9 @@ import torch.distributed.checkpoint as dcp
 
 import s3servers
 from faultproxy import FaultProxy
+from s3_fixtures import serve_seaweedfs
 from test_restore_cli import assert_one_line_error, cli, cli_proc, write_config
-from test_roundtrip import find_error as find
+from tierckpt.testing import find_error as find
 from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter, TierError, load_config
 from tierckpt.config import MiB, S3Config
 from tierckpt.errors import TierAccessDenied
@@ -55,14 +56,7 @@ measured). The configs use ``max_attempts = 5``: a denial retried by botocore wo
 @pytest.fixture(scope="module")
 def auth_s3(tmp_path_factory) -> Iterator[str]:
     """URL of a SeaweedFS that accepts only ADMIN (everything) and READER (Read, List)."""
-    try:
-        url, stop = s3servers.start_seaweedfs(tmp_path_factory.mktemp("seaweedfs-auth"), identities=[ADMIN, READER])
-    except s3servers.ServerUnavailable as e:
-        pytest.skip(f"SeaweedFS unavailable: {e}")
-    try:
-        yield url
-    finally:
-        stop()
+    yield from serve_seaweedfs(tmp_path_factory.mktemp("seaweedfs-auth"), identities=[ADMIN, READER])
 
 
 @pytest.fixture

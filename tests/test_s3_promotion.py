@@ -32,6 +32,7 @@ from s3servers import s3_client
 from tierckpt import TierckptError, TieredReader, TieredWriter
 from tierckpt.config import S3Config, config_from_dict
 from tierckpt.layout import data_key, split_key
+from tierckpt.testing import errors_in
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -176,21 +177,6 @@ def flip_byte(data: bytes, at: int) -> bytes:
     b = bytearray(data)
     b[at] ^= 0x5A
     return bytes(b)
-
-
-def errors_in(exc: BaseException) -> list[BaseException]:
-    """``exc``, its causes/contexts and the failures wrapped by DCP's CheckpointException."""
-    seen: list[BaseException] = []
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or any(e is s for s in seen):
-            continue
-        seen.append(e)
-        for v in (getattr(e, "failures", None) or {}).values():
-            todo.append(v[0] if isinstance(v, tuple) else v)
-        todo += [e.__cause__, e.__context__]
-    return seen
 
 
 def watch_s3_commits(writer: TieredWriter, client, bucket: str) -> dict[str, dict]:

@@ -44,9 +44,7 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +72,7 @@ def _worker_imports():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
-    from bench import NullWriter  # tools/bench.py: DCP's planning floor, shared with its lazy section
+    from benchlib.lazy import NullWriter  # DCP's planning floor, shared with tools/bench.py's lazy section
 
     # One planner class per caching mode: DCP's plan cache is keyed by the planner's class name.
     class FloorCachePlanner(DefaultSavePlanner):
@@ -182,33 +180,15 @@ def worker(a: argparse.Namespace) -> None:
 
 # -- parent side ---------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(ranks: int, args: list[str], work: Path, timeout: float) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for r in range(ranks):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        log = open(work / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, "--worker", *args, "--result", str(work / f"result{r}.json")],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = []
-    try:
-        for p, _ in procs:
-            codes.append(p.wait(timeout=timeout))
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+    """Run ``--worker ARGS`` on ``ranks`` ranks (real processes, gloo); each rank's result, or exit."""
+    from tierckpt.testing.launch import launch_ranks
+
+    codes, logs = launch_ranks(
+        ranks, lambda r: [sys.executable, __file__, "--worker", *args, "--result", str(work / f"result{r}.json")], work,
+        timeout=timeout, env_of=lambda r: {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     if any(c != 0 for c in codes):
-        tails = "\n".join(f"--- rank {r}\n" + (work / f"rank{r}.log").read_text()[-3000:] for r in range(ranks))
+        tails = "\n".join(f"--- rank {r}\n" + logs[r][-3000:] for r in range(ranks))
         raise SystemExit(f"bench workers failed (exit codes {codes}):\n{tails}")
     return [json.loads((work / f"result{r}.json").read_text()) for r in range(ranks)]
 

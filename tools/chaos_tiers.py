@@ -1,6 +1,6 @@
 """Kill points and injected faults inside the tiers, for ``tools/chaos.py`` (testing only).
 
-A :class:`TierProxy` wraps a real tier (``writer.engine.local`` or the S3 tier) and routes every
+A :class:`TierProxy` wraps a real tier of the engine's chain (the local or the S3 tier) and routes every
 write-side operation through a *controller*'s ``around(tier, op, key, fn)``, which runs ``fn``
 (the real operation) and may kill the process or raise before, during or after it. Reads,
 listings and attributes (``root``, ``url``, ``name``...) go straight to the real tier.
@@ -14,7 +14,7 @@ Operations (``tier.op``)::
     local.put       any other put
     local.delete    delete of one key (retention deletes metadata.json first)
     local.delete_prefix   delete_prefix (retention, one call per key prefix of a checkpoint)
-    s3.upload       upload_file (promotion of a rank's data file)
+    s3.upload       copy_from (replication of a rank's data file to S3)
     s3.commit       put of ``ID/metadata.json`` on S3
     s3.delete / s3.delete_prefix / s3.open / s3.write / s3.close / s3.put   as above
     save.return     ``dcp.save`` returned (the capture is still pending)
@@ -197,8 +197,8 @@ class TierProxy:
         sink = self._ctl.around(self._tier, "open", key, lambda: self._real.open_sink(key, size))
         return SinkProxy(sink, self._tier, key, self._ctl)
 
-    def upload_file(self, key: str, path: str, *, progress: Any = None) -> None:
-        return self._ctl.around(self._tier, "upload", key, lambda: self._real.upload_file(key, path, progress=progress))
+    def copy_from(self, src: Any, key: str) -> int:
+        return self._ctl.around(self._tier, "upload", key, lambda: self._real.copy_from(src, key))
 
     def delete(self, key: str) -> None:
         return self._ctl.around(self._tier, "delete", key, lambda: self._real.delete(key))
@@ -228,12 +228,11 @@ def parse_spec(spec: str) -> KillController:
 
 
 def wrap_engine(engine: Any, ctl: Controller) -> None:
-    """Route ``engine``'s local tier and (if configured) S3 tier through ``ctl``."""
-    if engine.local is not None and not isinstance(engine.local, TierProxy):
-        engine.local = TierProxy(engine.local, "local", ctl)
-    if engine.cfg.s3 is not None and not isinstance(engine.s3, TierProxy):
-        real = engine.s3_tier()
-        engine.s3 = TierProxy(real, "s3", ctl)
+    """Route every tier of ``engine``'s chain through ``ctl`` (the engine's seam: its chain)."""
+    for i, name in enumerate(engine.chain.names):
+        tier = engine.chain[i]
+        if not isinstance(tier, TierProxy):
+            engine.chain[i] = TierProxy(tier, name, ctl)
 
 
 def install(writer: Any, spec: str) -> KillController:

@@ -40,6 +40,7 @@ import s3servers  # noqa: E402
 from tierckpt import load_config  # noqa: E402
 from tierckpt.catalog import list_checkpoints  # noqa: E402
 from tierckpt.tiers import make_local, make_s3  # noqa: E402
+from train_gpt import read_events as events  # noqa: E402
 
 BUCKET = "tierckpt-demo"
 
@@ -68,18 +69,6 @@ concurrency = 4
 keep = 3
 """)
     return cfg
-
-
-def events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # the last line of a killed run may be torn
-    return out
 
 
 def trainer(args: argparse.Namespace, cfg: Path, log: Path, *extra: str) -> list[str]:

@@ -56,6 +56,22 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(h))
 
 
+def read_events(path: Path) -> list[dict]:
+    """The JSON-lines events this trainer wrote to ``--log PATH`` (none if the file is missing).
+
+    A killed run's last line may be torn: lines that are not valid JSON are skipped.
+    """
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a killed run's last line may be torn
+    return out
+
+
 def batch(seed: int, step: int, rank: int, bsz: int, ctx: int, vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + rank)
     return torch.randint(0, vocab, (bsz, ctx + 1), generator=g)

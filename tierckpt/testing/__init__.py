@@ -1,0 +1,47 @@
+"""Test helpers shared by ``tests/`` and ``tools/``: state builders, bit-exact comparisons, error
+lookups and the multi-rank launcher (real processes joined by gloo).
+
+Nothing here is imported by ``tierckpt`` itself; importing this package costs nothing until a
+name is used (each name is loaded from its module on first access). No module imports pytest.
+
+Public surface::
+
+    from tierckpt.testing import bits, placeholder, clone_state     # state builders (state.py)
+    from tierckpt.testing import raw, compare                       # bit-exact comparison (bitexact.py)
+    from tierckpt.testing import errors_in, find_error, err_text    # errors inside DCP's wrappers (errors.py)
+    from tierckpt.testing import free_port, launch_ranks, run_world, serve  # multi-rank launcher (launch.py)
+    from tierckpt.testing import FaultyTier                          # a fault-injecting tier (faults.py)
+
+No module is named
+like a function it exports (``compare`` lives in ``bitexact``): importing a submodule sets an
+attribute of this package, which would shadow the function.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "bits": "state", "placeholder": "state", "clone_state": "state",
+    "raw": "bitexact", "compare": "bitexact",
+    "errors_in": "errors", "find_error": "errors", "err_text": "errors",
+    "free_port": "launch", "rank_env": "launch", "launch_ranks": "launch", "run_world": "launch", "serve": "launch",
+    "FaultyTier": "faults",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """Load ``name`` from its module on first use (``import tierckpt.testing`` stays free)."""
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
