@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_metadata
@@ -20,7 +19,7 @@ from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from tierckpt.layout import CheckpointManifest, check_checkpoint_id, metadata_key
 from tierckpt.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
-from tierckpt.tiers.base import ObjectInfo, Tier, check_key
+from tierckpt.tiers.base import Tier
 
 from .errors import UsageError
 
@@ -32,7 +31,6 @@ __all__ = [
     "checkpoint_objects",
     "find_latest",
     "holding_tiers",
-    "key_path",
     "list_all",
     "open_tiers",
     "rank_of_file",
@@ -47,7 +45,8 @@ def as_config(config: TierConfig | str | os.PathLike | None) -> TierConfig:
 
 
 def open_tiers(cfg: TierConfig, only: str | None = None) -> list[Tier]:
-    """The configured tiers, fastest first; ``only`` ("local" or "s3") keeps one of them."""
+    """The configured tiers, fastest first; ``only`` (a configuration section name, "local" or
+    "s3") keeps the tier of that section."""
     tiers = make_tiers(cfg)
     if only:
         picked = [t for t in tiers if t.name == only]
@@ -66,11 +65,6 @@ def rank_of_file(file: str) -> int | None:
         return int(file.split("-")[1].split(".")[0])
     except (IndexError, ValueError):
         return None
-
-
-def key_path(root: Path, key: str) -> Path:
-    """The file of tier key ``key`` under a local tier rooted at ``root``."""
-    return root.joinpath(*check_key(key).split("/"))
 
 
 # -- list --------------------------------------------------------------------------------------

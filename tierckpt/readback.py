@@ -122,23 +122,24 @@ def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier
 # -- range reads --------------------------------------------------------------------------------
 
 def read_checked(tier: Tier, key: str, start: int, buf: memoryview, check: Callable[[int, memoryview], list[Any]],
-                 tries: int = TRIES) -> list[Any]:
+                 tries: int = TRIES) -> tuple[list[Any], int]:
     """Read ``[start, start + len(buf))`` of ``key`` from ``tier`` into ``buf`` and check it.
 
-    ``check(start, buf)`` returns what is wrong (empty: intact). A range that fails is read
-    again, up to ``tries`` reads in all; returns the last ``check`` result (empty on success).
-    Read errors propagate (the tier has already retried its transport).
+    ``check(start, buf)`` returns what is wrong (empty: intact; items with a ``describe()``). A
+    range that fails is read again, up to ``tries`` reads in all. Returns the last ``check``
+    result (empty on success) and how many reads it took. Read errors propagate (the tier has
+    already retried its transport).
     """
     bad: list[Any] = []
     for attempt in range(1, tries + 1):
         tier.read_into(key, start, buf)
         bad = check(start, buf)
         if not bad:
-            return []
+            return [], attempt
         if attempt < tries:
-            log.warning("%s/%s: %s; reading the range again", tier.url, key, bad[0].describe()
-                        if hasattr(bad[0], "describe") else bad[0])
-    return bad
+            log.warning("%s/%s: %s; reading the range again", tier.url, key,
+                        bad[0].describe() if hasattr(bad[0], "describe") else bad[0])
+    return bad, tries
 
 
 # -- item reads -----------------------------------------------------------------------------------
