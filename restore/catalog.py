@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "checkpoint_objects",
     "find_latest",
     "holding_tiers",
+    "key_path",
     "list_all",
     "open_tiers",
     "rank_of_file",
@@ -65,6 +67,15 @@ def rank_of_file(file: str) -> int | None:
         return int(file.split("-")[1].split(".")[0])
     except (IndexError, ValueError):
         return None
+
+
+def key_path(root: Path, key: str) -> Path:
+    """The file of tier key ``key`` under a local tier rooted at ``root``. For tools and tests
+    that inspect a local tier's directory from outside; restore itself never uses it (it reads
+    and writes through the Tier API)."""
+    from tierckpt.tiers.base import check_key
+
+    return Path(root).joinpath(*check_key(key).split("/"))
 
 
 # -- list --------------------------------------------------------------------------------------
