@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_metadata
@@ -20,7 +20,7 @@ from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from tierckpt.layout import CheckpointManifest, check_checkpoint_id, metadata_key
 from tierckpt.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
-from tierckpt.tiers.base import ObjectInfo, Tier, check_key
+from tierckpt.tiers.base import Tier
 
 from .errors import UsageError
 
@@ -47,7 +47,8 @@ def as_config(config: TierConfig | str | os.PathLike | None) -> TierConfig:
 
 
 def open_tiers(cfg: TierConfig, only: str | None = None) -> list[Tier]:
-    """The configured tiers, fastest first; ``only`` ("local" or "s3") keeps one of them."""
+    """The configured tiers, fastest first; ``only`` (a configuration section name, "local" or
+    "s3") keeps the tier of that section."""
     tiers = make_tiers(cfg)
     if only:
         picked = [t for t in tiers if t.name == only]
@@ -69,8 +70,12 @@ def rank_of_file(file: str) -> int | None:
 
 
 def key_path(root: Path, key: str) -> Path:
-    """The file of tier key ``key`` under a local tier rooted at ``root``."""
-    return root.joinpath(*check_key(key).split("/"))
+    """The file of tier key ``key`` under a local tier rooted at ``root``. For tools and tests
+    that inspect a local tier's directory from outside; restore itself never uses it (it reads
+    and writes through the Tier API)."""
+    from tierckpt.tiers.base import check_key
+
+    return Path(root).joinpath(*check_key(key).split("/"))
 
 
 # -- list --------------------------------------------------------------------------------------

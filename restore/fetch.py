@@ -2,18 +2,20 @@
 
 Contract of :func:`fetch_checkpoint`:
 
-* The source is the S3 tier; ``latest`` is the newest checkpoint committed there.
-* Every selected data file is downloaded with parallel ranged GETs: ``[s3] concurrency`` workers
-  (fewer if ``workers x range`` would pass :data:`~restore.work.BUFFER_BUDGET`), ranges of about
-  ``[s3] part_size`` rounded to a multiple of the checkpoint's chunk size so that every range
-  holds whole CRC32C pieces. Each range is checked against its pieces *before* it is written;
-  a bad range is downloaded again (3 tries), then the fetch fails with ``ChecksumMismatch``.
-* Resumable: a file is written as ``<file>.partial`` next to its final name, with a sidecar
-  ``<file>.ranges.partial`` (JSON: save token, size, range size, indices of the ranges that are
-  written, verified and, with ``[local] fsync``, durable). Both names end in ``.partial``, so the
-  local tier never lists them. After an interruption (Ctrl-C, kill, crash) the next fetch
-  re-checks the recorded ranges on disk, keeps the good ones and downloads the rest. A finished
-  file is fsynced and renamed to its final name; the sidecar is removed.
+* The source is the last configured tier (S3), the destination the first (local); ``latest``
+  is the newest checkpoint committed on the source.
+* Every selected data file is downloaded with parallel ranged reads: the source tier's
+  ``read_concurrency`` workers (fewer if ``workers x range`` would pass
+  :data:`~tierckpt.readback.BUFFER_BUDGET`), ranges of :func:`tierckpt.readback.range_size`
+  (about ``[s3] part_size``, a multiple of the checkpoint's chunk size so that every range holds
+  whole CRC32C pieces). Each range is checked against its pieces *before* it is written; a bad
+  range is read again (:func:`tierckpt.readback.read_checked`, :data:`~tierckpt.readback.TRIES`
+  reads), then the fetch fails with ``ChecksumMismatch``.
+* Resumable: each file is written through the local tier's resumable sink
+  (:meth:`tierckpt.tiers.base.Tier.open_resumable`, one block per range, tagged with the save):
+  a block is recorded only once written and durable. After an interruption (Ctrl-C, kill,
+  crash) the next fetch re-checks the recorded ranges, keeps the good ones and downloads the
+  rest. Nothing appears under a file's final name before all of it is in and durable.
 * A file already present locally with the right size is checked range by range; if it is
   intact it is skipped, otherwise only its bad ranges are downloaded again.
 * ``ID/metadata.json`` is written on the local tier last, byte-identical to the S3 copy (same
@@ -22,47 +24,40 @@ Contract of :func:`fetch_checkpoint`:
   fetched, and the metadata is still written: :class:`tierckpt.TieredReader` reads each data file
   from the local tier when it is there and from S3 otherwise.
 * A local committed copy of the same id from a *different* save is never overwritten
-  (``CommitConflict``). Two fetches of one checkpoint into one local tier exclude each other
-  (``flock`` on ``ID/.tmp-fetch.lock``, a name the tier never lists).
+  (``CommitConflict``). Two fetches never write one file at once: the second fails, saying
+  another fetch is running (a resumable sink has one writer per key).
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from tierckpt import lease as leases
 from tierckpt.catalog import find_latest, read_checkpoint_metadata
 from tierckpt.config import TierConfig
-from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError
+from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError, TierError
 from tierckpt.layout import check_checkpoint_id, data_key, metadata_from_json, metadata_key
-from tierckpt.tiers import make_local, make_s3
-from tierckpt.tiers.base import Tier
-from tierckpt.tiers.local import fsync_dir
+from tierckpt.readback import TRIES, range_size, read_checked, workers
+from tierckpt.tiers.base import ResumableSink, Tier
 
-from .catalog import as_config, key_path, rank_of_file
+from .catalog import as_config, open_tiers, rank_of_file
 from .errors import UsageError
-from .pieces import FileCheck, aligned_range_size, files_items
-from .work import progress_bar, run_all, workers_for
+from .pieces import FileCheck, files_items
+from .work import progress_bar, run_all
 
-__all__ = ["PARTIAL", "SIDECAR", "FetchResult", "fetch_checkpoint"]
+__all__ = ["SIDECAR_FORMAT", "FetchResult", "fetch_checkpoint"]
 
 log = logging.getLogger("tierckpt.restore")
 
-PARTIAL = ".partial"  # the local tier's name for an object being written
-SIDECAR = ".ranges.partial"
-TMP = ".tmp-"  # the local tier never lists names starting with this
-SIDECAR_FORMAT = "tierckpt-restore/fetch-ranges/1"
-TRIES = 3
+SIDECAR_FORMAT = "tierckpt-restore/fetch-ranges/1"  # the tag's format: a resumed file must come from the same save
 
 
 @dataclass
@@ -91,156 +86,92 @@ class FetchResult:
 
 
 class _FilePlan:
-    """One data file being fetched: its ``.partial``, its sidecar, the ranges still missing."""
+    """One data file being fetched into ``local``: its resumable sink, the ranges still missing."""
 
-    def __init__(self, root: Path, cid: str, token: str, fc: FileCheck, range_size: int, fsync: bool) -> None:
+    def __init__(self, local: Tier, cid: str, token: str, fc: FileCheck, range_size: int) -> None:
+        self.local = local
         self.cid = cid
-        self.token = token
         self.fc = fc
         self.file = fc.file
         self.size = fc.size
+        self.key = data_key(cid, fc.file)
         self.range_size = range_size
-        self.fsync = fsync
-        self.final = key_path(root, data_key(cid, fc.file))
-        self.partial = self.final.with_name(fc.file + PARTIAL)
-        self.sidecar = self.final.with_name(fc.file + SIDECAR)
+        self.tag = {"format": SIDECAR_FORMAT, "checkpoint_id": cid, "save_token": token, "file": fc.file}
         self.ranges = fc.ranges(range_size)
-        self.done: set[int] = set()
-        self.fd: int | None = None
-        self.lock = threading.Lock()
+        self.sink: ResumableSink | None = None
         self.state = "fresh"  # "skipped", "resumed", "repaired", "fresh"
         self.reused = 0
 
     # -- preparation (main thread) ------------------------------------------------------
     def prepare(self) -> None:
-        """Decide what is still missing, checking whatever is already on disk."""
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        if self.size == 0:
-            if not self.final.exists():
-                self._write_empty()
-            self.state = "skipped"
-            return
-        if self.final.is_file():
-            if self.final.stat().st_size == self.size:
-                good = self._check_on_disk(self.final, range(len(self.ranges)))
+        """Decide what is still missing, checking whatever the local tier holds already."""
+        adopt = False
+        if self.local.exists(self.key):
+            got = self.local.size(self.key)
+            if got == self.size:
+                good = self._check(range(len(self.ranges)), lambda i, s, buf: self.local.read_into(self.key, s, buf))
                 if len(good) == len(self.ranges):
                     self.state = "skipped"
-                    self.done = good
                     self.reused = self.size
                     return
-                log.warning("%s: %d of %d ranges fail their checksums; downloading them again",
-                            self.final, len(self.ranges) - len(good), len(self.ranges))
-                os.replace(self.final, self.partial)
-                self.done = good
+                log.warning("%s/%s: %d of %d ranges fail their checksums; downloading them again",
+                            self.local.url, self.key, len(self.ranges) - len(good), len(self.ranges))
+                adopt = True
                 self.state = "repaired"
             else:
-                log.warning("%s has %d bytes, the manifest says %d; downloading it again",
-                            self.final, self.final.stat().st_size, self.size)
-                self.final.unlink()
-        elif self.partial.is_file() and self.partial.stat().st_size == self.size:
-            recorded = self._read_sidecar()
-            if recorded:
-                self.done = self._check_on_disk(self.partial, sorted(recorded))
-                if self.done:
-                    self.state = "resumed"
-        self.reused = sum(self.ranges[i][1] - self.ranges[i][0] for i in self.done)
-        if not self.done:
-            self._remove_partial()
-        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)
-        os.ftruncate(self.fd, self.size)
-        self._save_sidecar()
-
-    def _write_empty(self) -> None:
-        with open(self.partial, "wb") as f:
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(self.partial, self.final)
-
-    def _read_sidecar(self) -> set[int]:
+                log.warning("%s/%s has %d bytes, the manifest says %d; downloading it again",
+                            self.local.url, self.key, got, self.size)
+                self.local.delete(self.key)
         try:
-            doc = json.loads(self.sidecar.read_bytes())
-            if (doc.get("format") != SIDECAR_FORMAT or doc.get("checkpoint_id") != self.cid
-                    or doc.get("save_token") != self.token or doc.get("file") != self.file
-                    or doc.get("size") != self.size or doc.get("range_size") != self.range_size):
-                return set()
-            return {int(i) for i in doc.get("done", []) if 0 <= int(i) < len(self.ranges)}
-        except (OSError, ValueError, TypeError, AttributeError):
-            return set()
+            self.sink = self.local.open_resumable(self.key, self.size, block=self.range_size, tag=self.tag, adopt=adopt)
+        except TierError as e:
+            if e.errno == errno.EBUSY:
+                raise TierckptError(f"another fetch of {self.cid} into {self.local.url} is running ({e}); "
+                                    "wait for it, or stop it") from None
+            raise
+        sink = self.sink
+        if adopt:
+            sink.keep(sink.recorded & good)
+        elif sink.recorded:
+            sink.keep(self._check(sorted(sink.recorded), lambda i, _s, buf: sink.read_block(i, buf)))
+            if sink.recorded:
+                self.state = "resumed"
+        self.reused = sum(self.ranges[i][1] - self.ranges[i][0] for i in sink.recorded)
+        if not self.missing():
+            self.state = "skipped" if self.state == "fresh" else self.state
 
-    def _save_sidecar(self) -> None:
-        doc = {"format": SIDECAR_FORMAT, "checkpoint_id": self.cid, "save_token": self.token, "file": self.file,
-               "size": self.size, "range_size": self.range_size, "done": sorted(self.done)}
-        tmp = self.sidecar.with_name(f"{TMP}{uuid.uuid4().hex}-{self.sidecar.name}")  # never listed by the tier
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self.sidecar)
-
-    def _check_on_disk(self, path: Path, indices: Iterable[int]) -> set[int]:
+    def _check(self, indices: Iterable[int], read) -> set[int]:
+        """The ranges among ``indices`` whose bytes (``read(i, start, buf)``) pass their CRC32C."""
         good: set[int] = set()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for i in indices:
-                s, e = self.ranges[i]
-                buf = np.empty(e - s, dtype=np.uint8)
-                if os.preadv(fd, [memoryview(buf)], s) == e - s and not self.fc.check(s, buf):
-                    good.add(i)
-        finally:
-            os.close(fd)
-        return good
-
-    def _remove_partial(self) -> None:
-        for p in (self.partial, self.sidecar):
+        for i in indices:
+            s, e = self.ranges[i]
+            buf = np.empty(e - s, dtype=np.uint8)
             try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+                read(i, s, memoryview(buf))
+            except (TierckptError, OSError) as err:
+                log.warning("%s/%s: cannot re-check bytes [%d, %d): %s", self.local.url, self.key, s, e, err)
+                continue
+            if not self.fc.check(s, buf):
+                good.add(i)
+        return good
 
     # -- downloading (worker threads) ---------------------------------------------------
     def missing(self) -> list[int]:
-        return [i for i in range(len(self.ranges)) if i not in self.done]
-
-    def write_range(self, i: int, buf: np.ndarray) -> None:
-        """Write verified range ``i``, make it durable, record it in the sidecar."""
-        assert self.fd is not None
-        s, _e = self.ranges[i]
-        mv = memoryview(buf)
-        off = s
-        while len(mv):
-            n = os.pwrite(self.fd, mv, off)
-            mv = mv[n:]
-            off += n
-        if self.fsync:
-            os.fdatasync(self.fd)
-        with self.lock:
-            self.done.add(i)
-            self._save_sidecar()
+        done = self.sink.recorded if self.sink is not None else set(range(len(self.ranges)))
+        return [i for i in range(len(self.ranges)) if i not in done]
 
     # -- the end ------------------------------------------------------------------------
     def finish(self) -> None:
-        """All ranges are in: make the file durable and give it its final name."""
-        if self.fd is None:
-            return
-        if self.fsync:
-            os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = None
-        os.replace(self.partial, self.final)
-        try:
-            self.sidecar.unlink()
-        except FileNotFoundError:
-            pass
+        """All ranges are in: the file becomes durable under its final name."""
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
 
     def close(self) -> None:
-        """Interrupted: keep ``.partial`` and sidecar for the next run."""
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
+        """Interrupted: keep what landed for the next run."""
+        if self.sink is not None:
+            self.sink.suspend()
+            self.sink = None
 
 
 def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_id: str = "latest",
@@ -266,18 +197,17 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
         if bad:  # checked before any tier is contacted
             raise UsageError(f"--rank {bad[0]!r}: ranks are integers from 0")
     cfg = as_config(config)
-    if cfg.local is None or cfg.s3 is None:
+    tiers = open_tiers(cfg)
+    if len(tiers) < 2:
+        for t in tiers:
+            t.close()
         raise UsageError(f"fetch copies from [s3] to [local]: the configuration{(' ' + cfg.source) if cfg.source else ''} "
                          "needs both sections")
-    local = make_local(cfg)
-    s3 = make_s3(cfg)
-    assert local is not None and s3 is not None
+    local, s3 = tiers[0], tiers[-1]
     plans: list[_FilePlan] = []
-    lock_fd: int | None = None
     held: list[leases.Lease] = []
     try:
         cid = _resolve_on_s3(s3, local, checkpoint_id)
-        lock_fd = _lock(cfg.local.resolved_path(), cid)
         # Leases: gc or retention anywhere leaves the S3 copy and the local files alone meanwhile.
         held.append(leases.acquire(s3, cid, purpose="fetch"))
         held.append(leases.acquire(local, cid, kind="fetch", purpose="fetch into this tier", require_committed=False))
@@ -289,13 +219,12 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
         rank_list = None if ranks is None else sorted(set(ranks))
         res = FetchResult(cid, f"{local.url}/{cid}", f"{s3.url}/{cid}", rank_list, sorted(selected))
         by_file = files_items(md)
-        rsize = aligned_range_size(man.chunk_size, cfg.s3.part_size)
-        root = cfg.local.resolved_path()
+        rsize = range_size(s3, man.chunk_size)
         for file in sorted(selected):
             fc = FileCheck(file, man.files[file], by_file.get(file, []), man.chunk_size)
             if fc.covered != fc.size:
                 raise CorruptCheckpoint(f"{s3.url}/{mkey}: the CRC pieces of {file} cover {fc.covered} of {fc.size} bytes")
-            plans.append(_FilePlan(root, cid, man.save_token, fc, rsize, cfg.local.fsync))
+            plans.append(_FilePlan(local, cid, man.save_token, fc, rsize))
         for p in plans:
             p.prepare()
             res.bytes_reused += p.reused
@@ -305,21 +234,24 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
                 res.resumed.append(p.file)
             elif p.state == "repaired":
                 res.repaired.append(p.file)
-        todo = [p for p in plans if p.state != "skipped"]
+        todo = [p for p in plans if p.sink is not None]
         for p in todo:
-            got = s3.size(data_key(cid, p.file))
-            if got != p.size:
-                raise CorruptCheckpoint(f"{s3.url}/{data_key(cid, p.file)}: the object has {got} bytes, the manifest says {p.size}")
-        _download(cfg, s3, cid, todo, res, progress)
+            if p.missing():
+                got = s3.size(p.key)
+                if got != p.size:
+                    raise CorruptCheckpoint(f"{s3.url}/{p.key}: the object has {got} bytes, the manifest says {p.size}")
+        _download(s3, cid, todo, res, progress)
         for p in todo:
             p.finish()
-            res.downloaded.append(p.file)
-        if cfg.local.fsync:
-            for d in sorted({p.final.parent for p in todo}):
-                fsync_dir(d)
+            if p.state != "skipped":
+                res.downloaded.append(p.file)
         if local_raw != raw:
             # Last: the local copy becomes committed only now, with S3's bytes (same commit time).
-            local.put(mkey, raw, if_absent=local_raw is None)
+            try:
+                local.put(mkey, raw, if_absent=local_raw is None)
+            except CommitConflict:
+                if _local_metadata(local, cid, man.save_token) != raw:  # another fetch committed the same save: fine
+                    raise
         res.committed = True
         res.seconds = time.perf_counter() - t0
         return res
@@ -328,26 +260,8 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
             p.close()
         for lease in held:
             lease.release()
-        if lock_fd is not None:
-            os.close(lock_fd)  # releases the lock
-        local.close()
-        s3.close()
-
-
-def _lock(root: Path, cid: str) -> int:
-    """Hold an exclusive lock on ``ID/.tmp-fetch.lock`` (a name the tier never lists) so that two
-    fetches of one checkpoint into one local tier never write the same ``.partial`` files."""
-    import fcntl
-
-    path = key_path(root, metadata_key(cid)).with_name(f"{TMP}fetch.lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise TierckptError(f"another fetch of {cid} into {root} is running; wait for it, or stop it") from None
-    return fd
+        for t in tiers:
+            t.close()
 
 
 def _resolve_on_s3(s3: Tier, local: Tier, checkpoint_id: str) -> str:
@@ -388,7 +302,7 @@ def _select(files: dict[str, int], world: int, ranks: Iterable[int] | None) -> d
     return {f: s for f, s in files.items() if rank_of_file(f) in want}
 
 
-def _download(cfg: TierConfig, s3: Tier, cid: str, plans: list[_FilePlan], res: FetchResult, progress: bool) -> None:
+def _download(s3: Tier, cid: str, plans: list[_FilePlan], res: FetchResult, progress: bool) -> None:
     tasks = [(p, i) for p in plans for i in p.missing()]
     if not tasks:
         return
@@ -402,21 +316,17 @@ def _download(cfg: TierConfig, s3: Tier, cid: str, plans: list[_FilePlan], res: 
         if stop.is_set():
             return 0
         s, e = p.ranges[i]
-        key = data_key(cid, p.file)
         buf = np.empty(e - s, dtype=np.uint8)
-        for attempt in range(1, TRIES + 1):
-            s3.read_into(key, s, memoryview(buf))
-            bad = p.fc.check(s, buf)
-            if not bad:
-                break
-            if attempt == TRIES:
-                raise ChecksumMismatch(f"checkpoint {cid}: {s3.url}/{key}: {bad[0].describe()}"
-                                       + (f" (and {len(bad) - 1} more pieces)" if len(bad) > 1 else "")
-                                       + f"; downloaded {TRIES} times: the S3 copy is corrupt")
-            log.warning("%s/%s: %s; downloading the range again", s3.url, key, bad[0].describe())
+        bad, reads = read_checked(s3, p.key, s, memoryview(buf), p.fc.check)
+        if reads > 1:
             with lock:
-                res.ranges_retried += 1
-        p.write_range(i, buf)
+                res.ranges_retried += reads - 1
+        if bad:
+            raise ChecksumMismatch(f"checkpoint {cid}: {s3.url}/{p.key}: {bad[0].describe()}"
+                                   + (f" (and {len(bad) - 1} more pieces)" if len(bad) > 1 else "")
+                                   + f"; downloaded {TRIES} times: the S3 copy is corrupt")
+        assert p.sink is not None
+        p.sink.write_block(i, memoryview(buf))
         return e - s
 
     def done(task: tuple[_FilePlan, int], n: int) -> None:
@@ -424,8 +334,6 @@ def _download(cfg: TierConfig, s3: Tier, cid: str, plans: list[_FilePlan], res: 
         bar.update(n)
 
     try:
-        run_all(one, tasks, workers_for(cfg, s3, max(p.range_size for p in plans)), done, stop)
+        run_all(one, tasks, workers(s3, max(p.range_size for p in plans)), done, stop)
     finally:
         bar.close()
-
-

@@ -1,14 +1,15 @@
 """``gc``: apply the retention policy now, per tier, as the writer does after each commit.
 
 Per tier, with :func:`tierckpt.retention.plan_retention`: the newest ``keep`` committed
-checkpoints stay (``[local] keep``; ``[s3] keep`` plus every checkpoint whose step is a multiple
-of ``[s3] keep_every``; 0 keeps all), in commit order (the sequence in each metadata header,
+checkpoints stay (the tier's ``keep`` and ``keep_every`` flags, from its configuration section:
+``[local] keep``; ``[s3] keep`` plus every checkpoint whose step is a multiple of
+``[s3] keep_every``; 0 keeps all), in commit order (the sequence in each metadata header,
 never file times). The newest committed checkpoint of a tier is never deleted, nor one that is
 leased (being loaded, fetched, verified, consolidated or saved by any process), nor a local one
 that S3 should get and lacks (a job's promoter uploads it). Partial (never committed) checkpoints
 go once no live save or fetch holds a lease on them. Every deletion runs the lease protocol
-(:mod:`tierckpt.lease`): metadata first, then exactly the objects listed. On S3, multipart uploads
-older than ``[job] commit_timeout`` are aborted too.
+(:mod:`tierckpt.lease`): metadata first, then exactly the objects listed. Leftovers of interrupted
+writes older than ``[job] commit_timeout`` (S3 multipart uploads) go too (``Tier.abort_stale``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import TierckptError
 from tierckpt.lease import live_leases
 from tierckpt.retention import RetentionPlan, apply_retention, plan_retention
-from tierckpt.tiers.local import drain_deletions
 from tierckpt.tiers.base import Tier
 
 from .catalog import as_config, open_tiers
@@ -54,14 +54,6 @@ class GcResult:
     def to_json(self) -> dict:
         return {"dry_run": self.dry_run, "actions": [a.to_json() for a in self.actions], "kept": self.kept,
                 "aborted_uploads": self.aborted_uploads}
-
-
-def _policy(cfg: TierConfig, tier: Tier) -> tuple[int, int]:
-    if tier.name == "s3" and cfg.s3 is not None:
-        return cfg.s3.keep, cfg.s3.keep_every
-    if cfg.local is not None:
-        return cfg.local.keep, 0
-    return 0, 0
 
 
 def owed_to_next_tier(tiers: list[Tier], keep_every: int = 0) -> set[str]:
@@ -97,14 +89,14 @@ def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bo
     res = GcResult(dry_run=dry_run)
     try:
         try:
-            owed = owed_to_next_tier(every, cfg.s3.keep_every if cfg.s3 is not None else 0)
+            owed = owed_to_next_tier(every, every[-1].keep_every)
         except TierckptError as e:
             log.warning("cannot tell which checkpoints are not on %s yet (%s): keeping every committed one", every[-1].url, e)
             owed = {c.checkpoint_id for t in every[:-1] for c in list_checkpoints(t) if c.committed}
         for t in tiers:
             infos = list_checkpoints(t)
             leased = set(live_leases(t))
-            keep, keep_every = _policy(cfg, t)
+            keep, keep_every = t.keep, t.keep_every
             protect = leased | (owed if t is not every[-1] else set())
             plan = plan_retention(infos, keep, keep_every, protect)
             sizes = {c.checkpoint_id: c.size for c in infos}
@@ -120,11 +112,10 @@ def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bo
                 if not dry_run:
                     action.deleted = bool(apply_retention(t, RetentionPlan(delete=[(cid, why)], keep=[]), infos))
             if not dry_run:
-                abort = getattr(t, "abort_stale_uploads", None)
-                if abort is not None:
-                    res.aborted_uploads += abort("", older_than_s=cfg.job.commit_timeout)
+                res.aborted_uploads += t.abort_stale(cfg.job.commit_timeout)
         if not dry_run:
-            drain_deletions()  # local deletions finish in the background: gc returns when they are done
+            for t in tiers:
+                t.wait_deletions()  # deletions may finish in the background: gc returns when they are done
         return res
     finally:
         for t in every:

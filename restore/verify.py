@@ -23,19 +23,18 @@ from tierckpt import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.layout import CheckpointManifest, data_key
-from tierckpt.reader import read_checkpoint_metadata
+from tierckpt.catalog import read_checkpoint_metadata
+from tierckpt.readback import range_size
 from tierckpt.tiers.base import Tier
 
 from .catalog import as_config, checkpoint_objects, holding_tiers, open_tiers, resolve_id
-from .pieces import FileCheck, aligned_range_size, files_items
+from .pieces import FileCheck, files_items
 from .work import progress_bar, run_all, workers_for
 
 log = logging.getLogger("tierckpt.restore")
 
 __all__ = ["Problem", "TierReport", "VerifyReport", "verify_checkpoint"]
 
-MiB = 1 << 20
-LOCAL_RANGE = 32 * MiB
 
 
 @dataclass
@@ -148,7 +147,7 @@ def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_
             all_files.update(man.files)
             sizes = {name: info.size for name, info in checkpoint_objects(t, cid).items()}
             by_file = files_items(md)
-            rsize = aligned_range_size(man.chunk_size, cfg.s3.part_size if t.name == "s3" and cfg.s3 else LOCAL_RANGE)
+            rsize = range_size(t, man.chunk_size)
             for file, want in sorted(man.files.items()):
                 got = sizes.get(file)
                 if got is None:
@@ -220,6 +219,6 @@ def _run(cfg: TierConfig, tasks: list[_Task], progress: bool, cid: str, bad_file
         # Tiers one after the other (each with its own parallelism); within one, files in order.
         for ts in by_tier.values():
             rsize = max(t.end - t.start for t in ts)
-            run_all(one, ts, workers_for(cfg, ts[0].tier, rsize), done, stop)
+            run_all(one, ts, workers_for(ts[0].tier, rsize), done, stop)
     finally:
         bar.close()

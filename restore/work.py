@@ -10,16 +10,12 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from tierckpt.config import TierConfig
+from tierckpt.readback import BUFFER_BUDGET, workers
 from tierckpt.tiers.base import Tier
 
 __all__ = ["BUFFER_BUDGET", "progress_bar", "run_all", "workers_for"]
 
 T = TypeVar("T")
-
-BUFFER_BUDGET = 1 << 30
-"""Bytes of range buffers in flight at once (workers x range size) in verify and fetch."""
-
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> tqdm:
     """A tqdm bar on stderr. ``enabled=True`` shows it on a terminal only; False never."""
@@ -28,16 +24,11 @@ def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> tqdm:
                 dynamic_ncols=True, leave=False, **kw)
 
 
-def workers_for(cfg: TierConfig, tier: Tier, range_size: int, budget: int = BUFFER_BUDGET) -> int:
-    """Parallel range reads on ``tier``: ``[s3] concurrency`` or ``[local] flush_threads``, capped so
-    that ``workers * range_size`` stays within ``budget`` bytes."""
-    if tier.name == "s3" and cfg.s3 is not None:
-        n = cfg.s3.concurrency
-    elif cfg.local is not None:
-        n = cfg.local.flush_threads
-    else:
-        n = 4
-    return max(1, min(n, budget // max(1, range_size)))
+def workers_for(tier: Tier, range_size: int, budget: int = BUFFER_BUDGET) -> int:
+    """Parallel range reads on ``tier``: its ``read_concurrency`` (``[s3] concurrency``,
+    ``[local] flush_threads``), capped so that ``workers * range_size`` stays within ``budget``
+    bytes (:func:`tierckpt.readback.workers`)."""
+    return workers(tier, range_size, budget)
 
 
 def run_all(fn: Callable[[T], Any], tasks: Iterable[T], workers: int, on_done: Callable[[T, Any], None] | None = None,

@@ -178,10 +178,9 @@ def ids_on(root: Path) -> list[str]:
 
 
 def data_path(root: Path, checkpoint_id: str, file: str) -> Path:
-    from restore.catalog import key_path
     from tierckpt.layout import data_key
 
-    return key_path(root, data_key(checkpoint_id, file))
+    return root.joinpath(*data_key(checkpoint_id, file).split("/"))
 
 
 # -- local-only: list, latest, verify, gc ------------------------------------------------------
@@ -594,13 +593,21 @@ def test_fetch_errors(s3_ckpt, tmp_path):
     _cfg_a, cfg_b, _root_b, _sd = s3_ckpt
     assert_one_line_error(cli("fetch", "step-6", config=cfg_b), 1, "step-6", "not committed")
     assert_one_line_error(cli("fetch", "step-5", "--rank", "3", config=cfg_b), 2, "--rank 3", "1 rank")
-    from restore.fetch import _lock
+    from tierckpt.catalog import read_checkpoint_metadata
+    from tierckpt.layout import data_key
+    from tierckpt.tiers import make_local, make_s3
 
-    held = _lock(load_config(cfg_b).local.resolved_path(), "step-5")  # as if another fetch ran
+    conf = load_config(cfg_b)
+    s3t, local = make_s3(conf), make_local(conf)
+    _md, man = read_checkpoint_metadata(s3t, "step-5")
+    file = sorted(man.files)[0]
+    held = local.open_resumable(data_key("step-5", file), man.files[file], block=5 * MiB)  # as if another fetch ran
     try:
         assert_one_line_error(cli("fetch", "step-5", config=cfg_b), 3, "another fetch of step-5")
     finally:
-        os.close(held)
+        held.abort()
+        s3t.close()
+        local.close()
     dead = write_config(tmp_path / "dead.toml", local=tmp_path / "d",
                         s3=S3Config(bucket="nope", prefix="ckpt", endpoint_url="http://127.0.0.1:9", part_size=5 * MiB))
     p = cli("fetch", "latest", config=dead, env={"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"})

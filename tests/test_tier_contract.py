@@ -286,6 +286,95 @@ class TierContract(BitExactContract):
                     op()
         assert list(tier.list()) == []
 
+    # -- resumable sinks (open_resumable) and wait_deletions -----------------------------------
+    def _resumable_written(self, tier: Tier, key: str, data: bytes, blocks: list[int], tag: dict) -> set[int]:
+        """Open, write ``blocks``, suspend; return what a reopen with the same tag has recorded."""
+        sink = tier.open_resumable(key, len(data), block=PS, tag=tag)
+        assert sink.recorded == set() and sink.blocks() == 3
+        for i in blocks:
+            s, e = sink.span(i)
+            sink.write_block(i, memoryview(data[s:e]))
+        with pytest.raises(TierError, match="being written"):
+            tier.open_resumable(key, len(data), block=PS, tag=tag)  # one writer per key
+        assert not tier.exists(key)
+        sink.suspend()
+        assert not tier.exists(key)
+        again = tier.open_resumable(key, len(data), block=PS, tag=tag)
+        try:
+            return set(again.recorded)
+        finally:
+            again.suspend()
+
+    def test_resumable_sink_resumes_and_closes(self, tier: Tier) -> None:
+        data = _data(2 * PS + 7, 11)
+        key = "res/rank-0.data"
+        recorded = self._resumable_written(tier, key, data, [0, 2], {"save": "a"})
+        assert recorded <= {0, 2}
+        sink = tier.open_resumable(key, len(data), block=PS, tag={"save": "a"})
+        assert sink.recorded == recorded
+        for i in sorted(recorded):
+            s, e = sink.span(i)
+            buf = bytearray(e - s)
+            sink.read_block(i, memoryview(buf))
+            assert bytes(buf) == data[s:e]
+        sink.keep(set(recorded))
+        with pytest.raises(CorruptCheckpoint, match="never written"):
+            sink.close()  # a block is missing: refused, the sink stays usable
+        for i in range(sink.blocks()):
+            if i not in sink.recorded:
+                s, e = sink.span(i)
+                sink.write_block(i, memoryview(data[s:e]))
+        assert not tier.exists(key)
+        sink.close()
+        assert tier.get(key) == data
+        assert self.leftover_partials(tier) == []
+        assert [i.key for i in tier.list("res/")] == [key]
+
+    def test_resumable_sink_other_tag_starts_over_and_abort_leaves_nothing(self, tier: Tier) -> None:
+        data = _data(2 * PS + 7, 12)
+        key = "res2/rank-0.data"
+        self._resumable_written(tier, key, data, [1], {"save": "a"})
+        sink = tier.open_resumable(key, len(data), block=PS, tag={"save": "b"})
+        assert sink.recorded == set()
+        sink.write_block(0, memoryview(data[:PS]))
+        sink.abort()
+        assert not tier.exists(key)
+        assert self.leftover_partials(tier) == []
+        assert list(tier.list("res2/")) == []
+
+    def test_resumable_sink_adopts_an_existing_object(self, tier: Tier) -> None:
+        old = _data(2 * PS + 7, 13)
+        new = _data(2 * PS + 7, 14)
+        key = "res3/rank-0.data"
+        sink0 = tier.open_sink(key, len(old))
+        sink0.write_at(0, memoryview(old))
+        sink0.close()
+        sink = tier.open_resumable(key, len(new), block=PS, tag={"save": "a"}, adopt=True)
+        assert sink.recorded <= {0, 1, 2}
+        sink.keep(sink.recorded & {0})
+        kept = set(sink.recorded)
+        for i in range(sink.blocks()):
+            if i not in kept:
+                s, e = sink.span(i)
+                sink.write_block(i, memoryview(new[s:e]))
+        sink.close()
+        want = (old[:PS] if 0 in kept else new[:PS]) + new[PS:]
+        assert tier.get(key) == want
+        assert self.leftover_partials(tier) == []
+
+    def test_empty_resumable_object(self, tier: Tier) -> None:
+        sink = tier.open_resumable("res4/empty.data", 0, block=PS)
+        assert sink.blocks() == 0
+        sink.close()
+        assert tier.exists("res4/empty.data") and tier.size("res4/empty.data") == 0
+
+    def test_wait_deletions(self, tier: Tier) -> None:
+        for i in range(3):
+            tier.put(f"del/x{i}", b"abc")
+        tier.delete_prefix("del/")
+        tier.wait_deletions()
+        assert list(tier.list("del/")) == []
+
 
 # -- the tiers ---------------------------------------------------------------------------------
 
@@ -300,6 +389,19 @@ class TestLocalTier(TierContract):
     def leftover_partials(self, tier: Tier) -> list[str]:
         root = Path(tier.url)
         return [str(p) for p in root.rglob("*") if p.name.endswith(".partial") or p.name.startswith(".tmp-")]
+
+    def test_resumable_sink_records_exactly_what_landed(self, tier: Tier) -> None:
+        """The local tier keeps partial objects across processes: a reopen resumes every written
+        block, and an adopted object has every block recorded."""
+        data = _data(2 * PS + 7, 15)
+        assert self._resumable_written(tier, "loc/rank-0.data", data, [0, 2], {"save": "a"}) == {0, 2}
+        sink = tier.open_resumable("loc/rank-0.data", len(data), block=PS, tag={"save": "a"})
+        sink.write_block(1, memoryview(data[PS:2 * PS]))
+        sink.close()
+        sink = tier.open_resumable("loc/rank-0.data", len(data), block=PS, tag={"save": "x"}, adopt=True)
+        assert sink.recorded == {0, 1, 2} and not tier.exists("loc/rank-0.data")
+        sink.close()
+        assert tier.get("loc/rank-0.data") == data
 
 
 class _S3Base:

@@ -326,7 +326,7 @@ class Engine:
             except BaseException:  # noqa: BLE001 - reported through raise_errors
                 pass
         for t in self.chain.built():
-            t.settle()  # deferred deletions (retention) are part of "everything done"
+            t.wait_deletions()  # deferred deletions (retention) are part of "everything done"
         self.raise_errors(owner)
 
     def close(self) -> None:

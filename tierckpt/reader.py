@@ -9,13 +9,13 @@ DCP calls (``dcp.load``)::
     prepare_local_plan / prepare_global_plan unchanged
     read_data(plan, planner)                 every rank: coalesced, parallel, verified reads
 
-For each data file the reader uses the local tier if this node holds a committed copy of the
-checkpoint and the file, else S3. Items of one file are read in offset order, adjacent ones
-merged into one scatter read (straight into the destination tensor when it is a contiguous CPU
-tensor of the saved dtype and shape), several runs in parallel. Every item's CRC32C pieces are
-checked; on a mismatch the item is read again from the next tier holding it, and the reader
-logs which tier served what. Non-tensor items are unpickled with ``weights_only=True`` unless
-``allow_pickle=True``.
+The bytes come through :class:`tierckpt.readback.Readback`, the one verified multi-tier read
+engine: per data file the fastest tier holding a committed copy (local when this node has the
+file, else the next tier), adjacent items merged into one scatter read (straight into the
+destination tensor when it is a contiguous CPU tensor of the saved dtype and shape), runs in
+parallel, every item's CRC32C checked, a failing item read again from the next tier holding it.
+This module only turns DCP plans into read requests and delivers them. Non-tensor items are
+unpickled with ``weights_only=True`` unless ``allow_pickle=True``.
 """
 
 from __future__ import annotations
@@ -23,30 +23,26 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from . import lease as leases
 from .catalog import find_latest, read_checkpoint_metadata
 from .config import TierConfig, load_config
-from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .layout import DTYPES, ItemRecord, check_checkpoint_id, data_key, item_intact, metadata_key, padded
+from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
+from .layout import DTYPES, ItemRecord, check_checkpoint_id
+from .readback import Readback, Request, hold
 from .tiers import make_tiers
 from .tiers.base import Tier
 
 __all__ = ["TieredReader", "open_tiers", "read_checkpoint_metadata"]
 
 log = logging.getLogger("tierckpt")
-
-MAX_RUN = 16 << 20  # bytes per merged read: small enough to keep every reader thread busy
-MAX_GAP = 256 << 10  # merge items separated by at most this many bytes
 
 
 def open_tiers(cfg: TierConfig) -> list[Tier]:
@@ -62,8 +58,7 @@ class _Item:
     direct: torch.Tensor | None = None  # destination read into directly
     targets: list[torch.Tensor] = field(default_factory=list)
     scratch: torch.Tensor | None = None
-    data: bytes | None = None
-    pad: bytearray = field(default_factory=bytearray)
+    data: Any = None
 
 
 class TieredReader(StorageReader):
@@ -80,8 +75,8 @@ class TieredReader(StorageReader):
         self.cfg = config if isinstance(config, TierConfig) else load_config(config)
         self.tiers = open_tiers(self.cfg)
         self.allow_pickle = allow_pickle
-        default_threads = self.cfg.local.flush_threads if self.cfg.local else (self.cfg.s3.concurrency if self.cfg.s3 else 4)
-        self.threads = max(1, threads or default_threads)
+        # the fastest tier's read_concurrency: [local] flush_threads, or [s3] concurrency without a local tier
+        self.threads = max(1, threads or (self.tiers[0].read_concurrency if self.tiers else 4))
         self.checkpoint_id: str = "latest"
         self.resolved_id: str | None = None
         self.metadata: Metadata | None = None
@@ -89,7 +84,6 @@ class TieredReader(StorageReader):
         self._holding: list[Tier] = []
         self._leases: list[leases.Lease] = []
         self.served: dict[str, str] = {}  # file -> tier name that served it (last read)
-        self._lock = threading.Lock()
 
     # -- DCP StorageReader ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -145,25 +139,14 @@ class TieredReader(StorageReader):
         self.resolved_id = str(sm.checkpoint_id)
         recs = list((metadata.storage_data or {}).values())
         self.chunk_size = getattr(recs[0], "chunk_size", 0) if recs else 0
-        self._holding = []
-        self._file_tier: dict[str, Tier] = {}  # where each data file is read from (one lookup per file)
         self.release()
-        gone = []
-        for tier in self.tiers:
-            try:
-                if not tier.exists(metadata_key(self.resolved_id)):
-                    continue
-                # A lease keeps retention and gc (in any process) away until read_data is done.
-                self._leases.append(leases.acquire(tier, self.resolved_id, purpose="load"))
-                self._holding.append(tier)
-            except CheckpointNotFound as e:
-                gone.append(str(e))
-                log.warning("%s", e)
-            except TierckptError as e:
-                log.warning("tier %s unreachable while loading %s: %s", tier.url, self.resolved_id, e)
-        if not self._holding:
-            raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a committed copy"
-                                     + (f" ({'; '.join(gone)})" if gone else ""))
+        # A lease on every tier holding a committed copy keeps retention and gc (in any process)
+        # away until read_data is done.
+        try:
+            self._holding, self._leases = hold(self.tiers, self.resolved_id, "load")
+        except CheckpointNotFound as e:
+            raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a "
+                                     f"committed copy ({e})") from None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return dataclasses.replace(plan, storage_data=self.resolved_id)
@@ -198,25 +181,20 @@ class TieredReader(StorageReader):
                 g = groups[ri.storage_index] = _Item(ri.storage_index, rec, [])
             g.reads.append(ri)
         items = list(groups.values())
+        requests: list[Request] = []
         for it in items:  # resolve destinations on the calling thread
             if it.rec.is_tensor:
                 it.targets = [planner.resolve_tensor(ri) for ri in it.reads]
                 if len(it.reads) == 1 and _is_whole(it.reads[0], it.rec) and _direct_ok(it.targets[0], it.rec):
                     it.direct = it.targets[0]
-        runs = _runs([it for it in items if it.rec.length])  # empty items have no bytes to read
-        for it in items:
-            if not it.rec.length:
-                if it.rec.is_tensor:
-                    it.scratch = torch.empty(0, dtype=torch.uint8)
-                else:
-                    it.data = b""
-                self._deliver(it)
+            what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
+            requests.append(Request(it.rec, self._buffer(it), what, done=lambda r, it=it: self._done(it, r)))
+        engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
         try:
-            with ThreadPoolExecutor(max_workers=min(self.threads, max(1, len(runs))), thread_name_prefix="tierckpt-read") as ex:
-                for f in [ex.submit(self._read_run, run) for run in runs]:
-                    f.result()
+            engine.read(requests)
         finally:
             self.release()
+            self.served.update(engine.served)
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
                 for ri, t in zip(it.reads, it.targets):
@@ -229,105 +207,19 @@ class TieredReader(StorageReader):
         return fut
 
     def _buffer(self, it: _Item) -> memoryview:
+        """Where the item's bytes land: the destination tensor itself, or a scratch buffer."""
         if it.direct is not None:
             return _bytes_view(it.direct)
         if not it.rec.is_tensor:
-            it.data = bytearray(it.rec.length)  # type: ignore[assignment]
-            return memoryview(it.data)  # type: ignore[arg-type]
+            it.data = bytearray(it.rec.length)
+            return memoryview(it.data)
         it.scratch = torch.empty(it.rec.length, dtype=torch.uint8)
         return memoryview(it.scratch.numpy())
 
-    def _read_run(self, run: list[_Item]) -> None:
-        file = run[0].rec.file
-        key = data_key(self.resolved_id, file)
-        start = run[0].rec.pos
-        bufs: list[memoryview] = []
-        at = start
-        for it in run:
-            if it.rec.pos > at:
-                bufs.append(memoryview(bytearray(it.rec.pos - at)))
-            bufs.append(self._buffer(it))
-            it.pad = bytearray(padded(it.rec.length) - it.rec.length)
-            if it.pad:
-                bufs.append(memoryview(it.pad))
-            at = it.rec.pos + padded(it.rec.length)
-        tier = self._tier_for(file)
-        read_err: BaseException | None = None
-        try:
-            tier.read_ranges(key, start, bufs)
-            bad = [it for it in run if not self._verify(it)]
-        except (CorruptCheckpoint, CheckpointNotFound, OSError) as e:
-            log.error("checkpoint %s: reading %s from %s failed: %s", self.resolved_id, file, tier.name, e)
-            read_err = e
-            bad = list(run)
-        else:
-            with self._lock:
-                self.served[file] = tier.name
-        for it in bad:
-            self._recover(it, failed=tier, read_err=read_err)
-        for it in run:
-            self._deliver(it)
-
-    def _tier_for(self, file: str) -> Tier:
-        with self._lock:
-            tier = self._file_tier.get(file)
-        if tier is not None:
-            return tier
-        for tier in self._holding:
-            if tier.exists(data_key(self.resolved_id, file)):
-                with self._lock:
-                    self._file_tier[file] = tier
-                return tier
-        raise CheckpointNotFound(f"checkpoint {self.resolved_id}: data file {file} is on no reachable tier "
-                                 f"({', '.join(t.url for t in self._holding)})")
-
-    def _verify(self, it: _Item) -> bool:
-        """Check every CRC piece of the item's bytes followed by its padding."""
-        return item_intact(it.rec, self._bufview(it), memoryview(it.pad), self.chunk_size)
-
-    def _bufview(self, it: _Item) -> memoryview:
-        if it.direct is not None:
-            return _bytes_view(it.direct)
-        if it.scratch is not None:
-            return memoryview(it.scratch.numpy())
-        return memoryview(it.data)  # type: ignore[arg-type]
-
-    def _recover(self, it: _Item, failed: Tier, read_err: BaseException | None) -> None:
-        """Serve one item after its merged read failed (``read_err``) or its checksum did not match.
-
-        Tries the other tiers holding the checkpoint; after a read error also the same tier, item
-        by item (a truncated file still serves the items before the cut). Raises naming the
-        checkpoint, file, item and writing rank, with the real cause.
-        """
-        file = it.rec.file
-        key = data_key(self.resolved_id, file)
-        candidates = [t for t in self._holding if t is not failed] + ([failed] if read_err is not None else [])
-        last_err = read_err
-        for tier in candidates:
-            try:
-                tier.read_ranges(key, it.rec.pos, [self._bufview(it)] + ([memoryview(it.pad)] if it.pad else []))
-            except (CorruptCheckpoint, CheckpointNotFound, OSError) as e:
-                log.error("checkpoint %s: %s from %s also failed: %s", self.resolved_id, file, tier.name, e)
-                last_err = e
-                continue
-            if self._verify(it):
-                if tier is not failed:
-                    log.warning("checkpoint %s: item %r of %s failed on %s; served from %s",
-                                self.resolved_id, it.index.fqn, file, failed.name, tier.name)
-                return
-            last_err = None
-        where = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])}) in {file} (written by rank {_writer_rank(file)})"
-        if isinstance(last_err, CheckpointNotFound):
-            gone = [t.url for t in self._holding if not _committed(t, self.resolved_id)]
-            if gone:
-                raise CheckpointNotFound(f"checkpoint {self.resolved_id} was deleted from {', '.join(gone)} while it was "
-                                         f"being read (by a process that ignores leases?): cannot read {where}")
-        if last_err is not None:
-            raise CorruptCheckpoint(f"checkpoint {self.resolved_id}: cannot read {where}: {last_err}")
-        raise ChecksumMismatch(
-            f"checkpoint {self.resolved_id}: {where} failed its CRC32C check on {failed.url}"
-            + ("" if len(self._holding) < 2 else " and on every other tier")
-        )
+    def _done(self, it: _Item, r: Request) -> None:
+        """The engine verified the item (on a worker thread): copy it out, free its scratch buffer."""
+        self._deliver(it)
+        r.buf = memoryview(b"")
 
     def _deliver(self, it: _Item) -> None:
         rec = it.rec
@@ -359,26 +251,12 @@ class TieredReader(StorageReader):
         it.scratch = None
 
 
-def _committed(tier: Tier, cid: str) -> bool:
-    try:
-        return tier.exists(metadata_key(cid))
-    except TierckptError:
-        return True
-
-
 def TieredWriterIdCheck(cid: str) -> bool:
     try:
         check_checkpoint_id(cid)
         return True
     except CorruptCheckpoint:
         return False
-
-
-def _writer_rank(file: str) -> str:
-    try:
-        return str(int(file.split("-")[1].split(".")[0]))
-    except (IndexError, ValueError):
-        return "?"
 
 
 def _is_whole(ri: ReadItem, rec: ItemRecord) -> bool:
@@ -392,34 +270,3 @@ def _direct_ok(t: torch.Tensor, rec: ItemRecord) -> bool:
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _as_numpy(mv: memoryview):
-    import numpy as np
-
-    return np.frombuffer(mv, dtype=np.uint8)
-
-
-def _runs(items: list[_Item]) -> list[list[_Item]]:
-    """Group items into merged reads: same file, offset order, small gaps, bounded size."""
-    by_file: dict[str, list[_Item]] = {}
-    for it in items:
-        by_file.setdefault(it.rec.file, []).append(it)
-    runs: list[list[_Item]] = []
-    for file_items in by_file.values():
-        file_items.sort(key=lambda i: i.rec.pos)
-        cur: list[_Item] = []
-        for it in file_items:
-            if cur:
-                end = cur[-1].rec.pos + padded(cur[-1].rec.length)
-                if it.rec.pos - end > MAX_GAP or it.rec.pos + it.rec.length - cur[0].rec.pos > MAX_RUN or it.rec.pos < end:
-                    runs.append(cur)
-                    cur = []
-            cur.append(it)
-        if cur:
-            runs.append(cur)
-    runs.sort(key=lambda r: -sum(i.rec.length for i in r))
-    return runs
-
-
-_ = LoadItemType

@@ -124,8 +124,8 @@ class FaultyTier(Tier):
     def root_id(self) -> str:
         return self.inner.root_id()
 
-    def settle(self) -> None:
-        self.inner.settle()
+    def wait_deletions(self, timeout_s: float = 600.0) -> None:
+        self.inner.wait_deletions(timeout_s)
 
     def close(self) -> None:
         self.inner.close()

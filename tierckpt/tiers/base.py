@@ -14,13 +14,15 @@ Thread safety: every method may be called from several threads at once.
 from __future__ import annotations
 
 import abc
+import errno
 import re
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, TierError
 
-__all__ = ["Tier", "DataSink", "ObjectInfo", "check_key"]
+__all__ = ["Tier", "DataSink", "ObjectInfo", "ResumableSink", "check_key"]
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._\-=+@,]+$")
 
@@ -65,6 +67,120 @@ class DataSink(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Discard the partial object. Never raises."""
+
+
+class ResumableSink(abc.ABC):
+    """A large object written block by block, resumable after an interruption, even a crash.
+
+    Created by :meth:`Tier.open_resumable` with the object's final ``size``, a ``block`` size and
+    a ``tag``. Block ``i`` covers bytes ``[i * block, min(size, (i + 1) * block))``.
+
+    * ``recorded``: the blocks an earlier, interrupted writer of the same key recorded as landed
+      (written and, where the tier makes writes durable, durable), under the same tag, size and
+      block. They are candidates: callers re-check them (:meth:`read_block`) and :meth:`keep`
+      the good ones. Tiers that cannot keep a partial object across processes record nothing.
+    * :meth:`write_block` may run on several threads at once for different blocks.
+    * Until :meth:`close` returns nothing is visible under the key (an object already there stays
+      as it was, unless it was adopted); :meth:`suspend` keeps the partial object and its record
+      for a later open; :meth:`abort` discards them. After any of the three the sink is unusable.
+    """
+
+    recorded: set[int]
+    size: int
+    block: int
+
+    def blocks(self) -> int:
+        """How many blocks the object has."""
+        return -(-self.size // self.block) if self.size else 0
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Bytes ``[start, end)`` of block ``i``."""
+        return i * self.block, min(self.size, (i + 1) * self.block)
+
+    @abc.abstractmethod
+    def read_block(self, i: int, buf: memoryview) -> None:
+        """Read back recorded block ``i`` (``len(buf)`` = its length) from the partial object."""
+
+    @abc.abstractmethod
+    def keep(self, blocks: "set[int]") -> None:
+        """Forget (durably) every recorded block not in ``blocks``: they will be written again."""
+
+    @abc.abstractmethod
+    def write_block(self, i: int, data: memoryview) -> None:
+        """Write all of block ``i``, make it durable where the tier can, then record it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Every block is recorded: make the object durable and visible under the key (replacing
+        what was there); the record goes. Raises :class:`CorruptCheckpoint` if a block is missing."""
+
+    @abc.abstractmethod
+    def suspend(self) -> None:
+        """Stop for now, keeping the partial object and its record for a later open. Never raises."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard the partial object and its record. Never raises."""
+
+
+class _StreamingResumable(ResumableSink):
+    """The default :class:`ResumableSink`: a plain :class:`DataSink` that never resumes (nothing
+    recorded; :meth:`suspend` discards), exclusive per key within this process only."""
+
+    _open: "set[tuple[str, str]]" = set()
+    _open_lock = threading.Lock()
+
+    def __init__(self, tier: "Tier", key: str, size: int, block: int) -> None:
+        self._id = (tier.url, key)
+        with self._open_lock:
+            if self._id in self._open:
+                raise TierError(errno.EBUSY, f"{tier.url}/{key} is being written by another resumable sink")
+            self._open.add(self._id)
+        self.size, self.block, self.recorded = size, block, set()
+        self._url = f"{tier.url}/{key}"
+        self._done: set[int] = set()
+        self._lock = threading.Lock()
+        try:
+            self._sink = tier.open_sink(key, size)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        with self._open_lock:
+            self._open.discard(self._id)
+
+    def read_block(self, i: int, buf: memoryview) -> None:
+        raise CorruptCheckpoint(f"{self._url}: block {i} is not recorded")
+
+    def keep(self, blocks: "set[int]") -> None:
+        self.recorded &= set(blocks)
+
+    def write_block(self, i: int, data: memoryview) -> None:
+        s, e = self.span(i)
+        if len(data) != e - s:
+            raise CorruptCheckpoint(f"{self._url}: block {i} has {e - s} bytes, got {len(data)}")
+        self._sink.write_at(s, data)
+        with self._lock:
+            self._done.add(i)
+
+    def close(self) -> None:
+        missing = self.blocks() - len(self._done)
+        if missing:
+            raise CorruptCheckpoint(f"{self._url}: {missing} of {self.blocks()} blocks were never written")
+        try:
+            self._sink.close()
+        finally:
+            self._release()
+
+    def suspend(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        try:
+            self._sink.abort()
+        finally:
+            self._release()
 
 
 class Tier(abc.ABC):
@@ -278,12 +394,33 @@ class Tier(abc.ABC):
         elect one metadata writer). The default is :attr:`url`."""
         return self.url
 
-    def settle(self) -> None:
-        """Wait for work this tier deferred to the background (deletions moved out of the way and
-        removed later). The default has none."""
-
     def close(self) -> None:
         """Release clients, pools and handles. The tier may not be used afterwards."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+    # -- resumable writes and background work (added with the one read engine) -----------------
+    def open_resumable(self, key: str, size: int, *, block: int, tag: "dict | None" = None,
+                       adopt: bool = False) -> ResumableSink:
+        """Start, or resume, writing a large object of ``size`` bytes at ``key`` in ``block``-byte blocks.
+
+        ``tag``: a small JSON-able dict naming what is written (e.g. the save it comes from); a
+        partial object left by an earlier writer is resumed only when its tag, size and block
+        are the same, else discarded. ``adopt``: an object already stored at ``key`` with exactly
+        ``size`` bytes becomes the partial object, every block recorded (repair in place: the
+        caller checks them and keeps the good ones); tiers that cannot do this leave it visible
+        until :meth:`ResumableSink.close` replaces it. One resumable sink per key at a time: a
+        second open raises :class:`~tierckpt.errors.TierError` (``EBUSY``) naming the key
+        (across processes where the tier can tell: a local file lock; else within this process).
+
+        The default writes through :meth:`open_sink` and never resumes; a tier that can keep a
+        partial object durably (a file system) overrides it. See :class:`ResumableSink`.
+        """
+        if block <= 0:
+            raise ValueError(f"block must be positive, got {block}")
+        return _StreamingResumable(self, check_key(key), size, block)
+
+    def wait_deletions(self, timeout_s: float = 600.0) -> None:
+        """Block until deletions this process handed to background work on this tier are done
+        (the local tier unlinks large files in a background thread). Default: nothing to wait for."""

@@ -379,9 +379,6 @@ class LocalTier(Tier):
             _unlink_quietly(tmp)
             raise _tier_error(e, f"cannot write {final}") from e
 
-    def settle(self) -> None:
-        drain_deletions()
-
     def root_id(self) -> str:
         return str(self.root.resolve())
 
@@ -647,6 +644,184 @@ class LocalTier(Tier):
             if old != trash:
                 _janitor.remove(old)
         return n
+
+
+    # ==== resumable writes, background deletions (open_resumable / wait_deletions) ===========
+    # One self-contained block: the Tier methods, then the sink class right below the class.
+    def open_resumable(self, key: str, size: int, *, block: int, tag: "dict | None" = None,
+                       adopt: bool = False) -> "ResumableSink":
+        """See :meth:`Tier.open_resumable`. ``<file>.partial`` holds the bytes, the sidecar
+        ``<file>.ranges.partial`` (JSON: ``tag`` + size, block as ``range_size``, recorded blocks as
+        ``done``) the record, an ``flock`` on ``.tmp-<file>.lock`` keeps other processes out."""
+        if block <= 0:
+            raise ValueError(f"block must be positive, got {block}")
+        return _ResumableFile(self, key, size, block, dict(tag or {}), adopt)
+
+    def wait_deletions(self, timeout_s: float = 600.0) -> None:
+        """Block until the background janitor removed what deletions renamed away."""
+        drain_deletions(timeout_s)
+
+
+import json  # noqa: E402 - kept inside this block on purpose
+from .base import ResumableSink  # noqa: E402
+
+
+class _ResumableFile(ResumableSink):
+    """:class:`ResumableSink` of the local tier (see :meth:`LocalTier.open_resumable`).
+
+    Crash safety: a block is recorded in the sidecar (temp file, fsync, rename) only after its
+    bytes were written and, with ``fsync``, ``fdatasync``'d; the final name appears only by the
+    rename in :meth:`close`, after an fsync of the whole file.
+    """
+
+    def __init__(self, tier: LocalTier, key: str, size: int, block: int, tag: dict, adopt: bool) -> None:
+        self._tier = tier
+        self.size, self.block, self._tag = size, block, tag
+        self._final = tier._path(key)
+        self._partial = self._final.with_name(self._final.name + PARTIAL)
+        self._sidecar = self._final.with_name(self._final.name + ".ranges" + PARTIAL)
+        self._lockpath = self._final.with_name(f"{TMP}{self._final.name}.lock")
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._lock_fd = self._take_lock()
+        try:
+            self.recorded = self._start(adopt)
+            self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, size)
+            self._save()
+        except BaseException as e:
+            self.suspend()
+            if isinstance(e, OSError) and not isinstance(e, TierError):
+                raise _tier_error(e, f"cannot start writing {self._partial}") from e
+            raise
+
+    def _take_lock(self) -> int:
+        import fcntl
+
+        while True:
+            try:
+                fd = open_new(self._lockpath, os.O_RDWR | os.O_CREAT)
+            except OSError as e:
+                raise _tier_error(e, f"cannot create {self._lockpath}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise TierError(errno.EBUSY, f"{self._final} is being written by another process "
+                                             f"(it holds {self._lockpath})") from None
+            try:  # the holder before us may have removed the lock file meanwhile: lock the current one
+                if os.stat(self._lockpath).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def _start(self, adopt: bool) -> set[int]:
+        whole = set(range(self.blocks()))
+        if adopt and self._final.is_file() and self._final.stat().st_size == self.size:
+            os.replace(self._final, self._partial)
+            return whole
+        if self._partial.is_file() and self._partial.stat().st_size == self.size:
+            try:
+                doc = json.loads(self._sidecar.read_bytes())
+                if (isinstance(doc, dict) and all(doc.get(k) == v for k, v in self._tag.items())
+                        and doc.get("size") == self.size and doc.get("range_size") == self.block):
+                    return {int(i) for i in doc.get("done", [])} & whole
+            except (OSError, ValueError, TypeError):
+                pass
+        for p in (self._partial, self._sidecar):
+            _unlink_quietly(p)
+        return set()
+
+    def _save(self) -> None:
+        doc = {**self._tag, "size": self.size, "range_size": self.block, "done": sorted(self.recorded)}
+        tmp = self._sidecar.with_name(f"{TMP}{uuid.uuid4().hex}-{self._sidecar.name}")
+        try:
+            with open(open_new(tmp), "w") as f:
+                json.dump(doc, f)
+                if self._tier.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, self._sidecar)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            raise _tier_error(e, f"cannot write {self._sidecar}") from e
+
+    def read_block(self, i: int, buf: memoryview) -> None:
+        s, e = self.span(i)
+        if len(buf) != e - s:
+            raise ValueError(f"{self._partial}: block {i} has {e - s} bytes, the buffer {len(buf)}")
+        try:
+            n = os.preadv(self._fd, [buf], s) if len(buf) else 0
+        except OSError as err:
+            raise _tier_error(err, f"cannot read {self._partial}") from err
+        if n != len(buf):
+            raise CorruptCheckpoint(f"{self._partial}: unexpected end of file at {s + n}")
+
+    def keep(self, blocks: "set[int]") -> None:
+        with self._lock:
+            self.recorded &= set(blocks)
+            self._save()
+
+    def write_block(self, i: int, data: memoryview) -> None:
+        s, e = self.span(i)
+        mv = memoryview(data).cast("B") if data.format != "B" or data.ndim != 1 else data
+        if len(mv) != e - s:
+            raise CorruptCheckpoint(f"{self._partial}: block {i} has {e - s} bytes, got {len(mv)}")
+        try:
+            _FileSink._pwrite(self._fd, mv, s)
+            if self._tier.fsync:
+                os.fdatasync(self._fd)
+        except OSError as err:
+            raise _tier_error(err, f"cannot write {self._partial}") from err
+        with self._lock:
+            self.recorded.add(i)
+            self._save()
+
+    def close(self) -> None:
+        missing = self.blocks() - len(self.recorded)
+        if missing:
+            raise CorruptCheckpoint(f"{self._partial}: {missing} of {self.blocks()} blocks were never written")
+        try:
+            if self._tier.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self._partial, self._final)
+            if self._tier.fsync:
+                fsync_dir(self._final.parent)
+        except OSError as e:
+            raise _tier_error(e, f"cannot commit {self._final}") from e
+        _unlink_quietly(self._sidecar)
+        self._unlock()
+
+    def suspend(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+        self._unlock()
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+        for p in (self._partial, self._sidecar):
+            _unlink_quietly(p)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            _unlink_quietly(self._lockpath)  # while still locked: the next holder re-checks the inode
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # ==== end of the resumable-write block ===================================================
 
 
 _mincore = None
