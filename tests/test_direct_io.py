@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tierckpt.tiers.local as local_mod
+import tierckpt.tiers.localfs as localfs_mod
 from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
 from tierckpt.capture.pool import POOL_ALIGN, HostPool, aligned_buffer
 from tierckpt.config import config_from_dict
@@ -63,7 +64,7 @@ def refuse_direct(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", fake_open)
-    monkeypatch.setattr(local_mod, "_fallback_logged", False)
+    monkeypatch.setattr(localfs_mod, "_fallback_logged", False)
     return refused
 
 
@@ -188,7 +189,7 @@ def test_refused_at_first_transfer_falls_back(monkeypatch: pytest.MonkeyPatch, t
     every later one go buffered; nothing is lost."""
     if not _fs_accepts_direct(tmp_path):
         pytest.skip("needs a file system that accepts O_DIRECT")
-    monkeypatch.setattr(local_mod, "_fallback_logged", False)
+    monkeypatch.setattr(localfs_mod, "_fallback_logged", False)
     tier = LocalTier(tmp_path / "root", fsync=False)
     size = 3 * 64 * KiB + 11
     data = _data(size, 3)
