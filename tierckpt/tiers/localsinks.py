@@ -295,23 +295,22 @@ class _ResumableFile(ResumableSink):
         self._unlock()
 
     def suspend(self) -> None:
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = -1
-        self._unlock()
+        self._release(discard=False)
 
     def abort(self) -> None:
+        self._release(discard=True)
+
+    def _release(self, discard: bool) -> None:
+        """Close the file and drop the lock; ``discard``: remove the partial file and its sidecar."""
         if self._fd >= 0:
             try:
                 os.close(self._fd)
             except OSError:
                 pass
             self._fd = -1
-        for p in (self._partial, self._sidecar):
-            _unlink_quietly(p)
+        if discard:
+            for p in (self._partial, self._sidecar):
+                _unlink_quietly(p)
         self._unlock()
 
     def _unlock(self) -> None:

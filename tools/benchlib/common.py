@@ -370,3 +370,33 @@ def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int, direct: 
     return now() - t0
 
 
+class RssPeak:
+    """Peak resident memory of this process, sampled every 5 ms on a thread while the ``with``
+    block runs (``ru_maxrss`` is inherited across fork/exec on Linux, so it would report the
+    parent's high-water mark). ``base``: RSS when created; ``peak``: highest seen (settable, to
+    measure several steps in one block)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.base = self.peak = self.rss()
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._sample, daemon=True)
+
+    def rss(self) -> int:
+        return self._proc.memory_info().rss
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.005)
+
+    def __enter__(self) -> "RssPeak":
+        self._th.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._th.join()
+        self.peak = max(self.peak, self.rss())

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierckpt import LocalConfig, TierConfig, TieredReader, TieredWriter
 
-from benchlib.common import BENCH, Ctx, GiB, MiB, compare_state, drop_caches, empty_like_state, log, make_state, med, now, rm, row, tensor_bytes, zero_state
+from benchlib.common import BENCH, Ctx, GiB, MiB, RssPeak, compare_state, drop_caches, empty_like_state, log, make_state, med, now, rm, row, tensor_bytes, zero_state
 from benchlib.s3 import S3_CONC, S3_PART, list_objects, raw_download, s3_tier_cfg, start_s3_server
 
 
@@ -26,37 +25,20 @@ from benchlib.s3 import S3_CONC, S3_PART, list_objects, raw_download, s3_tier_cf
 def consolidate_child(spec: dict) -> dict:
     """One conversion in a fresh process; peak RSS by psutil sampling (5 ms) over the call (ru_maxrss
     is inherited across fork/exec on Linux, so it would report the parent's high-water mark)."""
-    import psutil
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from restore.consolidate import consolidate_checkpoint
 
-    proc = psutil.Process()
     gc.collect()
-    base = proc.memory_info().rss
-    peak = [base]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.005)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    t0 = now()
-    try:
+    with RssPeak() as mem:
+        t0 = now()
         if spec["mode"] == "dcp_to_torch_save":
             dcp_to_torch_save(spec["src"], spec["out"])
         else:
             cfg = TierConfig(local=LocalConfig(path=spec["src"]))
             consolidate_checkpoint(cfg, spec["cid"], out=spec["out"], progress=False)
         t = now() - t0
-    finally:
-        stop.set()
-        th.join()
-    peak[0] = max(peak[0], proc.memory_info().rss)
-    return {"time_s": t, "base_maxrss": base, "peak_maxrss": peak[0], "out_bytes": os.path.getsize(spec["out"])}
+    return {"time_s": t, "base_maxrss": mem.base, "peak_maxrss": mem.peak, "out_bytes": os.path.getsize(spec["out"])}
 
 
 def section_restore(ctx: Ctx) -> dict:

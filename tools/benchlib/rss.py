@@ -6,7 +6,6 @@ import gc
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierckpt import TieredWriter
 
-from benchlib.common import BENCH, Ctx, MiB, init_pg, log, make_state, now, rm, row, tensor_bytes, tiered_cfg
+from benchlib.common import BENCH, Ctx, MiB, RssPeak, init_pg, log, make_state, now, rm, row, tensor_bytes, tiered_cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -24,9 +23,6 @@ from benchlib.common import BENCH, Ctx, MiB, init_pg, log, make_state, now, rm, 
 # ---------------------------------------------------------------------------------------------
 
 def rss_child(spec: dict) -> dict:
-    import psutil
-
-    proc = psutil.Process()
     work = Path(spec["dir"])
     sd = make_state(spec["state"], seed=3)
     nbytes = tensor_bytes(sd)
@@ -36,40 +32,26 @@ def rss_child(spec: dict) -> dict:
     dcp.save(tiny, storage_writer=dcp.FileSystemWriter(work / "warm"))
     rm(work / "warm")
     gc.collect()
-    base = proc.memory_info().rss
-    peak = [base]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            r = proc.memory_info().rss
-            if r > peak[0]:
-                peak[0] = r
-            time.sleep(0.005)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    out: dict[str, Any] = {"state_bytes": nbytes, "base_rss": base, "saves": []}
+    mem = RssPeak()
+    out: dict[str, Any] = {"state_bytes": nbytes, "base_rss": mem.base, "saves": []}
     try:
-        for i in range(2):
-            peak[0] = proc.memory_info().rss
-            before = peak[0]
-            t0 = now()
-            if spec["mode"] == "tiered":
-                cfg = tiered_cfg(work / "tiered", spec["pool"], spec["chunk"], keep=1)
-                w = TieredWriter(cfg)
-                dcp.save(sd, checkpoint_id=f"rss-{i}", storage_writer=w)
-                w.wait()
-            else:
-                dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(work / f"async-{i}")).result()
-                rm(work / f"async-{i}")
-            t = now() - t0
-            time.sleep(0.02)
-            gc.collect()
-            out["saves"].append({"peak_rss": peak[0], "rss_before": before, "rss_after": proc.memory_info().rss, "time_s": t})
+        with mem:
+            for i in range(2):
+                mem.peak = before = mem.rss()
+                t0 = now()
+                if spec["mode"] == "tiered":
+                    cfg = tiered_cfg(work / "tiered", spec["pool"], spec["chunk"], keep=1)
+                    w = TieredWriter(cfg)
+                    dcp.save(sd, checkpoint_id=f"rss-{i}", storage_writer=w)
+                    w.wait()
+                else:
+                    dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(work / f"async-{i}")).result()
+                    rm(work / f"async-{i}")
+                t = now() - t0
+                time.sleep(0.02)
+                gc.collect()
+                out["saves"].append({"peak_rss": mem.peak, "rss_before": before, "rss_after": mem.rss(), "time_s": t})
     finally:
-        stop.set()
-        th.join()
         rm(work / "tiered")
     return out
 
