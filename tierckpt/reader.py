@@ -32,10 +32,11 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from . import lease as leases
+from . import peers
 from .catalog import find_latest, read_checkpoint_metadata
 from .config import TierConfig, load_config
-from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import DTYPES, ItemRecord, check_checkpoint_id
+from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from .layout import DTYPES, ItemRecord, check_checkpoint_id, item_intact, metadata_from_json, padded as _padded
 from .readback import Readback, Request, hold
 from .tiers import make_tiers
 from .tiers.base import Tier
@@ -84,6 +85,10 @@ class TieredReader(StorageReader):
         self._holding: list[Tier] = []
         self._leases: list[leases.Lease] = []
         self.served: dict[str, str] = {}  # file -> tier name that served it (last read)
+        self.from_peers: dict[str, int] = {}  # file -> bytes received from other nodes (last read)
+        self._peers: peers.PeerGroup | None = None
+        self._choice: peers.Choice | None = None
+        self._roots: list[str] = []
 
     # -- DCP StorageReader ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -110,7 +115,39 @@ class TieredReader(StorageReader):
         return find_latest(self.tiers).checkpoint_id
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
+        agree here on the checkpoint and share its metadata (see :mod:`tierckpt.peers`): this is
+        then a collective of the reader's own group, so every rank must load together."""
+        self._peers = peers.PeerGroup.get(self.tiers[0], self.cfg.job.commit_timeout) if self.tiers else None
+        if self._peers is not None:
+            return self._read_metadata_with_peers(self._peers)
         cid = self.resolve()
+        return self._finish_metadata(cid, self._read_local_metadata(cid))
+
+    def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
+        try:
+            view: Any = peers.node_view(self.tiers[0], self.tiers[1:], self.checkpoint_id)
+        except TierckptError as e:  # still take part in the exchange, then fail on every rank
+            view = {"root": self.tiers[0].root_id(), "have": {}, "shared": {}, "error": str(e)}
+        views = group.gather(view)
+        self._roots = [v["root"] for v in views]
+        self._choice = choice = peers.choose(views, self.checkpoint_id)
+        raw = peers.metadata_from(self.tiers[0], group, choice)
+        if raw is None:
+            return self._finish_metadata(choice.checkpoint_id, self._read_local_metadata(choice.checkpoint_id))
+        md, man = metadata_from_json(raw, f"metadata of {choice.checkpoint_id} from rank {choice.md_rank}")
+        return self._finish_metadata(choice.checkpoint_id, (md, man))
+
+    def _finish_metadata(self, cid: str, got: tuple) -> Metadata:
+        md, man = got
+        md.storage_meta = StorageMeta(checkpoint_id=cid, save_id=man.save_token, load_id=None, modules=[])
+        for rec in (md.storage_data or {}).values():
+            rec.chunk_size = man.chunk_size  # type: ignore[attr-defined]
+        self.resolved_id = cid
+        self.metadata = md
+        return md
+
+    def _read_local_metadata(self, cid: str) -> tuple:
         errors = []
         for tier in self.tiers:
             try:
@@ -121,12 +158,7 @@ class TieredReader(StorageReader):
                 errors.append(str(e))
                 log.error("%s; trying the next tier", e)
                 continue
-            md.storage_meta = StorageMeta(checkpoint_id=cid, save_id=man.save_token, load_id=None, modules=[])
-            for rec in (md.storage_data or {}).values():
-                rec.chunk_size = man.chunk_size  # type: ignore[attr-defined]
-            self.resolved_id = cid
-            self.metadata = md
-            return md
+            return md, man
         if errors:
             raise CorruptCheckpoint(f"checkpoint {cid}: no tier holds valid metadata: " + "; ".join(errors))
         raise CheckpointNotFound(f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers))
@@ -145,6 +177,9 @@ class TieredReader(StorageReader):
         try:
             self._holding, self._leases = hold(self.tiers, self.resolved_id, "load")
         except CheckpointNotFound as e:
+            if self._choice is not None and self._choice.checkpoint_id == self.resolved_id:
+                self._holding = []  # other nodes serve every item this rank reads
+                return
             raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a "
                                      f"committed copy ({e})") from None
 
@@ -152,7 +187,8 @@ class TieredReader(StorageReader):
         return dataclasses.replace(plan, storage_data=self.resolved_id)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Coordinator: every rank must have resolved the same checkpoint (``latest`` may race a commit)."""
+        """Coordinator: every rank must have resolved the same checkpoint (``latest`` may race a
+        commit); with peers, who serves which items to whom (:func:`tierckpt.peers.schedule`)."""
         ids = [p.storage_data for p in plans]
         if len(set(ids)) > 1:
             by_id: dict[str, list[int]] = {}
@@ -161,7 +197,14 @@ class TieredReader(StorageReader):
             raise TierckptError("ranks resolved different checkpoints: "
                                 + "; ".join(f"{i} on ranks {rs}" for i, rs in by_id.items())
                                 + " (a commit raced the load, or a node's local tier is behind S3): pass an explicit checkpoint_id")
-        return plans
+        if self._choice is None or len(plans) != len(self._roots):
+            return plans
+        assert self.metadata is not None
+        storage = self.metadata.storage_data
+        wanted = [{ri.storage_index: (storage[ri.storage_index].file, storage[ri.storage_index].length)
+                   for ri in p.items if ri.storage_index in storage} for p in plans]
+        routes = peers.schedule(wanted, self._choice, self._roots)
+        return [dataclasses.replace(p, storage_data={"id": p.storage_data, **route}) for p, route in zip(plans, routes)]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -181,16 +224,23 @@ class TieredReader(StorageReader):
                 g = groups[ri.storage_index] = _Item(ri.storage_index, rec, [])
             g.reads.append(ri)
         items = list(groups.values())
+        route = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+        recv_from = {int(p): idx for p, idx in route.get("recv", [])}
+        incoming = {i for idx in recv_from.values() for i in idx}
         requests: list[Request] = []
         for it in items:  # resolve destinations on the calling thread
             if it.rec.is_tensor:
                 it.targets = [planner.resolve_tensor(ri) for ri in it.reads]
                 if len(it.reads) == 1 and _is_whole(it.reads[0], it.rec) and _direct_ok(it.targets[0], it.rec):
                     it.direct = it.targets[0]
+            if it.index in incoming:
+                continue
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
             requests.append(Request(it.rec, self._buffer(it), what, done=lambda r, it=it: self._done(it, r)))
         engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
         try:
+            if route.get("recv") or route.get("send"):
+                self._exchange(storage, groups, recv_from, {int(p): idx for p, idx in route.get("send", [])})
             engine.read(requests)
         finally:
             self.release()
@@ -205,6 +255,54 @@ class TieredReader(StorageReader):
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+    def _exchange(self, storage: dict, groups: dict, recv_from: dict[int, list], send_to: dict[int, list]) -> None:
+        """Serve and receive items between nodes (see :mod:`tierckpt.peers`): what this rank serves
+        is read and verified from its own tiers, every received item is verified again; an item
+        that arrives damaged is read from a shared tier when one holds it, else the load fails."""
+        assert self._peers is not None and self.resolved_id is not None
+        cid = self.resolved_id
+
+        def flat(idx: list) -> torch.Tensor:
+            return torch.empty(sum(storage[i].length for i in idx), dtype=torch.uint8)
+
+        recv_bufs = {p: flat(idx) for p, idx in recv_from.items()}
+        send_bufs = {c: flat(idx) for c, idx in send_to.items()}
+        serve: list[Request] = []
+        for c, idx in send_to.items():
+            mv, at = memoryview(send_bufs[c].numpy()), 0
+            for i in idx:
+                n = storage[i].length
+                serve.append(Request(storage[i], mv[at:at + n], f"item {i.fqn!r} for rank {c}"))
+                at += n
+        if serve:
+            try:
+                Readback(cid, self._holding, self.chunk_size, threads=self.threads).read(serve)
+            except TierckptError as e:  # the receivers see the damage and fall back or fail
+                log.error("checkpoint %s: cannot serve items to other nodes: %s", cid, e)
+        self._peers.exchange(send_bufs, recv_bufs)
+        damaged: list[Request] = []
+        for p, idx in recv_from.items():
+            mv, at = memoryview(recv_bufs[p].numpy()), 0
+            for i in idx:
+                rec, it = storage[i], groups[i]
+                data = mv[at:at + rec.length]
+                at += rec.length
+                dst = self._buffer(it)
+                dst[:] = data
+                if item_intact(rec, dst, b"\0" * (_padded(rec.length) - rec.length), self.chunk_size):
+                    self._deliver(it)
+                    self.from_peers[rec.file] = self.from_peers.get(rec.file, 0) + rec.length
+                    continue
+                log.error("checkpoint %s: item %r from rank %d (data file %s) failed its checksum", cid, i.fqn, p, rec.file)
+                damaged.append(Request(rec, dst, f"item {i.fqn!r}", done=lambda r, it=it: self._done(it, r)))
+        if damaged:
+            shared = [t for t in self._holding if not t.node_local]
+            if not shared:
+                raise ChecksumMismatch(f"checkpoint {cid}: {len(damaged)} item(s) received from other nodes failed "
+                                       f"their checksum (first: {damaged[0].what} of {damaged[0].rec.file}) and no "
+                                       "shared tier holds a copy")
+            Readback(cid, shared, self.chunk_size, threads=self.threads).read(damaged)
 
     def _buffer(self, it: _Item) -> memoryview:
         """Where the item's bytes land: the destination tensor itself, or a scratch buffer."""
