@@ -18,16 +18,11 @@ to host memory; ``wait()`` until it is committed on every configured tier.
 Without ``checkpoint_id`` DCP does not call ``reset``: the coordinator then generates an id
 (``ckpt-<UTC time>-<n>``) and logs it; a previous save's id is never reused.
 
-**Plan caching.** With ``DefaultSavePlanner(enable_plan_caching=True)`` DCP sends the
-coordinator an empty plan for every rank whose plan did not change, and hands ``write_data`` the
-cached plan of the previous save: neither carries this save's rank info nor the coordinator's
-decision (id, token, files). Once the first save of the process has set up a *plan channel*
-(store keys named in its assignment), ranks also publish their info on the process group's
-store in ``prepare_local_plan`` and the coordinator publishes its decision there when it
-answers with cached plans; each save still gets its own id, token and file names. The layout,
-chunk and checksum plans and the write results are reused from :mod:`tierckpt.planning`'s
-cache whenever the tensors still match them. One process group per process saves through
-tierckpt with plan caching (DCP's plan cache is process-wide, too).
+**Plan caching.** With ``DefaultSavePlanner(enable_plan_caching=True)``, what DCP's cached plans
+leave out (rank info, the coordinator's decision) goes over the plan channel
+(:mod:`tierckpt.planchannel`); each save still gets its own id, token and file names. Layouts,
+chunk and checksum plans and write results come from :mod:`tierckpt.planning`'s cache while the
+tensors match them. One process group per process saves through tierckpt with plan caching.
 """
 
 from __future__ import annotations
