@@ -15,7 +15,8 @@ same cut from ``chunk_size``. ``metadata.json`` is a header line (format, length
 body) followed by the JSON body, so any corruption of it is detected too.
 
 Metadata is JSON, never pickle: :func:`metadata_to_json` / :func:`metadata_from_json` rebuild
-DCP's ``Metadata`` and validate everything a hostile file could abuse (keys, sizes, dtypes).
+DCP's ``Metadata`` and validate everything a hostile file could abuse (keys, sizes, dtypes); the
+conversions of DCP's own objects come from :mod:`tierckpt.dcpjson` (shared with the plan cache).
 """
 
 from __future__ import annotations
@@ -28,17 +29,25 @@ from typing import Any, Iterator
 
 import google_crc32c
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from . import safejson
+from .dcpjson import (
+    DTYPES,
+    METADATA_VALUES,
+    _brief,
+    _cut,
+    _int,
+    _ints,
+    _list,
+    _obj,
+    _req,
+    _str,
+    _time,
+    entry_from_json,
+    entry_to_json,
+    new_metadata,
+)
 from .errors import CorruptCheckpoint
 
 __all__ = [
@@ -51,12 +60,15 @@ __all__ = [
     "ItemRecord",
     "CheckpointManifest",
     "check_checkpoint_id",
+    "is_valid_checkpoint_id",
     "data_key",
     "checkpoint_prefixes",
     "split_key",
     "FANOUT",
     "metadata_key",
     "rank_file",
+    "rank_of_file",
+    "is_data_file",
     "step_of",
     "piece_bounds",
     "padded",
@@ -76,19 +88,6 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-=+@,]{0,199}$")
 _FILE_RE = re.compile(r"^rank-\d{5,7}(-[0-9a-f]{8})?\.data$")
 _RESERVED_IDS = {"latest"}
 
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.complex128, torch.complex64, torch.complex32,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-        torch.uint16, torch.uint32, torch.uint64, torch.bool,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    )
-}
-_MEMFMT = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
-           "preserve": torch.preserve_format, "channels_last_3d": torch.channels_last_3d}
-_MEMFMT_REV = {v: k for k, v in _MEMFMT.items()}
 
 
 def check_checkpoint_id(checkpoint_id: str) -> str:
@@ -101,6 +100,15 @@ def check_checkpoint_id(checkpoint_id: str) -> str:
     return checkpoint_id
 
 
+def is_valid_checkpoint_id(checkpoint_id: str) -> bool:
+    """Whether :func:`check_checkpoint_id` accepts ``checkpoint_id`` (never raises)."""
+    try:
+        check_checkpoint_id(checkpoint_id)
+        return True
+    except CorruptCheckpoint:
+        return False
+
+
 def rank_file(rank: int, token: str = "") -> str:
     """The data file of ``rank``; the save token's first 8 hex digits keep concurrent writers apart."""
     return f"rank-{rank:05d}-{token[:8]}.data" if token else f"rank-{rank:05d}.data"
@@ -109,9 +117,23 @@ def rank_file(rank: int, token: str = "") -> str:
 FANOUT = 16  # data files are spread over this many key prefixes (S3 partitions request rates by prefix)
 
 
-def _rank_of(file: str) -> int:
-    m = re.match(r"^rank-(\d+)", file)
-    return int(m.group(1)) if m else 0
+_RANK_RE = re.compile(r"^rank-(\d+)")
+
+
+def rank_of_file(file: str) -> int | None:
+    """The writer rank in a data file name: ``rank-00003-ab12cd34.data`` (or ``rank-00003.data``,
+    or either's ``.partial``) -> 3; None for any other name.
+
+    With :func:`is_data_file` and :func:`rank_file`, the only code that knows how data files are
+    named: everything else (reader messages, restore's rank filter, listings) asks these.
+    """
+    m = _RANK_RE.match(file)
+    return int(m.group(1)) if m else None
+
+
+def is_data_file(name: str) -> bool:
+    """Whether ``name`` (a file name inside a checkpoint) is a committed data file's name."""
+    return bool(_FILE_RE.match(name))
 
 
 def data_key(checkpoint_id: str, file: str) -> str:
@@ -121,7 +143,7 @@ def data_key(checkpoint_id: str, file: str) -> str:
     checkpoint (S3 keeps them partitioned); ``_`` cannot start a checkpoint id, so shard
     directories never look like checkpoints.
     """
-    return f"_{_rank_of(file) % FANOUT:02x}/{checkpoint_id}/{file}"
+    return f"_{(rank_of_file(file) or 0) % FANOUT:02x}/{checkpoint_id}/{file}"
 
 
 def checkpoint_prefixes(checkpoint_id: str) -> list[str]:
@@ -230,41 +252,6 @@ class CheckpointManifest:
     seq: int = 0  # commit sequence: 1 + the highest seq the job had seen when it committed (the order)
 
 
-# -- JSON encoding ------------------------------------------------------------------------
-
-def _enc_any(x: Any, where: str, depth: int = 0) -> Any:
-    if depth > 64:  # the reader refuses deeper nesting: never write what cannot be read back
-        raise CorruptCheckpoint(f"{where}: nested more than 64 levels deep (cannot be stored in the metadata)")
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, tuple):
-        return {"__tuple__": [_enc_any(v, where, depth + 1) for v in x]}
-    if isinstance(x, list):
-        return [_enc_any(v, where, depth + 1) for v in x]
-    if isinstance(x, dict):
-        if not all(isinstance(k, str) for k in x):
-            raise CorruptCheckpoint(f"{where}: dict keys must be strings to be stored as JSON")
-        return {"__dict__": {k: _enc_any(v, where, depth + 1) for k, v in x.items()}}
-    raise CorruptCheckpoint(
-        f"{where}: a {type(x).__name__} cannot be stored in JSON metadata "
-        "(custom planners must keep planner_data to str/int/float/bool/None/list/tuple/dict)"
-    )
-
-
-def _dec_any(x: Any, depth: int = 0) -> Any:
-    if depth > 64:
-        raise CorruptCheckpoint("metadata: planner_data nested too deeply")
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, list):
-        return [_dec_any(v, depth + 1) for v in x]
-    if isinstance(x, dict) and len(x) == 1:
-        if "__tuple__" in x and isinstance(x["__tuple__"], list):
-            return tuple(_dec_any(v, depth + 1) for v in x["__tuple__"])
-        if "__dict__" in x and isinstance(x["__dict__"], dict):
-            return {str(k): _dec_any(v, depth + 1) for k, v in x["__dict__"].items()}
-    raise CorruptCheckpoint("metadata: malformed planner_data")
-
 
 def _index_key(idx: MetadataIndex) -> list:
     return [idx.fqn, list(idx.offset) if idx.offset is not None else None, idx.index]
@@ -272,23 +259,7 @@ def _index_key(idx: MetadataIndex) -> list:
 
 def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
     """Serialize DCP ``Metadata`` (whose ``storage_data`` maps MetadataIndex -> ItemRecord)."""
-    sdm: dict[str, Any] = {}
-    for fqn, m in md.state_dict_metadata.items():
-        if isinstance(m, TensorStorageMetadata):
-            p = m.properties
-            sdm[fqn] = {
-                "type": "tensor",
-                "dtype": str(p.dtype).removeprefix("torch."),
-                "requires_grad": bool(p.requires_grad),
-                "memory_format": _MEMFMT_REV.get(p.memory_format, "contiguous"),
-                "pin_memory": bool(p.pin_memory),
-                "size": list(m.size),
-                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks],
-            }
-        elif isinstance(m, BytesStorageMetadata):
-            sdm[fqn] = {"type": "bytes"}
-        else:
-            raise CorruptCheckpoint(f"metadata: unsupported storage metadata {type(m).__name__} for {fqn!r}")
+    sdm = {fqn: entry_to_json(fqn, m) for fqn, m in md.state_dict_metadata.items()}
     items = []
     for idx, rec in (md.storage_data or {}).items():
         items.append({
@@ -311,7 +282,7 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
         "dcp": {
             "version": getattr(md, "version", None),
             "state_dict_metadata": sdm,
-            "planner_data": _enc_any(md.planner_data, "planner_data"),
+            "planner_data": METADATA_VALUES.encode(md.planner_data, "planner_data"),
             "storage_meta": None if sm is None else {
                 "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
                 "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules or []),
@@ -366,77 +337,6 @@ def read_header(prefix: bytes) -> CommitHeader | None:
         return None
     return CommitHeader(seq=seq, step=step, committed=float(committed))
 
-
-def _cut(text: str, n: int = 300) -> str:
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _brief(x: Any) -> str:
-    """A short description of a JSON value for a message (never the whole of a large value)."""
-    if isinstance(x, str):
-        return repr(x) if len(x) <= 60 else repr(x[:60]) + f"... ({len(x)} characters)"
-    if isinstance(x, bool) or x is None or isinstance(x, float):
-        return repr(x)
-    if isinstance(x, int):
-        digits = len(str(abs(x))) if abs(x) < 10**60 else 61
-        return repr(x) if digits <= 24 else f"an integer of {digits if digits <= 60 else 'over 60'} digits"
-    if isinstance(x, list):
-        return f"a list of {len(x)} element(s)"
-    if isinstance(x, dict):
-        return f"an object with {len(x)} key(s)"
-    return type(x).__name__
-
-
-_MAX_INT = 1 << 62
-
-
-def _int(x: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
-    if type(x) is not int or not (lo <= x <= hi):  # JSON integers are exactly int (never bool)
-        raise CorruptCheckpoint(f"metadata: {what} must be an integer in [{lo}, {hi}], got {_brief(x)}")
-    return x
-
-
-def _ints(xs: Any, what: str, max_len: int = 64, hi: int = _MAX_INT) -> list[int]:
-    """``xs`` itself if it is a list of at most ``max_len`` integers in ``[0, hi]``."""
-    if type(xs) is not list or len(xs) > max_len:
-        raise CorruptCheckpoint(f"metadata: {what} must be a list of at most {max_len} integers, got {_brief(xs)}")
-    for v in xs:
-        if type(v) is not int or not 0 <= v <= hi:
-            raise CorruptCheckpoint(f"metadata: {what} must hold integers in [0, {hi}], got {_brief(v)}")
-    return xs
-
-
-def _obj(x: Any, what: str) -> dict[str, Any]:
-    if not isinstance(x, dict):
-        raise CorruptCheckpoint(f"metadata: {what} must be an object, got {_brief(x)}")
-    return x
-
-
-def _list(x: Any, what: str) -> list[Any]:
-    if not isinstance(x, list):
-        raise CorruptCheckpoint(f"metadata: {what} must be a list, got {_brief(x)}")
-    return x
-
-
-def _req(d: dict[str, Any], key: str, what: str) -> Any:
-    if key not in d:
-        raise CorruptCheckpoint(f"metadata: {what} has no {key!r}")
-    return d[key]
-
-
-def _str(x: Any, what: str, max_len: int = 1 << 20, *, none: bool = False) -> Any:
-    if x is None and none:
-        return None
-    if not isinstance(x, str) or len(x) > max_len:
-        raise CorruptCheckpoint(f"metadata: {what} must be a string of at most {max_len} characters, got {_brief(x)}")
-    return x
-
-
-def _time(x: Any, what: str) -> float:
-    """A time stamp (seconds since the epoch): a finite, non-negative number."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (0 <= x < 1e12):
-        raise CorruptCheckpoint(f"metadata: {what} must be a time in seconds since the epoch, got {_brief(x)}")
-    return float(x)
 
 
 def _n_pieces(pos: int, length: int, chunk_size: int) -> int:
@@ -495,7 +395,7 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
     files_raw = _obj(_req(doc, "files", "the document"), "'files'")
     files: dict[str, int] = {}
     for name, size in files_raw.items():
-        if not _FILE_RE.match(name):
+        if not is_data_file(name):
             raise CorruptCheckpoint(f"metadata: data file name {_brief(name)} is not allowed")
         files[name] = _int(size, f"size of {name}")
     step = doc.get("step")
@@ -514,7 +414,7 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
     sdm: dict[str, Any] = {}
     for fqn, m in _obj(_req(d, "state_dict_metadata", "'dcp'"), "'state_dict_metadata'").items():
         try:
-            sdm[fqn] = _sdm_entry(m)
+            sdm[fqn] = entry_from_json(m)
         except CorruptCheckpoint as e:
             raise CorruptCheckpoint(f"{e} (entry {_brief(fqn)})") from None
         except (KeyError, TypeError, ValueError) as e:
@@ -538,43 +438,10 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
             load_id=_str(sm.get("load_id"), "storage_meta load_id", 256, none=True),
             modules=[_str(x, "storage_meta module", 4096) for x in _list(sm.get("modules", []), "storage_meta modules")],
         )
-    kwargs: dict[str, Any] = dict(state_dict_metadata=sdm, planner_data=_dec_any(d.get("planner_data")),
-                                  storage_data=storage, storage_meta=storage_meta)
-    if "version" in Metadata.__dataclass_fields__:
-        kwargs["version"] = _str(d.get("version"), "dcp version", 64, none=True)
-    return Metadata(**kwargs), manifest
+    md = new_metadata(sdm, METADATA_VALUES.decode(d.get("planner_data")), storage_meta,
+                      _str(d.get("version"), "dcp version", 64, none=True), storage_data=storage)
+    return md, manifest
 
-
-def _sdm_entry(m: Any) -> Any:
-    """One ``state_dict_metadata`` value -> DCP storage metadata (hot: one per state dict key)."""
-    if type(m) is not dict:
-        raise CorruptCheckpoint(f"metadata: an entry must be an object, got {_brief(m)}")
-    kind = m["type"]
-    if kind == "bytes":
-        return BytesStorageMetadata()
-    dtype = m["dtype"]
-    if kind != "tensor" or type(dtype) is not str or dtype not in DTYPES:
-        raise CorruptCheckpoint(f"metadata: unsupported entry: type {_brief(kind)}, dtype {_brief(dtype)}")
-    requires_grad, pin_memory = m.get("requires_grad", False), m.get("pin_memory", False)
-    memfmt = m.get("memory_format", "contiguous")
-    if type(requires_grad) is not bool or type(pin_memory) is not bool or type(memfmt) is not str:
-        raise CorruptCheckpoint("metadata: requires_grad and pin_memory must be true or false, memory_format a string")
-    props = TensorProperties(dtype=DTYPES[dtype], requires_grad=requires_grad,
-                             memory_format=_MEMFMT.get(memfmt, torch.contiguous_format), pin_memory=pin_memory)
-    size = _ints(m["size"], "size")
-    rank = len(size)
-    chunks = []
-    for c in _list(m["chunks"], "chunks"):
-        if type(c) is not dict:
-            raise CorruptCheckpoint(f"metadata: a chunk must be an object, got {_brief(c)}")
-        offsets, sizes = _ints(c["offsets"], "chunk offsets"), _ints(c["sizes"], "chunk sizes")
-        if len(offsets) != rank or len(sizes) != rank:
-            raise CorruptCheckpoint(f"metadata: a chunk has {len(offsets)}/{len(sizes)} dimensions, the tensor {rank}")
-        for o, n, full in zip(offsets, sizes, size):
-            if o + n > full:
-                raise CorruptCheckpoint(f"metadata: a chunk {offsets}+{sizes} does not fit the tensor's size {size}")
-        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
 
 
 def _item(it: Any, sdm: dict[str, Any], files: dict[str, int], chunk_size: int) -> tuple[MetadataIndex, ItemRecord]:

@@ -24,13 +24,13 @@ dtypes: ``TieredWriter.write_data`` checks every tensor's shape and dtype agains
 the metadata records the tensors' real dtypes (see :mod:`tierckpt.planning`), so a changed
 model never reuses a stale layout.
 
-Files are read in the background when a ``TieredWriter`` is created (:func:`preload`).
+Files are read in the background when a ``TieredWriter`` is created (:func:`preload`). The JSON
+codec of plans and metadata is :mod:`tierckpt.dcpjson`'s (re-exported here: ``encode_plan``,
+``decode_plan``, ``encode_metadata``, ``decode_metadata``, ``plan_hash``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
 import json
 import logging
@@ -42,22 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-try:
-    from torch.distributed.checkpoint.planner import BytesIOWriteData
-except ImportError:  # a torch without it: its WriteItems have no bytes_io_data either
-    BytesIOWriteData = None  # type: ignore[assignment,misc]
-
+from .dcpjson import decode_metadata, decode_plan, digest, encode_metadata, encode_plan, plan_hash
 from .errors import CheckpointNotFound, CorruptCheckpoint
 from .tiers.base import Tier
 
@@ -82,211 +70,6 @@ def dcp_caches() -> dict[str, dict] | None:
         out[name] = cache
     return out
 
-
-# -- JSON codec for DCP plans and metadata -----------------------------------------------------
-#
-# Plans and metadata are stored column by column (one list per field, tensor properties in a
-# table), so that reading a file is json.loads plus one constructor call per object; a generic
-# tagged encoding covers the rest (StorageMeta, planner data other than DCP's key mappings).
-
-_CLASSES: dict[str, type] = {c.__name__: c for c in (StorageMeta,)}
-_ENUMS: dict[str, type] = {"WriteItemType": WriteItemType}
-
-
-def encode(x: Any) -> Any:
-    """A JSON-able form of plain values and a few DCP types. Raises TypeError for anything else
-    (a custom planner's planner data, say): such plans are not persisted."""
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, torch.Size):
-        return {"$S": list(x)}
-    if isinstance(x, torch.dtype):
-        return {"$D": str(x).removeprefix("torch.")}
-    if isinstance(x, enum.Enum):
-        if type(x).__name__ not in _ENUMS:
-            raise TypeError(f"cannot persist enum {type(x).__name__}")
-        return {"$E": type(x).__name__, "v": x.name}
-    if isinstance(x, tuple):
-        return {"$T": [encode(v) for v in x]}
-    if isinstance(x, list):
-        return [encode(v) for v in x]
-    if isinstance(x, dict):
-        if not all(isinstance(k, str) for k in x):
-            raise TypeError("cannot persist a dict with non-string keys")
-        return {"$d": {k: encode(v) for k, v in x.items()}}
-    if dataclasses.is_dataclass(x) and _CLASSES.get(type(x).__name__) is type(x):
-        return {"$": type(x).__name__, "f": {f.name: encode(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}}
-    raise TypeError(f"cannot persist a {type(x).__name__}")
-
-
-def _torch_attr(name: Any, kind: type) -> Any:
-    v = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(v, kind):
-        raise CorruptCheckpoint(f"plan cache: unknown {kind.__name__} {name!r}")
-    return v
-
-
-def decode(x: Any, depth: int = 0) -> Any:
-    """Inverse of :func:`encode`; only the classes above are ever built."""
-    if depth > 64:
-        raise CorruptCheckpoint("plan cache: nested too deeply")
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, list):
-        return [decode(v, depth + 1) for v in x]
-    if not isinstance(x, dict):
-        raise CorruptCheckpoint("plan cache: malformed value")
-    if "$" in x:
-        cls = _CLASSES.get(x["$"])
-        if cls is None or not isinstance(x.get("f"), dict):
-            raise CorruptCheckpoint(f"plan cache: unknown class {x.get('$')!r}")
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        return cls(**{k: decode(v, depth + 1) for k, v in x["f"].items() if k in names})
-    if "$S" in x:
-        return torch.Size([int(v) for v in x["$S"]])
-    if "$D" in x:
-        return _torch_attr(x["$D"], torch.dtype)
-    if "$E" in x:
-        e = _ENUMS.get(x["$E"])
-        if e is None or x.get("v") not in e.__members__:
-            raise CorruptCheckpoint("plan cache: unknown enum value")
-        return e[x["v"]]
-    if "$T" in x:
-        return tuple(decode(v, depth + 1) for v in x["$T"])
-    if "$d" in x:
-        return {str(k): decode(v, depth + 1) for k, v in x["$d"].items()}
-    raise CorruptCheckpoint("plan cache: malformed value")
-
-
-def _name(x: Any) -> str:
-    return str(x).removeprefix("torch.")
-
-
-class _PropsTable:
-    """Distinct TensorProperties of a plan or metadata, numbered."""
-
-    def __init__(self) -> None:
-        self.rows: list[list] = []
-        self._ids: dict[tuple, int] = {}
-
-    def id(self, p: TensorProperties) -> int:
-        key = (_name(p.dtype), _name(p.layout), bool(p.requires_grad), _name(p.memory_format), bool(p.pin_memory))
-        i = self._ids.get(key)
-        if i is None:
-            i = self._ids[key] = len(self.rows)
-            self.rows.append(list(key))
-        return i
-
-
-def _props(rows: list) -> list[TensorProperties]:
-    return [TensorProperties(dtype=_torch_attr(d, torch.dtype), layout=_torch_attr(lay, torch.layout),
-                             requires_grad=bool(rg), memory_format=_torch_attr(mf, torch.memory_format),
-                             pin_memory=bool(pin)) for d, lay, rg, mf, pin in rows]
-
-
-def _enc_planner_data(x: Any) -> Any:
-    if isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, tuple) and all(isinstance(e, (str, int)) for e in v)
-                                   for k, v in x.items()):
-        return {"keys": list(x), "paths": [list(v) for v in x.values()]}  # DCP's flattening mappings
-    return {"any": encode(x)}
-
-
-def _dec_planner_data(d: Any) -> Any:
-    if "keys" in d:
-        return {str(k): tuple(v) for k, v in zip(d["keys"], d["paths"])}
-    return decode(d["any"])
-
-
-_HAS_BYTES_IO = BytesIOWriteData is not None and "bytes_io_data" in getattr(WriteItem, "__dataclass_fields__", {})
-
-
-def encode_plan(plan: SavePlan) -> dict:
-    """A SavePlan, column by column (its storage data is not kept)."""
-    table = _PropsTable()
-    fqn, off, hint, typ, prop, size, coff, csz, bio = [], [], [], [], [], [], [], [], []
-    for it in plan.items:
-        ix = it.index
-        fqn.append(ix.fqn)
-        off.append(None if ix.offset is None else list(ix.offset))
-        hint.append(ix.index)
-        typ.append(it.type.name)
-        td = it.tensor_data
-        if td is None:
-            prop.append(-1)
-            size.append(None)
-            coff.append(None)
-            csz.append(None)
-        else:
-            prop.append(table.id(td.properties))
-            size.append(list(td.size))
-            coff.append(list(td.chunk.offsets))
-            csz.append(list(td.chunk.sizes))
-        b = getattr(it, "bytes_io_data", None)
-        bio.append(None if b is None else int(b.nbytes))
-    return {"fqn": fqn, "off": off, "hint": hint, "type": typ, "prop": prop, "size": size, "coff": coff, "csz": csz,
-            "bio": bio, "props": table.rows, "pd": _enc_planner_data(plan.planner_data), "usable": bool(plan.usable)}
-
-
-def decode_plan(d: dict) -> SavePlan:
-    props = _props(d["props"])
-    types = {n: WriteItemType[n] for n in set(d["type"])}
-    items = []
-    for f, o, h, t, p, sz, co, cs, b in zip(d["fqn"], d["off"], d["hint"], d["type"], d["prop"], d["size"], d["coff"],
-                                            d["csz"], d["bio"], strict=True):
-        idx = MetadataIndex(str(f), None if o is None else torch.Size(o), None if h is None else int(h))
-        td = None if p < 0 else TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(co), sizes=torch.Size(cs)), properties=props[p], size=torch.Size(sz))
-        if b is not None and _HAS_BYTES_IO:
-            items.append(WriteItem(index=idx, type=types[t], tensor_data=td, bytes_io_data=BytesIOWriteData(nbytes=int(b))))
-        else:
-            items.append(WriteItem(index=idx, type=types[t], tensor_data=td))
-    return SavePlan(items, planner_data=_dec_planner_data(d["pd"]), usable=bool(d["usable"]))
-
-
-def encode_metadata(md: Metadata) -> dict:
-    """DCP's global Metadata, column by column (its storage data is not kept)."""
-    table = _PropsTable()
-    keys, prop, size, chunks = [], [], [], []
-    for k, m in md.state_dict_metadata.items():
-        keys.append(k)
-        if isinstance(m, TensorStorageMetadata):
-            prop.append(table.id(m.properties))
-            size.append(list(m.size))
-            chunks.append([[list(c.offsets), list(c.sizes)] for c in m.chunks])
-        elif isinstance(m, BytesStorageMetadata):
-            prop.append(-1)
-            size.append(None)
-            chunks.append(None)
-        else:
-            raise TypeError(f"cannot persist storage metadata {type(m).__name__}")
-    return {"keys": keys, "prop": prop, "size": size, "chunks": chunks, "props": table.rows,
-            "pd": _enc_planner_data(md.planner_data), "sm": encode(md.storage_meta), "version": getattr(md, "version", None)}
-
-
-def decode_metadata(d: dict) -> Metadata:
-    props = _props(d["props"])
-    sdm: dict[str, Any] = {}
-    for k, p, sz, ch in zip(d["keys"], d["prop"], d["size"], d["chunks"], strict=True):
-        if p < 0:
-            sdm[str(k)] = BytesStorageMetadata()
-        else:
-            sdm[str(k)] = TensorStorageMetadata(properties=props[p], size=torch.Size(sz), chunks=[
-                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in ch])
-    kwargs: dict[str, Any] = dict(state_dict_metadata=sdm, planner_data=_dec_planner_data(d["pd"]),
-                                  storage_meta=decode(d["sm"]))
-    if "version" in Metadata.__dataclass_fields__:
-        kwargs["version"] = d.get("version")
-    return Metadata(**kwargs)
-
-
-def _digest(doc: Any) -> str:
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def plan_hash(plan: SavePlan) -> str:
-    """SHA-256 of a plan's items and planner data (keys, offsets, item types, sizes, chunks and
-    tensor properties, dtypes included); its storage data does not count."""
-    return _digest(encode_plan(plan))
 
 
 # -- what a process persists -------------------------------------------------------------------
@@ -322,7 +105,7 @@ def plan_key(global_rank: int) -> str:
 
 
 def _with_hash(enc: dict) -> tuple[dict, str]:
-    return enc, _digest(enc)
+    return enc, digest(enc)
 
 
 def to_bytes(snap: "Snapshot") -> bytes:
@@ -333,10 +116,10 @@ def to_bytes(snap: "Snapshot") -> bytes:
         alls = [encode_plan(x) for x in snap.all_plans]
         globs = [encode_plan(x) for x in snap.global_plans]
         body |= {"members": snap.members, "all": alls, "global": globs, "metadata": encode_metadata(snap.metadata),
-                 "hashes": [[_digest(a), _digest(g)] for a, g in zip(alls, globs)]}
+                 "hashes": [[digest(a), digest(g)] for a, g in zip(alls, globs)]}
     else:
         loc, fin = encode_plan(snap.local), encode_plan(snap.final)
-        body |= {"local": loc, "final": fin, "h_local": _digest(loc), "h_final": _digest(fin)}
+        body |= {"local": loc, "final": fin, "h_local": digest(loc), "h_final": digest(fin)}
     raw = json.dumps(body, separators=(",", ":")).encode()
     head = json.dumps({"format": FORMAT, "sha256": hashlib.sha256(raw).hexdigest(), "length": len(raw)}).encode()
     return head + b"\n" + raw

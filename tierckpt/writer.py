@@ -18,16 +18,11 @@ to host memory; ``wait()`` until it is committed on every configured tier.
 Without ``checkpoint_id`` DCP does not call ``reset``: the coordinator then generates an id
 (``ckpt-<UTC time>-<n>``) and logs it; a previous save's id is never reused.
 
-**Plan caching.** With ``DefaultSavePlanner(enable_plan_caching=True)`` DCP sends the
-coordinator an empty plan for every rank whose plan did not change, and hands ``write_data`` the
-cached plan of the previous save: neither carries this save's rank info nor the coordinator's
-decision (id, token, files). Once the first save of the process has set up a *plan channel*
-(store keys named in its assignment), ranks also publish their info on the process group's
-store in ``prepare_local_plan`` and the coordinator publishes its decision there when it
-answers with cached plans; each save still gets its own id, token and file names. The layout,
-chunk and checksum plans and the write results are reused from :mod:`tierckpt.planning`'s
-cache whenever the tensors still match them. One process group per process saves through
-tierckpt with plan caching (DCP's plan cache is process-wide, too).
+**Plan caching.** With ``DefaultSavePlanner(enable_plan_caching=True)``, what DCP's cached plans
+leave out (rank info, the coordinator's decision) goes over the plan channel
+(:mod:`tierckpt.planchannel`); each save still gets its own id, token and file names. Layouts,
+chunk and checksum plans and write results come from :mod:`tierckpt.planning`'s cache while the
+tensors match them. One process group per process saves through tierckpt with plan caching.
 """
 
 from __future__ import annotations
@@ -40,9 +35,7 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +45,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import plancache
+from .asyncsave import AsyncTickets
 from .catalog import is_committed
 from .commit import default_channel
 from .config import TierConfig, load_config
@@ -60,81 +54,19 @@ from .errors import CommitConflict, CorruptCheckpoint, TierckptError
 from .layout import check_checkpoint_id, rank_file, step_of
 from .engine import Engine, get_engine
 from .save import RankAssign, RankSave, SaveStats
+from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session
 from .planning import SaveInputs, expand_results, layout_cache, patch_dtypes
+from .savehold import HOLD_TIMEOUT, Release, hold, release, release_all
 
 __all__ = ["TieredWriter"]
 
 log = logging.getLogger("tierckpt")
 
+# The plan-channel state and types under their former names here (tests/plan_scenarios.py reads them).
+_session, _PlanAssign, _LocalInfo = session, PlanAssign, LocalInfo
+
 _gen_lock = threading.Lock()
 _gen_count = 0
-
-
-@dataclass
-class _LocalInfo:
-    """Rank -> coordinator: inside the local SavePlan and, once a plan channel exists, on the store.
-
-    ``seq`` numbers this process's local steps: the coordinator takes an info as this save's only
-    if its ``seq`` is newer than any it has seen from that rank (a plan that DCP's plan cache
-    carried over from an earlier save holds an old info).
-    """
-
-    root: str
-    requested_id: str | None
-    committed_here: bool
-    seq: int = 0
-    global_rank: int = 0
-
-    def encode(self) -> bytes:
-        return json.dumps([self.root, self.requested_id, self.committed_here, self.seq, self.global_rank]).encode()
-
-    @staticmethod
-    def decode(raw: bytes) -> "_LocalInfo":
-        root, requested, committed, seq, grank = json.loads(raw)
-        return _LocalInfo(str(root), None if requested is None else str(requested), bool(committed), int(seq), int(grank))
-
-
-@dataclass
-class _PlanAssign:
-    """Coordinator -> rank: inside the global SavePlan (DCP drops it when it serves a cached plan:
-    the rank then reads the same decision from the store, see :meth:`TieredWriter.write_data`)."""
-
-    assign: RankAssign
-    seq: int  # the local step of the rank this answers
-    channel: str
-    coord_global: int  # the coordinator's global rank (persisted plans name it)
-
-
-class _Session:
-    """Process-wide plan-caching state (DCP's own plan cache is process-wide too).
-
-    ``channel`` names the store keys through which ranks and coordinator exchange what DCP's
-    plan caching leaves out of cached plans; the coordinator of the first save picks it and every
-    rank adopts it from the assignment of a plan it received in full. ``seen`` is the
-    coordinator's newest ``_LocalInfo.seq`` per rank.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.seq = 0
-        self.channel: str | None = None
-        self.seen: dict[int, int] = {}
-
-    def next_seq(self) -> tuple[int, str | None]:
-        with self.lock:
-            self.seq += 1
-            return self.seq, self.channel
-
-
-_session = _Session()
-
-
-def _info_key(channel: str, rank: int) -> str:
-    return f"tierckpt/plan/{channel}/info{rank}"
-
-
-def _assign_key(channel: str) -> str:
-    return f"tierckpt/plan/{channel}/assign"
 
 
 class _SaveCtx:
@@ -146,7 +78,7 @@ class _SaveCtx:
         self.from_reset = False  # made by reset() for the save about to start
         self.is_coordinator = False
         self.rank = 0
-        self.info: _LocalInfo | None = None
+        self.info: LocalInfo | None = None
         self.own_assign: RankAssign | None = None
         self.job: RankSave | None = None
         self.coord_global = 0
@@ -162,110 +94,6 @@ def _generate_id() -> str:
 
 
 _warned_stale: "weakref.WeakSet" = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
-
-# -- holding the capture until dcp.save is done with the CPU ------------------------------------
-#
-# After write_data, DCP still gathers the write results, runs finish() on the coordinator and
-# broadcasts the global metadata; with plan caching that is half of the call. Capture and flush
-# started at once would compete with it for the GIL and the cores, so a save's capture waits
-# (RankSave.hold) until DCP's last step: finish() attaches a _Release marker to the metadata, which
-# the coordinator pickles and every other rank unpickles for the broadcast. A rank's capture
-# thread, once released, says so on the store; the coordinator's waits for every other rank's
-# word (a blocking store wait, no polling), so it does not take the cores from ranks still
-# unpickling. Also released at once by wait_captured()/wait()/the optimizer pre-step hook and by
-# the next save; every wait ends after HOLD_TIMEOUT.
-
-HOLD_TIMEOUT = 2.0  # seconds a capture waits at most for its release (and the coordinator for the others)
-
-
-class _Hold:
-    """One save's capture hold on one rank; :meth:`wait` is called by the capture thread
-    (``RankSave.plan``) and, on the coordinator, by the results worker."""
-
-    def __init__(self, assign: RankAssign, coordinator: bool) -> None:
-        self.token = assign.token
-        self.rank = assign.rank
-        self.world = assign.world if assign.distributed else 1
-        self.coordinator = coordinator
-        self.event = threading.Event()
-        self.urgent = False  # released by a wait: start now, wait for no other rank
-        self._done = threading.Event()
-
-    def release(self, urgent: bool = False) -> None:
-        self.urgent = self.urgent or urgent
-        self.event.set()
-
-    def _key(self, rank: int) -> str:
-        return f"tierckpt/release/{self.token}/r{rank}"
-
-    def wait(self, timeout: float) -> None:
-        """Until this rank is out of ``dcp.save`` (and, on the coordinator, every rank is)."""
-        if self._done.is_set():
-            return
-        self.event.wait(timeout)
-        if self.world > 1:
-            try:
-                from datetime import timedelta
-
-                from torch.distributed import distributed_c10d as c10d
-
-                store = c10d._get_default_store()
-                if not self.coordinator:
-                    store.set(self._key(self.rank), b"1")
-                elif not self.urgent:
-                    others = [self._key(r) for r in range(self.world) if r != self.rank]
-                    store.wait(others, timedelta(seconds=timeout))
-                    for k in others:
-                        store.delete_key(k)
-            except Exception:  # noqa: BLE001 - a rank that never says so only delays this capture
-                pass
-        self._done.set()
-
-
-_holds: dict[str, _Hold] = {}  # save token -> its job's hold (this process)
-_holds_lock = threading.Lock()
-
-
-def _hold(assign: RankAssign, coordinator: bool) -> _Hold:
-    h = _Hold(assign, coordinator)
-    with _holds_lock:
-        _holds[assign.token] = h
-    return h
-
-
-def _release(token: str) -> None:
-    with _holds_lock:
-        h = _holds.pop(token, None)
-    if h is not None:
-        h.release()
-
-
-def release_all(urgent: bool = True) -> None:
-    """Let every held capture of this process start now."""
-    with _holds_lock:
-        hs = list(_holds.values())
-        _holds.clear()
-    for h in hs:
-        h.release(urgent)
-
-
-def _released(token: str) -> "_Release":
-    """Unpickling a :class:`_Release` (every rank but the coordinator, in DCP's broadcast)."""
-    _release(token)
-    return _Release(token)
-
-
-class _Release:
-    """The coordinator puts it in ``Metadata.storage_data`` in ``finish()`` (as DCP's own writers put
-    their storage data there); pickling it (coordinator) and unpickling it (every other rank) for
-    DCP's metadata broadcast releases that process's held capture of the save."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def __reduce__(self) -> tuple:
-        _release(self.token)
-        return (_released, (self.token,))
 
 
 class _ResultsWorker:
@@ -298,19 +126,6 @@ class _ResultsWorker:
 
 
 _results = _ResultsWorker()
-
-
-def _multi_get(keys: list[str]) -> list[bytes | None]:
-    """The values of ``keys`` on the default store (None where absent): two round trips when all
-    are there (the protocol's case), whatever their number."""
-    from torch.distributed import distributed_c10d as c10d
-
-    store = c10d._get_default_store()
-    if store.check(keys):
-        if hasattr(store, "multi_get"):
-            return [bytes(v) for v in store.multi_get(keys)]
-        return [bytes(store.get(k)) for k in keys]
-    return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
 
 
 def _global_rank() -> int:
@@ -358,7 +173,7 @@ class TieredWriter(StorageWriter):
         # overlap on one writer, so the save in progress is tracked per thread.
         self._tls = threading.local()
         self._last: RankSave | None = None
-        self._async_tickets: list[Future] = []
+        self._tickets = AsyncTickets()  # dcp.async_save saves not planned yet (see asyncsave)
 
     def _ctx(self) -> _SaveCtx:
         ctx = getattr(self._tls, "ctx", None)
@@ -369,8 +184,9 @@ class TieredWriter(StorageWriter):
     # -- DCP StorageWriter ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
         """DCP passes the id of the save about to start (only when ``dcp.save`` got one)."""
-        cid = None if checkpoint_id is None else check_checkpoint_id(str(checkpoint_id))
         ctx = self._tls.ctx = _SaveCtx()
+        self._tickets.bind(ctx)
+        cid = None if checkpoint_id is None else check_checkpoint_id(str(checkpoint_id))
         ctx.requested = cid
         ctx.from_reset = True
         self.checkpoint_id = cid
@@ -379,6 +195,7 @@ class TieredWriter(StorageWriter):
         ctx = self._ctx()
         if not ctx.from_reset:  # no reset() before this save: a fresh context (no requested id)
             ctx = self._tls.ctx = _SaveCtx()
+        self._tickets.bind(ctx)
         ctx.from_reset = False
         ctx.t0 = time.perf_counter()
         if kwargs.get("use_collectives") is False:
@@ -404,8 +221,8 @@ class TieredWriter(StorageWriter):
         if st.seeded:
             log.info("reusing the plans persisted by the previous run (%s)", st.reason)
             if st.channel is not None:
-                with _session.lock:
-                    _session.channel = st.channel
+                with session.lock:
+                    session.channel = st.channel
         elif st.reason:
             log.debug("not reusing persisted plans: %s", st.reason)
 
@@ -423,43 +240,43 @@ class TieredWriter(StorageWriter):
         committed = False
         if self._local is not None and requested is not None:
             committed = is_committed(self._local, requested)
-        seq, channel = _session.next_seq()
-        info = ctx.info = _LocalInfo(self._root, requested, committed, seq, _global_rank())
+        seq, channel = session.next_seq()
+        info = ctx.info = LocalInfo(self._root, requested, committed, seq, _global_rank())
         if channel is not None and self._distributed and not ctx.is_coordinator:
-            default_channel(True).publish(_info_key(channel, ctx.rank), info.encode())
+            default_channel(True).publish(info_key(channel, ctx.rank), info.encode())
         return dataclasses.replace(plan, storage_data=info)
 
-    def _infos(self, plans: list[SavePlan], ctx: _SaveCtx) -> list[_LocalInfo]:
+    def _infos(self, plans: list[SavePlan], ctx: _SaveCtx) -> list[LocalInfo]:
         """Coordinator: this save's info of every rank: from its plan, or from the store for the
         ranks whose plan DCP served from its cache."""
-        infos: list[_LocalInfo | None] = [None] * len(plans)
+        infos: list[LocalInfo | None] = [None] * len(plans)
         missing: list[int] = []
-        with _session.lock:
+        with session.lock:
             for r, p in enumerate(plans):
                 sd = p.storage_data
                 if r == ctx.rank and ctx.info is not None:
                     infos[r] = ctx.info
-                elif isinstance(sd, _LocalInfo) and sd.seq > _session.seen.get(r, 0):
+                elif isinstance(sd, LocalInfo) and sd.seq > session.seen.get(r, 0):
                     infos[r] = sd
                 else:
                     missing.append(r)
-                if isinstance(sd, _LocalInfo):
-                    _session.seen[r] = max(_session.seen.get(r, 0), sd.seq)
-            channel = _session.channel
+                if isinstance(sd, LocalInfo):
+                    session.seen[r] = max(session.seen.get(r, 0), sd.seq)
+            channel = session.channel
         if missing:
             if channel is None or not self._distributed:
                 raise TierckptError(
                     f"rank(s) {missing} sent a cached DCP plan, but no tierckpt save planned it in this process: "
                     "DCP's plan cache was filled through another storage writer (use one planner per storage writer)")
-            raws = _multi_get([_info_key(channel, r) for r in missing])
+            raws = multi_get([info_key(channel, r) for r in missing])
             for r, raw in zip(missing, raws):
-                info = _LocalInfo.decode(raw) if raw is not None else None
-                with _session.lock:
-                    if info is None or info.seq <= _session.seen.get(r, 0):
+                info = LocalInfo.decode(raw) if raw is not None else None
+                with session.lock:
+                    if info is None or info.seq <= session.seen.get(r, 0):
                         raise TierckptError(
                             f"rank {r} sent a cached DCP plan but published no plan info for this save on plan "
                             f"channel {channel} (did it save through another process group?)")
-                    _session.seen[r] = info.seq
+                    session.seen[r] = info.seq
                 infos[r] = info
         return infos  # type: ignore[return-value]
 
@@ -487,10 +304,10 @@ class TieredWriter(StorageWriter):
         if self._local is None and is_committed(first, cid):
             raise CommitConflict(f"checkpoint {cid} is already committed at {first.url}")
         token = uuid.uuid4().hex
-        with _session.lock:
-            if _session.channel is None:
-                _session.channel = uuid.uuid4().hex[:16]
-            channel = _session.channel
+        with session.lock:
+            if session.channel is None:
+                session.channel = uuid.uuid4().hex[:16]
+            channel = session.channel
         first_rank_of_root: dict[str, int] = {}
         for r, i in enumerate(infos):
             first_rank_of_root.setdefault(i.root, r)
@@ -507,13 +324,13 @@ class TieredWriter(StorageWriter):
             )
             if r == ctx.rank:
                 ctx.own_assign = assign
-            out.append(dataclasses.replace(p, storage_data=_PlanAssign(assign, i.seq, channel, me)))
+            out.append(dataclasses.replace(p, storage_data=PlanAssign(assign, i.seq, channel, me)))
         ctx.coord_global = me
         ctx.members = [i.global_rank for i in infos]
         if self._distributed and any(not p.usable for r, p in enumerate(plans) if r != ctx.rank):
             bundle = {"cid": cid, "token": token, "created": created, "step": step, "world": world, "mw": mw,
                       "seqs": [i.seq for i in infos], "distributed": self._distributed, "cg": me}
-            default_channel(True).publish(_assign_key(channel), json.dumps(bundle).encode())
+            default_channel(True).publish(assign_key(channel), json.dumps(bundle).encode())
         return out
 
     def _assignment(self, plan: SavePlan, ctx: _SaveCtx) -> RankAssign:
@@ -522,16 +339,16 @@ class TieredWriter(StorageWriter):
         if ctx.own_assign is not None:
             return ctx.own_assign
         sd = plan.storage_data
-        if isinstance(sd, _PlanAssign) and ctx.info is not None and sd.seq == ctx.info.seq:
-            with _session.lock:
-                _session.channel = sd.channel
+        if isinstance(sd, PlanAssign) and ctx.info is not None and sd.seq == ctx.info.seq:
+            with session.lock:
+                session.channel = sd.channel
             ctx.coord_global = sd.coord_global
             return sd.assign
-        channel = _session.channel
+        channel = session.channel
         if channel is None or not self._distributed or ctx.info is None:
             raise TierckptError(f"rank {ctx.rank}: DCP handed write_data a cached plan, but no tierckpt save "
                                 "planned it in this process (DCP's plan cache was filled through another storage writer)")
-        raw = default_channel(True).try_get(_assign_key(channel))
+        raw = default_channel(True).try_get(assign_key(channel))
         b = json.loads(raw) if raw is not None else None
         if b is None or ctx.rank >= len(b["seqs"]) or b["seqs"][ctx.rank] != ctx.info.seq:
             raise TierckptError(f"rank {ctx.rank}: the coordinator published no decision for this save on plan "
@@ -574,7 +391,7 @@ class TieredWriter(StorageWriter):
         results = inputs.results()
         job = RankSave(assign, inputs, self.engine.chunk_size)
         release_all(urgent=False)  # an earlier save still held: this process is past its dcp.save
-        job.hold = _hold(assign, coordinator=ctx.own_assign is not None)
+        job.hold = hold(assign, coordinator=ctx.own_assign is not None)
         job.hold_timeout = HOLD_TIMEOUT
         ctx.job = job
         self._last = job
@@ -588,10 +405,7 @@ class TieredWriter(StorageWriter):
                 self._persister.after_commit(job.committed, snap, coordinator)
         self.engine.submit(job)
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
-        for t in self._async_tickets:
-            if not t.done():
-                t.set_result(job)
-        self._async_tickets.clear()
+        self._tickets.captured(job)
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut
@@ -606,9 +420,9 @@ class TieredWriter(StorageWriter):
         ctx.job = None
         _results.submit(job, metadata, results)
         if len(results) > 1:
-            metadata.storage_data = _Release(job.assign.token)  # see _Release
+            metadata.storage_data = Release(job.assign.token)  # see savehold.Release
         else:
-            _release(job.assign.token)  # one rank: DCP broadcasts nothing (or to itself) after this
+            release(job.assign.token)  # one rank: DCP broadcasts nothing (or to itself) after this
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
 
     @classmethod
@@ -630,12 +444,11 @@ class TieredWriter(StorageWriter):
         """``dcp.async_save`` hook: no copy here; the capture happens lazily in ``write_data``.
 
         The returned state dict is the live one, so the same memory bound holds as for
-        ``dcp.save``. Until DCP's save thread reaches ``write_data``, ``wait_captured()`` waits
-        for it too (a ticket), so the pre-step hook stays safe.
+        ``dcp.save``. Until DCP's save thread reaches ``write_data`` (or fails before it),
+        ``wait_captured()`` waits for it too (a ticket, see :mod:`tierckpt.asyncsave`), so the
+        pre-step hook stays safe.
         """
-        ticket: Future = Future()
-        self._async_tickets.append(ticket)
-        self._ticket_watch(ticket)
+        self._tickets.open()
         return state_dict
 
     def synchronize_staging(self) -> None:
@@ -644,19 +457,6 @@ class TieredWriter(StorageWriter):
     def close(self) -> None:
         """AsyncStager protocol: nothing to release per writer (pool and threads are shared)."""
 
-    def _ticket_watch(self, ticket: Future) -> None:
-        def watch() -> None:
-            # DCP runs the save in a thread named AsyncCheckpointExecutor*; if it ends before
-            # write_data, the save failed in planning and DCP's future holds the error.
-            while not ticket.done():
-                time.sleep(0.01)
-                alive = any(t.name.startswith("AsyncCheckpointExecutor") for t in threading.enumerate())
-                if not alive and not ticket.done():
-                    time.sleep(0.05)
-                    if not ticket.done():
-                        ticket.set_result(None)
-        threading.Thread(target=watch, name="tierckpt-async-ticket", daemon=True).start()
-
     # -- the user's side ------------------------------------------------------------------
     def wait_captured(self) -> float:
         """Block until every checkpoint in flight has landed in host memory; raise background errors.
@@ -664,8 +464,7 @@ class TieredWriter(StorageWriter):
         Returns the seconds spent blocked. After it returns, the state may be mutated.
         """
         t0 = time.perf_counter()
-        for t in list(self._async_tickets):
-            t.result()
+        self._tickets.wait()
         release_all()
         return self.engine.wait_captured(owner=self) + (time.perf_counter() - t0)
 
@@ -687,11 +486,10 @@ class TieredWriter(StorageWriter):
         error is logged at once and raised by the next :meth:`wait`. Returns the hook handle.
         """
         engine = self.engine
-        tickets = self._async_tickets
+        tickets = self._tickets
 
         def _pre_step(opt: Any, args: Any, kwargs: Any) -> None:
-            for t in list(tickets):
-                t.result()
+            tickets.wait()
             release_all()
             engine.wait_captured(raise_errors=False)
 

@@ -1,0 +1,190 @@
+"""The :class:`S3Tier` class: construction, listing, deletes and close, over its reading and
+writing halves (:mod:`.reads`, :mod:`.writes`) and the request layer (:mod:`.client`)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+from ...config import S3Config
+from ...errors import ConfigError, CorruptCheckpoint, TierAccessDenied, TierError
+from ...redact import redact
+from ..base import ObjectInfo, check_key
+from .client import _DELETE_BATCH, _DENIED, ClientError, _is_not_found, log, make_client
+from .reads import S3Reads
+from .writes import S3Writes
+
+
+class S3Tier(S3Reads, S3Writes):
+    """A tier in an S3 bucket under ``cfg.prefix``.
+
+    Args:
+        cfg: the ``[s3]`` settings (validated here).
+        client: a boto3 S3 client to use instead of building one from ``cfg`` (tests); the tier
+            does not close a client it was given.
+
+    Thread safety: every method may be called from several threads at once.
+    """
+
+    name = "s3"
+
+    def __init__(self, cfg: S3Config, *, client: Any = None) -> None:
+        cfg.validate()
+        prefix = cfg.prefix.strip("/")
+        if prefix:
+            try:
+                check_key(prefix)
+            except CorruptCheckpoint:
+                raise ConfigError(f"[s3] prefix: {cfg.prefix!r} is not a valid key prefix") from None
+        self.cfg = cfg
+        self.bucket = cfg.bucket
+        self.prefix = prefix
+        self._root = f"{prefix}/" if prefix else ""
+        self.url = f"s3://{cfg.bucket}/{prefix}" if prefix else f"s3://{cfg.bucket}"
+        self._own_client = client is None
+        self._client = make_client(cfg) if client is None else client
+        self._conditional = cfg.conditional_commit
+        self.conditional_create = cfg.conditional_commit
+        self.read_range = cfg.part_size
+        self.read_concurrency = cfg.concurrency
+        self.keep = cfg.keep
+        self.keep_every = cfg.keep_every
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (paginated ListObjectsV2).
+
+        Keys are relative to ``cfg.prefix``; stored keys that are not valid tier keys (directory
+        markers, foreign objects such as ``a//b``) are skipped.
+        """
+        full_prefix = self._check_prefix(prefix)
+        n = len(self._root)
+        for page in self._list_raw(full_prefix):
+            for obj in page.get("Contents", ()):
+                key = obj["Key"][n:]
+                try:
+                    check_key(key)
+                except CorruptCheckpoint:
+                    continue
+                yield ObjectInfo(key, int(obj["Size"]), obj["LastModified"].timestamp())
+
+    def _has_objects(self, full_prefix: str) -> bool:
+        for page in self._list_raw(full_prefix, PaginationConfig={"PageSize": 1, "MaxItems": 1}):
+            if page.get("Contents"):
+                return True
+        return False
+
+    def list_dirs(self) -> list[str]:
+        """The first path components of all keys, sorted (ListObjectsV2 with ``Delimiter="/"``).
+
+        A common prefix with no object under it (SeaweedFS keeps empty directories) is left out.
+        """
+        names: list[str] = []
+        n = len(self._root)
+        for page in self._list_raw(self._root, Delimiter="/"):
+            for cp in page.get("CommonPrefixes", ()):
+                p = cp["Prefix"]
+                name = p[n:].rstrip("/")
+                try:
+                    check_key(name)
+                except CorruptCheckpoint:
+                    continue
+                if "/" not in name and self._has_objects(p):
+                    names.append(name)
+        return sorted(set(names))
+
+    # -- deletes --------------------------------------------------------------------------
+    def delete(self, key: str) -> None:
+        """Delete ``key``; a missing key is not an error."""
+        full = self._full(key)
+        url = self._url_of(full)
+        try:
+            self._retrying(lambda: self._client.delete_object(Bucket=self.bucket, Key=full), "delete", url, own_retry=False)
+        except ClientError as e:
+            if not _is_not_found(e):
+                raise self._client_error(e, "delete", url) from e
+
+    def _delete_keys(self, keys: list[str], *, best_effort: bool = False) -> None:
+        """DeleteObjects in batches of 1000 full keys."""
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i : i + _DELETE_BATCH]
+            url = self._url_of(batch[0])
+            try:
+                resp = self._call(
+                    lambda: self._client.delete_objects(
+                        Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                    ),
+                    "delete",
+                    url,
+                )
+            except TierError:
+                if best_effort:
+                    continue
+                raise
+            errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in ("NoSuchKey",)]
+            if errors and not best_effort:
+                first = errors[0]
+                code = str(first.get("Code", ""))
+                more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+                url = self._url_of(str(first.get("Key", "?")))
+                if code in _DENIED:
+                    raise TierAccessDenied(f"delete {url}: access denied ({code}): {_DENIED[code]}{more}")
+                message = " ".join(redact(first.get("Message", "")).split())[:300]
+                raise TierError(f"delete {url} failed: {redact(code)}: {message}{more}")
+
+    def delete_many(self, keys: list[str]) -> int:
+        """Delete exactly these keys with DeleteObjects (missing ones are not an error), then the
+        empty directory entries some servers (SeaweedFS) keep for their parents. Returns how many
+        keys were asked for (S3 does not tell which existed)."""
+        full = [self._full(k) for k in keys]
+        if not full:
+            return 0
+        self._delete_keys(full)
+        dirs = {k.rsplit("/", 1)[0] + "/" for k in full if "/" in k}
+        self._delete_keys(sorted(dirs, key=lambda d: (-d.count("/"), d)), best_effort=True)
+        return len(full)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix`` (which must end with ``/``); return how many.
+
+        Uses DeleteObjects (1000 keys per request), then removes empty directory entries that
+        some servers (SeaweedFS) keep, and aborts multipart uploads under the prefix (the S3 form
+        of leftover partial files). The count is the number of objects listed and deleted.
+        """
+        if not prefix.endswith("/"):
+            raise ValueError(f"delete_prefix needs a prefix ending with '/', got {prefix!r}")
+        full_prefix = self._check_prefix(prefix)
+        keys = [obj["Key"] for page in self._list_raw(full_prefix) for obj in page.get("Contents", ())]
+        self._delete_keys(keys)
+        dirs = {full_prefix}
+        for k in keys:
+            parent = k.rsplit("/", 1)[0]
+            while len(parent) + 1 > len(full_prefix):
+                dirs.add(parent + "/")
+                parent = parent.rsplit("/", 1)[0]
+        self._delete_keys(sorted(dirs, key=lambda d: (-d.count("/"), d)), best_effort=True)
+        try:
+            self.abort_stale_uploads(prefix)
+        except TierError as e:
+            log.warning("delete_prefix %s: cannot abort multipart uploads: %s", self._url_of(full_prefix), redact(e))
+        return sum(1 for k in keys if not k.endswith("/"))
+
+    def close(self) -> None:
+        """Shut the upload pool down and close the client (if the tier built it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if self._own_client:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
