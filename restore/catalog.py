@@ -17,7 +17,7 @@ from typing import Any
 from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_metadata
 from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
-from tierckpt.layout import CheckpointManifest, check_checkpoint_id, metadata_key
+from tierckpt.layout import CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key, rank_of_file
 from tierckpt.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import Tier
@@ -59,14 +59,6 @@ def open_tiers(cfg: TierConfig, only: str | None = None) -> list[Tier]:
             raise UsageError(f"--tier {only}: the configuration{(' ' + cfg.source) if cfg.source else ''} has no [{only}] section")
         return picked
     return tiers
-
-
-def rank_of_file(file: str) -> int | None:
-    """The writer rank encoded in a data file name (``rank-00003-ab12cd34.data`` -> 3)."""
-    try:
-        return int(file.split("-")[1].split(".")[0])
-    except (IndexError, ValueError):
-        return None
 
 
 def key_path(root: Path, key: str) -> Path:
@@ -137,7 +129,7 @@ class Listing:
 
 def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
     return TierEntry(tier=tier.name, committed=c.committed, size=c.size,
-                     rank_files=sum(1 for n in c.objects if n.endswith(".data")),
+                     rank_files=sum(1 for n in c.objects if is_data_file(n)),
                      mtime=c.header.committed if c.header is not None else c.mtime,
                      order=c.header.order_key() if c.header is not None else ())
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from .catalog import committed_in_order, read_checkpoint_metadata
 from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import metadata_key
+from .layout import is_data_file, metadata_key
 from .tiers.base import Tier
 
 __all__ = ["PeerGroup", "node_view", "choose", "Choice", "schedule"]
@@ -117,7 +117,7 @@ def node_view(first: Tier, others: "list[Tier]", checkpoint_id: str) -> dict:
         except (CheckpointNotFound, CorruptCheckpoint) as e:
             log.error("skipping %s on %s: %s", c.checkpoint_id, first.url, e)
             continue
-        files = {n: o.size for n, o in c.objects.items() if n.endswith(".data")}
+        files = {n: o.size for n, o in c.objects.items() if is_data_file(n)}
         have[c.checkpoint_id] = {"seq": man.seq, "files": files, "needs": {f: s for f, s in man.files.items() if s}}
     shared: dict[str, int] = {}
     for tier in others:

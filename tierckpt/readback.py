@@ -39,7 +39,7 @@ from typing import Any
 
 from . import lease as leases
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .layout import ItemRecord, data_key, item_intact, metadata_key, padded
+from .layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file
 from .tiers.base import Tier
 
 __all__ = [
@@ -84,10 +84,8 @@ def workers(tier: Tier, task_bytes: int, budget: int = BUFFER_BUDGET) -> int:
 
 def writer_rank(file: str) -> str:
     """The writing rank encoded in a data file name (``rank-00003-ab12.data`` -> ``"3"``), or ``"?"``."""
-    try:
-        return str(int(file.split("-")[1].split(".")[0]))
-    except (IndexError, ValueError):
-        return "?"
+    r = rank_of_file(file)
+    return "?" if r is None else str(r)
 
 
 # -- leases ------------------------------------------------------------------------------------

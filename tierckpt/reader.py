@@ -36,7 +36,7 @@ from . import peers
 from .catalog import find_latest, read_checkpoint_metadata
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .layout import DTYPES, ItemRecord, check_checkpoint_id, item_intact, metadata_from_json, padded as _padded
+from .layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, metadata_from_json, padded as _padded
 from .readback import Readback, Request, hold
 from .tiers import make_tiers
 from .tiers.base import Tier
@@ -208,7 +208,7 @@ class TieredReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return str(checkpoint_id) == "latest" or TieredWriterIdCheck(str(checkpoint_id))
+        return str(checkpoint_id) == "latest" or is_valid_checkpoint_id(str(checkpoint_id))
 
     # -- reading --------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
@@ -347,14 +347,6 @@ class TieredReader(StorageReader):
                                         f"does not fit the destination {list(target.shape)}")
             target.copy_(view)
         it.scratch = None
-
-
-def TieredWriterIdCheck(cid: str) -> bool:
-    try:
-        check_checkpoint_id(cid)
-        return True
-    except CorruptCheckpoint:
-        return False
 
 
 def _is_whole(ri: ReadItem, rec: ItemRecord) -> bool:

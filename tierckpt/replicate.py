@@ -51,7 +51,7 @@ from .catalog import committed_in_order
 from .commit import Channel, LocalChannel, Round, run_commit
 from .config import Config
 from .errors import CommitConflict, TierckptError
-from .layout import data_key, metadata_from_json, metadata_key
+from .layout import data_key, is_data_file, metadata_from_json, metadata_key
 from .save import RankSave
 from .tiers.base import Tier
 
@@ -252,7 +252,7 @@ class Replicator:
         for c in committed_in_order(src):
             assert c.header is not None
             if (below_seq is None or c.header.seq < below_seq) and c.checkpoint_id != exclude and c.checkpoint_id not in queued:
-                files = {n: o.size for n, o in c.objects.items() if n.endswith(".data")}
+                files = {n: o.size for n, o in c.objects.items() if is_data_file(n)}
                 mine[c.checkpoint_id] = {"seq": c.header.seq, "step": c.step, "files": files}
         rnd.put_mine(f"have{rank}", json.dumps(mine).encode())
         # 2. the coordinator's plan
