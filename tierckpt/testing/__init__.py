@@ -27,6 +27,7 @@ _WHERE = {
     "raw": "bitexact", "compare": "bitexact",
     "errors_in": "errors", "find_error": "errors", "err_text": "errors",
     "free_port": "launch", "rank_env": "launch", "launch_ranks": "launch", "run_world": "launch", "serve": "launch",
+    "can_hide_paths": "launch", "hide_paths": "launch",
     "FaultyTier": "faults",
 }
 

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["free_port", "rank_env", "launch_ranks", "run_world", "serve"]
+__all__ = ["free_port", "rank_env", "launch_ranks", "run_world", "serve", "can_hide_paths", "hide_paths"]
 
 
 def free_port() -> int:
@@ -33,6 +33,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def can_hide_paths() -> bool:
+    """Whether :func:`hide_paths` works here: root, with ``unshare`` and a private mount namespace."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+def hide_paths(paths: list[str]) -> list[str]:
+    """A command prefix that runs the command in its own mount namespace where each of ``paths``
+    (existing directories) is covered by an empty tmpfs: the process cannot see what they hold,
+    as on another machine (simulated nodes that must not read each other's disks). Needs
+    :func:`can_hide_paths`."""
+    import shlex
+
+    mounts = " && ".join(f"mount -t tmpfs tmpfs {shlex.quote(p)}" for p in paths)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The environment variables torchrun would give ``rank`` of ``world`` on one loopback node."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
@@ -40,9 +61,11 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *, timeout: float,
-                 env_of: Callable[[int], dict[str, str]] | None = None) -> tuple[list[int | None], dict[int, str]]:
-    """Start ``argv(rank)`` for every rank (environment: ours + :func:`rank_env` + ``env_of(rank)``),
-    output to ``workdir/rank<r>.log``; wait for all of them.
+                 env_of: Callable[[int], dict[str, str]] | None = None,
+                 prefix_of: Callable[[int], list[str]] | None = None) -> tuple[list[int | None], dict[int, str]]:
+    """Start ``argv(rank)`` for every rank (environment: ours + :func:`rank_env` + ``env_of(rank)``;
+    command prefixed by ``prefix_of(rank)``, e.g. :func:`hide_paths`), output to
+    ``workdir/rank<r>.log``; wait for all of them.
 
     Returns (exit codes, None for a rank still running after ``timeout`` seconds, which is killed;
     the log of every rank). Every process has exited when it returns.
@@ -56,7 +79,7 @@ def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *,
             env.update(rank_env(r, world, port))
             env.update(env_of(r) if env_of else {})
             out = open(workdir / f"rank{r}.log", "w")
-            procs.append((subprocess.Popen(argv(r), env=env, stdout=out, stderr=subprocess.STDOUT), out))
+            procs.append((subprocess.Popen((prefix_of(r) if prefix_of else []) + argv(r), env=env, stdout=out, stderr=subprocess.STDOUT), out))
         codes: list[int | None] = []
         for p, _ in procs:
             try:
@@ -75,7 +98,7 @@ def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *,
 
 def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *, script: Path,
               node_of: Callable[[int], str] | None = None, timeout: float = 180.0, expect_ok: bool = True,
-              extra_env: dict[str, str] | None = None) -> list[dict]:
+              extra_env: dict[str, str] | None = None, prefix_of: Callable[[int], list[str]] | None = None) -> list[dict]:
     """Run ``scenario`` of the worker module ``script`` on ``world`` ranks; return their results.
 
     ``node_of(rank)`` sets ``TIERCKPT_NODE`` per rank (default ``"node0"``): groups of ranks with
@@ -88,7 +111,7 @@ def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
 
     codes, full_logs = launch_ranks(
         world, lambda r: [sys.executable, str(script), scenario, json.dumps(args), str(workdir / f"result{r}.json")],
-        workdir, timeout=timeout, env_of=env_of)
+        workdir, timeout=timeout, env_of=env_of, prefix_of=prefix_of)
     logs = {r: text[-4000:] for r, text in full_logs.items()}
     if expect_ok and any(c != 0 for c in codes):
         raise AssertionError(f"scenario {scenario} failed: exit codes {codes}\n" + "\n".join(f"--- rank {r}\n{l}" for r, l in logs.items()))

@@ -1,0 +1,68 @@
+"""Multi-rank scenarios for simulated nodes that read each other's files (``tierckpt.peers``).
+
+Run by ``run_world(..., script=tests/peer_scenarios.py)`` in every rank after the gloo process
+group is up; ``TIERCKPT_NODE`` names the rank's node and ``[local] path`` holds ``{node}``. The
+state is a pure function of (rank, step), so any job can rebuild what any rank saved: its own
+tensor ``rank<r>``, a ``shared`` tensor that every rank holds (DCP writes it in one rank's file),
+and the ``step``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tierckpt import TieredReader, TieredWriter  # noqa: E402
+from tierckpt.config import config_from_dict  # noqa: E402
+from tierckpt.testing import bits, compare, serve  # noqa: E402
+from tierckpt.testing.errors import err_text, errors_in  # noqa: E402
+
+
+def state(rank: int, step: int, world: int) -> dict:
+    """What ``rank`` of a ``world``-rank job saved at ``step``."""
+    return {f"rank{rank}": bits((3, 1000 + 7 * rank), torch.float32, seed=100 * step + rank),
+            "shared": bits((64, 33), torch.float32, seed=step), "step": step}
+
+
+def full_state(step: int, world: int) -> dict:
+    """Everything a ``world``-rank job saved at ``step`` (what a loader of any size can ask for)."""
+    out: dict = {"shared": state(0, step, world)["shared"], "step": step}
+    for r in range(world):
+        out[f"rank{r}"] = state(r, step, world)[f"rank{r}"]
+    return out
+
+
+def save_steps(args: dict, rank: int, world: int) -> dict:
+    cfg = config_from_dict(args["config"])
+    w = TieredWriter(cfg)
+    for step in args["steps"]:
+        dcp.save(state(rank, step, world), checkpoint_id=f"step-{step}", storage_writer=w)
+        w.wait()
+    w.engine.close()
+    return {"saved": args["steps"]}
+
+
+def load_all(args: dict, rank: int, world: int) -> dict:
+    """Load ``args["id"]`` (default ``latest``) with every key the saving job wrote; compare bit for bit."""
+    cfg = config_from_dict(args["config"])
+    saved_world, step = args["saved_world"], args["expect_step"]
+    want = full_state(step, saved_world)
+    got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
+    reader = TieredReader(cfg)
+    try:
+        dcp.load(got, checkpoint_id=args.get("id", "latest"), storage_reader=reader)
+    except BaseException as e:  # noqa: BLE001 - the test inspects the message
+        return {"error": "\n".join(err_text(x, 4000) for x in errors_in(e))}
+    bad = compare(want, got)
+    return {"id": reader.resolved_id, "bad": bad, "from_peers": reader.from_peers, "served": reader.served}
+
+
+SCENARIOS = {"save_steps": save_steps, "load_all": load_all}
+
+if __name__ == "__main__":
+    serve(SCENARIOS)
