@@ -8,6 +8,7 @@ as on two machines, so every item it reads from there came over the transport.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,20 +21,20 @@ NODES = ("n0", "n1")
 ISOLATED = can_hide_paths()
 
 
-def conf(base: Path) -> dict:
+def conf(base: Path, replicas: int = 0) -> dict:
     return {"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
             "local": {"path": f"{base}/{{node}}", "fsync": False, "keep": 3},
-            "job": {"commit_timeout": 60.0}}
+            "peer": {"replicas": replicas}, "job": {"commit_timeout": 60.0}}
 
 
-def run(base: Path, world: int, scenario: str, args: dict, work: str, node_of, **kw) -> list[dict]:
+def run(base: Path, world: int, scenario: str, args: dict, work: str, node_of, replicas: int = 0, **kw) -> list[dict]:
     """``scenario`` on ``world`` ranks; each rank blind to the other nodes' directories when possible."""
     for n in NODES:
         (base / n).mkdir(parents=True, exist_ok=True)
     prefix = None
     if ISOLATED:
         prefix = lambda r: hide_paths([str(base / n) for n in NODES if n != node_of(r)])  # noqa: E731
-    return run_world(world, scenario, {"config": conf(base), **args}, base / work, script=SCRIPT, node_of=node_of,
+    return run_world(world, scenario, {"config": conf(base, replicas), **args}, base / work, script=SCRIPT, node_of=node_of,
                      prefix_of=prefix, **kw)
 
 
@@ -87,3 +88,45 @@ def test_node_lost_without_copies_is_a_clear_error(saved: Path) -> None:
         assert "error" in out, (r, out)
         assert "no committed checkpoint this job can read in full" in out["error"], out
         assert "step-2: data file rank-0000" in out["error"] and "is on no node of this job" in out["error"], out
+
+
+# -- [peer] replicas = 1: every rank's file also on the other node ------------------------------
+
+@pytest.fixture
+def replicated(tmp_path: Path) -> Path:
+    """Steps 1 and 2 saved by 2 nodes x 2 ranks with one peer copy of every file."""
+    base = tmp_path / "ckpt"
+    run(base, 4, "save_steps", {"steps": [1, 2]}, "save", two_per_node, replicas=1)
+    return base
+
+
+def _files(node: Path, cid: str) -> set[str]:
+    """The data files of ``cid`` in a node's directory (wherever the layout puts them)."""
+    return {p.name for p in node.rglob("rank-*.data") if p.parent.name == cid}
+
+
+def test_peer_copies_land_on_the_other_node(replicated: Path) -> None:
+    for step in (1, 2):
+        n0, n1 = _files(replicated / "n0", f"step-{step}"), _files(replicated / "n1", f"step-{step}")
+        assert n0 == n1 and len(n0) >= 3, (n0, n1)  # every node holds every file (its own + the copies)
+        for n in NODES:
+            rec = json.loads((replicated / n / f"step-{step}" / "peers.json").read_text())
+            assert rec["replicas"] == 1 and set(rec["copies"]) == n0, rec
+
+
+def test_node_lost_resumes_newest_from_peer_copies(replicated: Path) -> None:
+    """Node n1's disk is lost; a replacement n1 with an empty directory (blind to n0's) rejoins: all
+    4 ranks resume the newest checkpoint bit-exact, n1's ranks receiving every byte from n0."""
+    shutil.rmtree(replicated / "n1")
+    res = run(replicated, 4, "load_all", {"saved_world": 4, "expect_step": 2}, "load", two_per_node, replicas=1)
+    for r, out in enumerate(res):
+        assert "error" not in out and out["bad"] == [] and out["id"] == "step-2", (r, out)
+    assert all(not res[r]["from_peers"] for r in (0, 1)), res  # n0 holds everything itself
+    assert all(res[r]["from_peers"] and not res[r]["served"] for r in (2, 3)), res
+
+
+def test_node_lost_resharded_onto_the_survivor(replicated: Path) -> None:
+    """Node n1 is gone for good: 2 ranks on n0 resume the newest checkpoint from its copies."""
+    shutil.rmtree(replicated / "n1")
+    res = run(replicated, 2, "load_all", {"saved_world": 4, "expect_step": 2}, "load", lambda r: "n0", replicas=1)
+    assert all("error" not in o and o["bad"] == [] and o["id"] == "step-2" for o in res), res

@@ -34,6 +34,7 @@ __all__ = [
     "LocalConfig",
     "S3Config",
     "JobConfig",
+    "PeerConfig",
     "Config",
     "TierConfig",
     "load_config",
@@ -311,6 +312,24 @@ class S3Config:
 
 
 @dataclass
+class PeerConfig:
+    """``[peer]``: copies of each rank's committed data file on other nodes' local tiers.
+
+    Attributes:
+        replicas: how many other nodes keep a copy of each rank's file (0: off). Needs a node-local
+            ``[local]`` path (``{node}``); partners are chosen from the node names, so a restarted
+            job finds the copies again. Copies live in the partners' ``[local]`` tier and follow its
+            ``keep``.
+    """
+
+    replicas: int = 0
+
+    def validate(self, where: str = "[peer]") -> None:
+        if not 0 <= self.replicas <= 8:
+            raise ConfigError(f"{where} replicas: must be between 0 and 8, got {self.replicas}")
+
+
+@dataclass
 class JobConfig:
     """``[job]``: settings shared by the tiers.
 
@@ -350,6 +369,7 @@ class Config:
     local: LocalConfig | None = None
     s3: S3Config | None = None
     job: JobConfig = field(default_factory=JobConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)
     source: str = ""
     sections: dict[str, Any] = field(default_factory=dict)
 
@@ -371,11 +391,15 @@ class Config:
             raise ConfigError(f"{pre}at least one tier section ({', '.join(_tier_sections())}) is required")
         try:
             present = [(n, sec) for n, sec in (("host", self.host), ("job", self.job), ("local", self.local),
-                                                ("s3", self.s3), *self.sections.items()) if sec is not None]
+                                                ("s3", self.s3), ("peer", self.peer), *self.sections.items())
+                       if sec is not None]
             for name, section in present:
                 _coerce_section(name, section)
             for _name, section in present:
                 section.validate()
+            if self.peer.replicas and (self.local is None or not self.local.node_local):
+                raise ConfigError("[peer] replicas: needs a node-local [local] path (with {node}), where each node "
+                                  "keeps its own ranks' files")
         except ConfigError as e:
             raise ConfigError(f"{pre}{e}") from None
 
@@ -383,7 +407,7 @@ class Config:
 TierConfig = Config
 """The former name of :class:`Config` (it always was the whole configuration, not one tier's)."""
 
-_SECTIONS: dict[str, type] = {"host": HostConfig, "local": LocalConfig, "s3": S3Config, "job": JobConfig}
+_SECTIONS: dict[str, type] = {"host": HostConfig, "local": LocalConfig, "s3": S3Config, "job": JobConfig, "peer": PeerConfig}
 _BUILTIN = frozenset(_SECTIONS)
 _REQUIRED: dict[str, list[str]] = {"local": ["path"], "s3": ["bucket"]}
 _SIZE_KEYS = {("host", "buffer_size"), ("host", "chunk_size"), ("s3", "part_size")}
@@ -403,7 +427,7 @@ def register_section(name: str, cls: type, *, required: tuple[str, ...] = (), si
 
 
 def _tier_sections() -> list[str]:
-    return [f"[{n}]" for n in _SECTIONS if n not in ("host", "job")]
+    return [f"[{n}]" for n in _SECTIONS if n not in ("host", "job", "peer")]
 
 
 def _brief(value: Any) -> str:
@@ -488,6 +512,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "") -> Config:
         local=sections.get("local"),
         s3=sections.get("s3"),
         job=sections.get("job", JobConfig()),
+        peer=sections.get("peer", PeerConfig()),
         source=source,
         sections={n: v for n, v in sections.items() if n not in _BUILTIN},
     )

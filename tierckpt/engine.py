@@ -37,6 +37,7 @@ from .commit import Channel, Round, default_channel, run_commit
 from .config import Config
 from .errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError
 from .layout import data_key, metadata_key
+from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce
 from .save import RankAssign, RankSave, SaveStats, build_metadata
@@ -70,7 +71,10 @@ class Engine:
         self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)
         self._commit_thread.start()
         chain = self.chain
-        self.hops = [Replicator(self, lambda: chain[0], lambda i=i: chain[i], i, chain.names[i]) for i in range(1, len(chain))]
+        self.hops: list[Replicator] = [Replicator(self, lambda: chain[0], lambda i=i: chain[i], i, chain.names[i])
+                                       for i in range(1, len(chain))]
+        if cfg.peer.replicas:  # copies on other nodes first: the fastest way back after losing a node
+            self.hops.insert(0, PeerHop(self, lambda: chain[0], cfg.peer.replicas))
 
     @property
     def pool(self) -> HostPool:
@@ -348,7 +352,7 @@ _engines_lock = threading.Lock()
 
 
 def _engine_key(cfg: Config) -> str:
-    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, sorted(cfg.sections.items()), os.getpid()))
+    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, cfg.peer, sorted(cfg.sections.items()), os.getpid()))
 
 
 def register_engine(engine: Engine) -> Engine:

@@ -50,9 +50,34 @@ class PeerGroup:
 
     _cached: "PeerGroup | None" = None
     _cached_for: Any = None
+    _saves: "PeerGroup | None" = None
+    _saves_for: Any = None
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
+        self.nodes: list[str] = []  # node name of every rank (the save-side group only)
+
+    @classmethod
+    def for_saves(cls, cfg: Any, timeout_s: float) -> "PeerGroup | None":
+        """The save-side group, used only by the peer hop's background thread (:mod:`tierckpt.peercopy`),
+        with every rank's node name. ``cfg`` given: created if ``[peer] replicas`` is set (every rank
+        calls this in ``set_up_storage_writer``, on the thread running ``dcp.save``); ``cfg=None``:
+        the group created earlier, or None."""
+        import torch.distributed as dist
+
+        from .config import node_name
+
+        if cfg is None or not (dist.is_available() and dist.is_initialized()):
+            return cls._saves if cls._saves_for is (dist.group.WORLD if dist.is_initialized() else None) else None
+        if not cfg.peer.replicas or dist.get_world_size() < 2:
+            return None
+        default = dist.group.WORLD
+        if cls._saves is None or cls._saves_for is not default:
+            g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            pg = cls(g, dist.get_rank(), dist.get_world_size())
+            pg.nodes = pg.gather(node_name())
+            cls._saves, cls._saves_for = pg, default
+        return cls._saves
 
     @classmethod
     def get(cls, first: Tier, timeout_s: float) -> "PeerGroup | None":

@@ -237,14 +237,17 @@ class TieredReader(StorageReader):
                 continue
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
             requests.append(Request(it.rec, self._buffer(it), what, done=lambda r, it=it: self._done(it, r)))
-        engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
         try:
-            if route.get("recv") or route.get("send"):
+            if route.get("recv") or route.get("send"):  # first: the other nodes wait for this rank's part
                 self._exchange(storage, groups, recv_from, {int(p): idx for p, idx in route.get("send", [])})
-            engine.read(requests)
+            if requests:
+                engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
+                try:
+                    engine.read(requests)
+                finally:
+                    self.served.update(engine.served)
         finally:
             self.release()
-            self.served.update(engine.served)
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
                 for ri, t in zip(it.reads, it.targets):

@@ -55,6 +55,7 @@ from .layout import check_checkpoint_id, rank_file, step_of
 from .engine import Engine, get_engine
 from .save import RankAssign, RankSave, SaveStats
 from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session
+from .peers import PeerGroup
 from .planning import SaveInputs, expand_results, layout_cache, patch_dtypes
 from .savehold import HOLD_TIMEOUT, Release, hold, release, release_all
 
@@ -206,6 +207,8 @@ class TieredWriter(StorageWriter):
         if rank is None:
             rank = dist.get_rank() if self._distributed else 0
         ctx.rank = self._rank = int(rank)
+        if self._distributed and self.cfg.peer.replicas:  # the peer hop's group, made by every rank here
+            PeerGroup.for_saves(self.cfg, self.cfg.job.commit_timeout)
         if not plancache.status().attempted:
             self._seed_plans(is_coordinator)
 

@@ -1,0 +1,182 @@
+"""The peer hop: each rank's committed data file copied to ``[peer] replicas`` other nodes.
+
+One more hop of the chain (:class:`PeerHop`, a :class:`~tierckpt.replicate.Replicator`), run first
+after the local commit, in the background, in commit order, on every rank:
+
+* **Placement** (:func:`partners`): nodes sorted by name; the rank with local index ``j`` on node
+  ``i`` sends its file to the rank with local index ``j`` (modulo that node's size) on nodes
+  ``i+1 … i+replicas`` (modulo the number of nodes). A copy never lives on its source's node, and
+  a restarted job (same node names) finds the copies again; the reader needs no map at all
+  (:mod:`tierckpt.peers` asks every node what it holds).
+* **Transport**: point-to-point messages on the save-side gloo group (:meth:`PeerGroup.for_saves`,
+  created by every rank in ``set_up_storage_writer``, used only by this thread): the file goes in
+  pieces of whole chunks, read from the local tier, each piece checked against the CRC32C pieces
+  of the committed metadata on arrival and written at its offset into a sink of the receiver's
+  local tier (``.partial`` then rename: a copy is visible whole or not at all).
+* **Commit**: the same protocol as every hop (:func:`tierckpt.commit.run_commit`): every rank
+  reports its sends and receives, and the metadata writer of each node writes ``ID/peers.json``
+  (which node holds which file) once every copy landed and was verified.
+
+Copies live in the checkpoint's directory of the receiving node's ``[local]`` tier, so they follow
+``[local] keep`` and go with their checkpoint. A failure (a partner died, a piece damaged) fails
+this hop for this checkpoint only: logged, raised by the next ``wait()``, training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from typing import Any, Callable
+
+import google_crc32c
+import torch
+
+from . import lease as leases
+from .commit import Round, run_commit
+from .errors import ChecksumMismatch, TierckptError
+from .layout import data_key, metadata_from_json, padded, piece_bounds, rank_of_file
+from .peers import PeerGroup
+from .replicate import HopOwner, Replicator
+from .save import RankSave
+from .tiers.base import Tier
+
+__all__ = ["PeerHop", "partners", "PEERS"]
+
+log = logging.getLogger("tierckpt.peers")
+
+PEERS = "peers.json"
+"""The peer hop's commit record inside a checkpoint: which node holds a copy of which data file."""
+PIECE_BYTES = 16 << 20
+
+
+def partners(nodes: list[str], rank: int, replicas: int) -> tuple[list[int], list[int]]:
+    """(the ranks ``rank`` sends its file to, the ranks that send theirs to ``rank``), from the node
+    name of every rank (``nodes[r]``)."""
+    names = sorted(set(nodes))
+    ranks_of = {n: [r for r, m in enumerate(nodes) if m == n] for n in names}
+    k = min(replicas, len(names) - 1)
+
+    def targets(r: int) -> list[int]:
+        i, j = names.index(nodes[r]), ranks_of[nodes[r]].index(r)
+        out = []
+        for step in range(1, k + 1):
+            peers = ranks_of[names[(i + step) % len(names)]]
+            out.append(peers[j % len(peers)])
+        return out
+
+    return targets(rank), [q for q in range(len(nodes)) if rank in targets(q)]
+
+
+class PeerHop(Replicator):
+    """Copies each rank's committed data file to its partners (see the module docstring).
+
+    ``src`` returns the first (node-local) tier: the file is read there and the copies from other
+    ranks are written there too."""
+
+    def __init__(self, owner: HopOwner, src: Callable[[], Tier], replicas: int) -> None:
+        self.replicas = replicas
+        super().__init__(owner, src, src, 0, "peer")
+
+    def _startup_pass(self) -> None:
+        """No backlog: a copy that never landed is made again only by a later checkpoint."""
+        self.settled = True
+        self.started.set()
+
+    def _backlog_step(self, job: RankSave) -> None:
+        return
+
+    def _replicate(self, job: RankSave) -> None:
+        group = PeerGroup.for_saves(None, 0)
+        if group is None:  # one process, or set_up_storage_writer never ran distributed: nothing to copy to
+            return
+        a = job.assign
+        assert job.metadata_json is not None
+        md, man = metadata_from_json(job.metadata_json, f"checkpoint {a.checkpoint_id}")
+        targets, sources = partners(group.nodes, a.rank, self.replicas)
+        incoming = {q: f for q in sources for f, size in man.files.items() if size and rank_of_file(f) == q}
+        recs: dict[str, list] = defaultdict(list)
+        for rec in (md.storage_data or {}).values():
+            recs[rec.file].append(rec)
+        names = sorted(set(group.nodes))
+        holders: dict[str, list[str]] = defaultdict(list)
+        for r in range(len(group.nodes)):
+            f = next((f for f, s in man.files.items() if s and rank_of_file(f) == r), None)
+            if f is not None:
+                holders[f] = [group.nodes[t] for t in partners(group.nodes, r, self.replicas)[0]]
+        record = json.dumps({"replicas": self.replicas, "nodes": names, "copies": dict(sorted(holders.items()))},
+                            sort_keys=True).encode()
+        rnd = Round(self.owner.channel(job), a.token, self.hop, a.rank, a.world, self.owner.cfg.job.commit_timeout,
+                    f"checkpoint {a.checkpoint_id} (peer copies)")
+
+        def work() -> dict:
+            self._exchange(group, job, targets if job.size else [], {q: (f, man.files[f]) for q, f in incoming.items()},
+                           recs, man.chunk_size)
+            return {"size": job.size}
+
+        run_commit(rnd, self.src, f"{a.checkpoint_id}/{PEERS}", work=work, writer=a.meta_writer_rank,
+                   metadata=record, same_ok=True)
+
+    def _exchange(self, group: PeerGroup, job: RankSave, targets: list[int], incoming: dict[int, tuple[str, int]],
+                  recs: dict[str, list], chunk_size: int) -> None:
+        """Send this rank's file to ``targets`` and receive ``incoming`` (rank -> (file, size)), piece
+        by piece: every piece index posts its sends and receives at once and waits for them."""
+        import torch.distributed as dist
+
+        tier, cid = self.src, job.id
+        piece = max(1, PIECE_BYTES // chunk_size) * chunk_size
+        mine = data_key(cid, job.assign.file)
+        sizes = {q: size for q, (_f, size) in incoming.items()}
+        send_buf = torch.empty(piece, dtype=torch.uint8) if targets else None
+        recv_bufs = {q: torch.empty(piece, dtype=torch.uint8) for q in incoming}
+        lease = leases.acquire(tier, cid, kind="save", purpose=f"peer copies for rank {job.assign.rank}",
+                               require_committed=False, check_tombs=False) if incoming else None
+        sinks: dict[int, Any] = {}
+        try:
+            for q, (f, size) in incoming.items():
+                sinks[q] = tier.open_sink(data_key(cid, f), size)
+            rounds = max([-(-job.size // piece)] * bool(targets) + [-(-s // piece) for s in sizes.values()] + [0])
+            for i in range(rounds):
+                off = i * piece
+                works = []
+                for q in incoming:
+                    if off < sizes[q]:
+                        works.append(dist.irecv(recv_bufs[q][: min(piece, sizes[q] - off)], src=q, group=group.group))
+                if targets and off < job.size:
+                    assert send_buf is not None
+                    n = min(piece, job.size - off)
+                    tier.read_into(mine, off, memoryview(send_buf[:n].numpy()))
+                    works += [dist.isend(send_buf[:n], dst=t, group=group.group) for t in targets]
+                for w in works:
+                    w.wait()
+                for q, (f, _size) in incoming.items():
+                    if off < sizes[q]:
+                        view = recv_bufs[q][: min(piece, sizes[q] - off)].numpy()
+                        bad = _check_piece(recs[f], off, view, chunk_size)
+                        if bad:
+                            raise ChecksumMismatch(f"checkpoint {cid}: the copy of {f} from rank {q} is damaged "
+                                                   f"({bad})")
+                        sinks[q].write_at(off, memoryview(view))
+            for s in sinks.values():
+                s.close()
+        except BaseException as e:
+            for s in sinks.values():
+                s.abort()
+            if isinstance(e, TierckptError):
+                raise
+            raise TierckptError(f"checkpoint {cid}: peer copies of rank {job.assign.rank} failed: "
+                                f"{type(e).__name__}: {e}") from e
+        finally:
+            if lease is not None:
+                lease.release()
+
+
+def _check_piece(recs: list, off: int, view: Any, chunk_size: int) -> str | None:
+    """Why bytes ``[off, off+len(view))`` of a data file do not match the CRC32C pieces of its items
+    (None when every piece inside the range matches)."""
+    end = off + len(view)
+    for rec in recs:
+        for (s, e), crc in zip(piece_bounds(rec.pos, padded(rec.length), chunk_size), rec.crcs):
+            if off <= s and e <= end and google_crc32c.value(view[s - off:e - off]) != crc:
+                return f"the item at offset {rec.pos}, CRC piece [{s}, {e})"
+    return None
