@@ -59,7 +59,8 @@ def load_all(args: dict, rank: int, world: int) -> dict:
     except BaseException as e:  # noqa: BLE001 - the test inspects the message
         return {"error": "\n".join(err_text(x, 4000) for x in errors_in(e))}
     bad = compare(want, got)
-    return {"id": reader.resolved_id, "bad": bad, "from_peers": reader.from_peers, "served": reader.served}
+    return {"id": reader.resolved_id, "bad": bad, "from_peers": reader.from_peers, "served": reader.served,
+            "recovered": reader.recovered}
 
 
 SCENARIOS = {"save_steps": save_steps, "load_all": load_all}

@@ -8,6 +8,7 @@ as on two machines, so every item it reads from there came over the transport.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -21,20 +22,21 @@ NODES = ("n0", "n1")
 ISOLATED = can_hide_paths()
 
 
-def conf(base: Path, replicas: int = 0) -> dict:
+def conf(base: Path, replicas: int = 0, s3: dict | None = None) -> dict:
     return {"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
             "local": {"path": f"{base}/{{node}}", "fsync": False, "keep": 3},
-            "peer": {"replicas": replicas}, "job": {"commit_timeout": 60.0}}
+            "peer": {"replicas": replicas}, "job": {"commit_timeout": 60.0}, **({"s3": s3} if s3 else {})}
 
 
-def run(base: Path, world: int, scenario: str, args: dict, work: str, node_of, replicas: int = 0, **kw) -> list[dict]:
+def run(base: Path, world: int, scenario: str, args: dict, work: str, node_of, replicas: int = 0,
+        s3: dict | None = None, **kw) -> list[dict]:
     """``scenario`` on ``world`` ranks; each rank blind to the other nodes' directories when possible."""
     for n in NODES:
         (base / n).mkdir(parents=True, exist_ok=True)
     prefix = None
     if ISOLATED:
         prefix = lambda r: hide_paths([str(base / n) for n in NODES if n != node_of(r)])  # noqa: E731
-    return run_world(world, scenario, {"config": conf(base, replicas), **args}, base / work, script=SCRIPT, node_of=node_of,
+    return run_world(world, scenario, {"config": conf(base, replicas, s3), **args}, base / work, script=SCRIPT, node_of=node_of,
                      prefix_of=prefix, **kw)
 
 
@@ -130,3 +132,40 @@ def test_node_lost_resharded_onto_the_survivor(replicated: Path) -> None:
     shutil.rmtree(replicated / "n1")
     res = run(replicated, 2, "load_all", {"saved_world": 4, "expect_step": 2}, "load", lambda r: "n0", replicas=1)
     assert all("error" not in o and o["bad"] == [] and o["id"] == "step-2" for o in res), res
+
+
+# -- with S3 behind the nodes --------------------------------------------------------------------
+
+@pytest.fixture
+def with_s3(tmp_path: Path, moto_endpoint: str, s3cfg) -> tuple[Path, dict]:
+    """Steps 1 and 2 saved by 2 nodes x 2 ranks, one peer copy each, and promoted to S3 (moto)."""
+    s3 = dataclasses.asdict(s3cfg(moto_endpoint))
+    s3["part_size"] = "5MiB"
+    base = tmp_path / "ckpt"
+    run(base, 4, "save_steps", {"steps": [1, 2]}, "save", two_per_node, replicas=1, s3=s3)
+    return base, s3
+
+
+def test_both_nodes_lost_falls_back_to_s3(with_s3: tuple[Path, dict]) -> None:
+    base, s3 = with_s3
+    for n in NODES:
+        shutil.rmtree(base / n)
+    res = run(base, 4, "load_all", {"saved_world": 4, "expect_step": 2}, "load", two_per_node, replicas=1, s3=s3)
+    for r, out in enumerate(res):
+        assert "error" not in out and out["bad"] == [] and out["id"] == "step-2", (r, out)
+        assert set(out["served"].values()) == {"s3"}, out
+
+
+def test_flipped_byte_in_a_peer_copy_is_served_from_another_tier(with_s3: tuple[Path, dict]) -> None:
+    """n0's copy of rank 2's file (written on n1) has a flipped byte: n0's ranks, which read that
+    file from their own disk, detect it and take the item from S3; everything loads bit-exact."""
+    base, s3 = with_s3
+    copy = next(p for p in (base / "n0").rglob("rank-00002-*.data") if p.parent.name == "step-2")
+    data = bytearray(copy.read_bytes())
+    data[100] ^= 0x40
+    copy.write_bytes(bytes(data))
+    res = run(base, 4, "load_all", {"saved_world": 4, "expect_step": 2}, "load", two_per_node, replicas=1, s3=s3)
+    for r, out in enumerate(res):
+        assert "error" not in out and out["bad"] == [] and out["id"] == "step-2", (r, out)
+    assert all(res[r]["recovered"] == {copy.name: "s3"} for r in (0, 1)), res  # n0 read the copy, and caught it
+    assert all(res[r]["recovered"] == {} for r in (2, 3)), res  # n1 read its own, intact original

@@ -183,7 +183,8 @@ class Readback:
         self.tiers = list(tiers)
         self.chunk_size = chunk_size
         self.threads = threads
-        self.served: dict[str, str] = {}
+        self.served: dict[str, str] = {}  # data file -> the tier its (first) run was read from
+        self.recovered: dict[str, str] = {}  # data file -> the tier that served an item its first tier failed
         self._order: dict[str, list[Tier]] = {}
         self._lock = threading.Lock()
 
@@ -310,6 +311,8 @@ class Readback:
                                 self.checkpoint_id, r.what, r.rec.file, how, first.tier.name, tier.name)
                 with self._lock:
                     self.served.setdefault(r.rec.file, tier.name)
+                    if first is not None and tier is not first.tier:
+                        self.recovered[r.rec.file] = tier.name
                 return
             tried.append(_Failure(tier, "crc"))
         raise self._error(r, tried)

@@ -85,6 +85,7 @@ class TieredReader(StorageReader):
         self._holding: list[Tier] = []
         self._leases: list[leases.Lease] = []
         self.served: dict[str, str] = {}  # file -> tier name that served it (last read)
+        self.recovered: dict[str, str] = {}  # file -> tier that served an item the first one failed (last read)
         self.from_peers: dict[str, int] = {}  # file -> bytes received from other nodes (last read)
         self._peers: peers.PeerGroup | None = None
         self._choice: peers.Choice | None = None
@@ -246,6 +247,7 @@ class TieredReader(StorageReader):
                     engine.read(requests)
                 finally:
                     self.served.update(engine.served)
+                    self.recovered.update(engine.recovered)
         finally:
             self.release()
         for it in items:  # deliver on the calling thread
