@@ -48,12 +48,24 @@ def one_per_node(r: int) -> str:
     return NODES[r]
 
 
-@pytest.fixture
-def saved(tmp_path: Path) -> Path:
-    """Steps 1 and 2 saved by 2 nodes x 2 ranks."""
+def fresh(master: Path, tmp_path: Path) -> Path:
+    """A copy of a module's saved checkpoints for one test (tests may delete a node's directory)."""
     base = tmp_path / "ckpt"
+    shutil.copytree(master, base, symlinks=True)
+    return base
+
+
+@pytest.fixture(scope="module")
+def saved_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("peers") / "ckpt"
     run(base, 4, "save_steps", {"steps": [1, 2]}, "save", two_per_node)
     return base
+
+
+@pytest.fixture
+def saved(saved_master: Path, tmp_path: Path) -> Path:
+    """Steps 1 and 2 saved by 2 nodes x 2 ranks."""
+    return fresh(saved_master, tmp_path)
 
 
 def test_restart_same_nodes_reads_files_of_the_other_node(saved: Path) -> None:
@@ -94,12 +106,17 @@ def test_node_lost_without_copies_is_a_clear_error(saved: Path) -> None:
 
 # -- [peer] replicas = 1: every rank's file also on the other node ------------------------------
 
-@pytest.fixture
-def replicated(tmp_path: Path) -> Path:
-    """Steps 1 and 2 saved by 2 nodes x 2 ranks with one peer copy of every file."""
-    base = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def replicated_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("replicated") / "ckpt"
     run(base, 4, "save_steps", {"steps": [1, 2]}, "save", two_per_node, replicas=1)
     return base
+
+
+@pytest.fixture
+def replicated(replicated_master: Path, tmp_path: Path) -> Path:
+    """Steps 1 and 2 saved by 2 nodes x 2 ranks with one peer copy of every file."""
+    return fresh(replicated_master, tmp_path)
 
 
 def _files(node: Path, cid: str) -> set[str]:
