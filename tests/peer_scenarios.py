@@ -63,7 +63,37 @@ def load_all(args: dict, rank: int, world: int) -> dict:
             "recovered": reader.recovered}
 
 
-SCENARIOS = {"save_steps": save_steps, "load_all": load_all}
+def save_partner_dies(args: dict, rank: int, world: int) -> dict:
+    """Save ``steps``; the last rank dies (SIGKILL-like ``os._exit``) in the middle of receiving the
+    peer copy of the last step from its partner. The others report what ``wait()`` raised, then
+    leave without the final barrier (their partner is gone)."""
+    import json
+    import os
+
+    from tierckpt.engine import Engine, register_engine
+    from tierckpt.testing import FaultyTier
+    from tierckpt.tiers import make_tiers
+
+    cfg = config_from_dict(args["config"])
+    last = args["steps"][-1]
+    if rank == world - 1:
+        tiers = make_tiers(cfg)
+        first = FaultyTier(tiers[0])
+        first.arm("write_at", lambda: os._exit(137), match=f"step-{last}/rank-00000")
+        register_engine(Engine(cfg, tiers=[first, *tiers[1:]]))
+    w = TieredWriter(cfg)
+    errors = []
+    for step in args["steps"]:
+        dcp.save(state(rank, step, world), checkpoint_id=f"step-{step}", storage_writer=w)
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors.append(err_text(e, 2000))
+    Path(sys.argv[3]).write_text(json.dumps({"errors": errors}))
+    os._exit(0)
+
+
+SCENARIOS = {"save_steps": save_steps, "load_all": load_all, "save_partner_dies": save_partner_dies}
 
 if __name__ == "__main__":
     serve(SCENARIOS)

@@ -22,21 +22,21 @@ NODES = ("n0", "n1")
 ISOLATED = can_hide_paths()
 
 
-def conf(base: Path, replicas: int = 0, s3: dict | None = None) -> dict:
+def conf(base: Path, replicas: int = 0, s3: dict | None = None, timeout: float = 60.0) -> dict:
     return {"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
             "local": {"path": f"{base}/{{node}}", "fsync": False, "keep": 3},
-            "peer": {"replicas": replicas}, "job": {"commit_timeout": 60.0}, **({"s3": s3} if s3 else {})}
+            "peer": {"replicas": replicas}, "job": {"commit_timeout": timeout}, **({"s3": s3} if s3 else {})}
 
 
 def run(base: Path, world: int, scenario: str, args: dict, work: str, node_of, replicas: int = 0,
-        s3: dict | None = None, **kw) -> list[dict]:
+        s3: dict | None = None, commit_timeout: float = 60.0, **kw) -> list[dict]:
     """``scenario`` on ``world`` ranks; each rank blind to the other nodes' directories when possible."""
     for n in NODES:
         (base / n).mkdir(parents=True, exist_ok=True)
     prefix = None
     if ISOLATED:
         prefix = lambda r: hide_paths([str(base / n) for n in NODES if n != node_of(r)])  # noqa: E731
-    return run_world(world, scenario, {"config": conf(base, replicas, s3), **args}, base / work, script=SCRIPT, node_of=node_of,
+    return run_world(world, scenario, {"config": conf(base, replicas, s3, commit_timeout), **args}, base / work, script=SCRIPT, node_of=node_of,
                      prefix_of=prefix, **kw)
 
 
@@ -186,3 +186,23 @@ def test_flipped_byte_in_a_peer_copy_is_served_from_another_tier(with_s3: tuple[
         assert "error" not in out and out["bad"] == [] and out["id"] == "step-2", (r, out)
     assert all(res[r]["recovered"] == {copy.name: "s3"} for r in (0, 1)), res  # n0 read the copy, and caught it
     assert all(res[r]["recovered"] == {} for r in (2, 3)), res  # n1 read its own, intact original
+
+
+def test_partner_killed_during_replication(tmp_path: Path) -> None:
+    """Node n1's rank dies while receiving n0's copy of step-2 (after both committed step-2
+    locally): n0's wait() reports the failed copy, the copy never becomes visible or committed; the
+    job restarts, resumes step-2 bit-exact, and the next checkpoint's copies commit."""
+    base = tmp_path / "ckpt"
+    cfg_over = {"steps": [1, 2]}
+    res = run(base, 2, "save_partner_dies", cfg_over, "die", one_per_node, replicas=1, expect_ok=False, timeout=240,
+              commit_timeout=15.0)
+    assert res[1].get("exit") == 137, res[1]
+    assert len(res[0]["errors"]) == 1 and "step-2" in res[0]["errors"][0], res[0]
+    for n in NODES:
+        assert (base / n / "step-1" / "peers.json").exists() and not (base / n / "step-2" / "peers.json").exists()
+    assert not any(f.startswith("rank-00000") for f in _files(base / "n1", "step-2"))  # the copy never became visible
+    out = run(base, 2, "load_all", {"saved_world": 2, "expect_step": 2}, "resume", one_per_node, replicas=1)
+    assert all("error" not in o and o["bad"] == [] and o["id"] == "step-2" for o in out), out
+    run(base, 2, "save_steps", {"steps": [3]}, "next", one_per_node, replicas=1)
+    assert _files(base / "n0", "step-3") == _files(base / "n1", "step-3") and len(_files(base / "n0", "step-3")) == 2
+    assert all((base / n / "step-3" / "peers.json").exists() for n in NODES)

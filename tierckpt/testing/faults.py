@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..tiers.base import DataSink, ObjectInfo, Tier
 
@@ -27,7 +27,7 @@ OPS = ("put", "open_sink", "write_at", "sink_close", "get", "read_into", "size",
 
 @dataclass
 class _Fault:
-    exc: BaseException
+    exc: "BaseException | Callable[[], None]"
     match: str
     skip: int
     times: int
@@ -47,9 +47,11 @@ class FaultyTier(Tier):
         self._lock = threading.Lock()
         self.calls: dict[str, int] = {op: 0 for op in OPS}
 
-    def arm(self, op: str, exc: BaseException, *, match: str = "", skip: int = 0, times: int = 1) -> None:
-        """Make the next ``times`` calls of ``op`` on a key containing ``match`` raise ``exc``,
-        after letting ``skip`` such calls through. ``times=0``: every call from then on."""
+    def arm(self, op: str, exc: "BaseException | Callable[[], None]", *, match: str = "", skip: int = 0,
+            times: int = 1) -> None:
+        """Make the next ``times`` calls of ``op`` on a key containing ``match`` raise ``exc`` (or
+        call it, when it is a function: e.g. one that kills the process), after letting ``skip``
+        such calls through. ``times=0``: every call from then on."""
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r} (one of {', '.join(OPS)})")
         with self._lock:
@@ -60,6 +62,7 @@ class FaultyTier(Tier):
             self._faults.clear()
 
     def _check(self, op: str, key: str) -> None:
+        action = None
         with self._lock:
             self.calls[op] += 1
             for f in self._faults.get(op, []):
@@ -72,7 +75,12 @@ class FaultyTier(Tier):
                     self._faults[op].remove(f)
                 elif f.times > 1:
                     f.times -= 1
-                raise f.exc
+                if isinstance(f.exc, BaseException):
+                    raise f.exc
+                action = f.exc
+                break
+        if action is not None:
+            action()  # outside the lock: it may block or end the process
 
     # -- the contract, forwarded ------------------------------------------------------------
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
