@@ -36,6 +36,10 @@ times something; tables show a CPU-s/GiB column when measured.
 * ``restore`` (only with ``--only``): node loss: ``fetch_checkpoint`` + ``dcp.load`` from the fetched
   copy vs raw ranged GETs of the same objects; ``consolidate_checkpoint`` to .safetensors/.pt vs
   ``dcp_to_torch_save`` of a FileSystemWriter copy, each in a fresh process (time, peak RSS).
+* ``peer`` (only with ``--only``): 2 simulated nodes x 2 ranks with S3 (SeaweedFS) behind them:
+  the same saves with ``[peer] replicas = 0`` and ``1`` (blocked time, time until every hop
+  committed, CPU per replicated GiB), then node n1's directory is deleted and the 4 ranks resume
+  ``latest``: from the peer copies vs from S3.
 * ``rss``: peak RSS (psutil, sampled every 5 ms) of a fresh process during TieredWriter saves for
   pools of 1/4 and 1x of a ~1 GiB state (and ``dcp.async_save`` staging as a reference).
 
@@ -72,17 +76,18 @@ from benchlib.cpu import section_cpu  # noqa: E402
 from benchlib.e2e import section_e2e  # noqa: E402
 from benchlib.lazy import section_lazy  # noqa: E402
 from benchlib.local import section_local  # noqa: E402
+from benchlib.peer import section_peer  # noqa: E402
 from benchlib.restore import consolidate_child, section_restore  # noqa: E402
 from benchlib.rss import rss_child, section_rss  # noqa: E402
 from benchlib.s3 import section_s3  # noqa: E402
 
-SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore")
-DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore: only with --only (need S3 servers, add minutes)
+SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore", "peer")
+DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore/peer: only with --only (need S3 servers, add minutes)
 
 
 SECTIONS: dict[str, Callable[[Ctx], dict]] = {
     "local": section_local, "cpu": section_cpu, "lazy": section_lazy, "e2e": section_e2e, "rss": section_rss,
-    "s3": section_s3, "restore": section_restore,
+    "s3": section_s3, "restore": section_restore, "peer": section_peer,
 }
 
 

@@ -1,0 +1,61 @@
+"""Ranks of the ``peer`` bench section (``tools/benchlib/peer.py``), started by
+:func:`tierckpt.testing.run_world`: saves with timings, and the resume after a lost node."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierckpt import TieredReader, TieredWriter
+from tierckpt.config import config_from_dict
+from tierckpt.testing import bits, compare, serve
+
+
+def _cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def state(rank: int, step: int, mib: int) -> dict:
+    n = mib * (1 << 20) // 4 // 8
+    out: dict = {f"rank{rank}.w{i}": bits((n,), torch.float32, seed=1000 * step + 10 * rank + i) for i in range(8)}
+    out["shared"] = bits((1024,), torch.float32, seed=step)
+    out["step"] = step
+    return out
+
+
+def save_steps(args: dict, rank: int, world: int) -> dict:
+    """Save ``steps`` (each: dcp.save, then wait() for every hop): blocked and total seconds, CPU s."""
+    cfg = config_from_dict(args["config"])
+    w = TieredWriter(cfg)
+    out: dict = {"blocked_s": [], "total_s": [], "cpu_s": []}
+    for step in args["steps"]:
+        sd = state(rank, step, args["mib"])
+        c0, t0 = _cpu(), time.perf_counter()
+        dcp.save(sd, checkpoint_id=f"step-{step}", storage_writer=w)
+        t1 = time.perf_counter()
+        w.wait()
+        out["blocked_s"].append(t1 - t0)
+        out["total_s"].append(time.perf_counter() - t0)
+        out["cpu_s"].append(_cpu() - c0)
+    w.engine.close()
+    return out
+
+
+def resume(args: dict, rank: int, world: int) -> dict:
+    """What a restarted rank loads (its own tensors, the shared ones): seconds, and bit-exactness."""
+    cfg = config_from_dict(args["config"])
+    want = state(rank, args["step"], args["mib"])
+    got = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
+    reader = TieredReader(cfg)
+    t0 = time.perf_counter()
+    dcp.load(got, checkpoint_id="latest", storage_reader=reader)
+    return {"load_s": time.perf_counter() - t0, "id": reader.resolved_id, "bad": compare(want, got),
+            "from_peers": sum(reader.from_peers.values()), "served": reader.served}
+
+
+if __name__ == "__main__":
+    serve({"save_steps": save_steps, "resume": resume})
