@@ -17,7 +17,7 @@ from typing import Any
 from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_metadata
 from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
-from tierckpt.layout import CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key, rank_of_file
+from tierckpt.layout import PEERS, CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key, rank_of_file
 from tierckpt.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import Tier
@@ -82,11 +82,12 @@ class TierEntry:
     rank_files: int
     mtime: float  # the commit time recorded in the metadata when committed, newest file time otherwise
     order: tuple = ()  # commit order (seq, commit time, step); empty when uncommitted or unreadable
+    peer_copies: bool = False  # the peer hop committed its copies here ([peer] replicas: ID/peers.json)
 
     def to_json(self) -> dict:
         return {"state": ("committed" if self.order else "committed (unreadable header)") if self.committed else "partial",
                 "size": self.size, "rank_files": self.rank_files, "mtime": self.mtime,
-                "seq": self.order[0] if self.order else None}
+                "seq": self.order[0] if self.order else None, "peer_copies": self.peer_copies}
 
 
 @dataclass
@@ -131,7 +132,7 @@ def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
     return TierEntry(tier=tier.name, committed=c.committed, size=c.size,
                      rank_files=sum(1 for n in c.objects if is_data_file(n)),
                      mtime=c.header.committed if c.header is not None else c.mtime,
-                     order=c.header.order_key() if c.header is not None else ())
+                     order=c.header.order_key() if c.header is not None else (), peer_copies=PEERS in c.objects)
 
 
 def list_all(tiers: list[Tier]) -> list[Listing]:

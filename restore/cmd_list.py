@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         print("no checkpoints on " + ", ".join(f"{t.name} ({t.url})" for t in tiers))
         return 0
     names = [t.name for t in tiers]
+    any_peer = any(e.peer_copies for l in listings for e in l.tiers.values())
     rows = []
     for l in listings:
         best = l.best()
@@ -48,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         files = str(best.rank_files) if len(counts) == 1 else "/".join(
             str(l.tiers[n].rank_files) if n in l.tiers else "-" for n in names)
         states = [("committed" if l.tiers[n].committed else "partial") if n in l.tiers else "-" for n in names]
-        rows.append([l.checkpoint_id, "-" if l.step is None else l.step, *states, human_size(best.size), files,
+        peer = ["yes" if any(e.peer_copies for e in l.tiers.values()) else "-"] if any_peer else []
+        rows.append([l.checkpoint_id, "-" if l.step is None else l.step, *states, *peer, human_size(best.size), files,
                      human_age(now - l.newest)])
-    print(table(["ID", "STEP", *(n.upper() for n in names), "SIZE", "FILES", "AGE"], rows))
+    print(table(["ID", "STEP", *(n.upper() for n in names), *(["PEER COPIES"] if any_peer else []), "SIZE", "FILES",
+                 "AGE"], rows))
     return 0

@@ -206,3 +206,18 @@ def test_partner_killed_during_replication(tmp_path: Path) -> None:
     run(base, 2, "save_steps", {"steps": [3]}, "next", one_per_node, replicas=1)
     assert _files(base / "n0", "step-3") == _files(base / "n1", "step-3") and len(_files(base / "n0", "step-3")) == 2
     assert all((base / n / "step-3" / "peers.json").exists() for n in NODES)
+
+
+def test_list_shows_peer_copies(replicated: Path) -> None:
+    """``tierckpt-restore list`` on a node shows which checkpoints have committed peer copies."""
+    import os
+    import subprocess
+    import sys
+
+    conf_path = replicated / "n0.toml"
+    conf_path.write_text(f'[local]\npath = "{replicated}/n0"\n')
+    out = subprocess.run([sys.executable, "-m", "restore", "--config", str(conf_path), "list", "--json"],
+                         capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {r["checkpoint_id"]: r for r in json.loads(out.stdout)}
+    assert all(rows[c]["tiers"]["local"]["peer_copies"] for c in ("step-1", "step-2")), rows

@@ -53,6 +53,7 @@ from .errors import CorruptCheckpoint
 __all__ = [
     "FORMAT",
     "METADATA",
+    "PEERS",
     "CommitHeader",
     "read_header",
     "HEADER_MAX",
@@ -80,6 +81,8 @@ __all__ = [
 
 FORMAT = "tierckpt/1"
 METADATA = "metadata.json"
+PEERS = "peers.json"
+"""The peer hop's commit record inside a checkpoint: which node holds a copy of which data file."""
 ALIGN = 64  # every item starts at a multiple of this (cache line; any dtype's alignment)
 MAX_METADATA_BYTES = 1 << 30
 MAX_HEADER_BYTES = 64 * 1024  # the header line of metadata.json (a few fields)

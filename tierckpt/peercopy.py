@@ -35,7 +35,7 @@ import torch
 from . import lease as leases
 from .commit import Round, run_commit
 from .errors import ChecksumMismatch, TierckptError
-from .layout import data_key, metadata_from_json, padded, piece_bounds, rank_of_file
+from .layout import PEERS, data_key, metadata_from_json, padded, piece_bounds, rank_of_file
 from .peers import PeerGroup
 from .replicate import HopOwner, Replicator
 from .save import RankSave
@@ -45,8 +45,6 @@ __all__ = ["PeerHop", "partners", "PEERS"]
 
 log = logging.getLogger("tierckpt.peers")
 
-PEERS = "peers.json"
-"""The peer hop's commit record inside a checkpoint: which node holds a copy of which data file."""
 PIECE_BYTES = 16 << 20
 
 
