@@ -7,7 +7,7 @@ Public surface::
     dcp.load(state_dict, checkpoint_id="latest", storage_reader=TieredReader(cfg))
 """
 
-from .config import Config, HostConfig, JobConfig, LocalConfig, S3Config, TierConfig, load_config, parse_size
+from .config import Config, HostConfig, JobConfig, LocalConfig, PeerConfig, S3Config, TierConfig, load_config, parse_size
 from .errors import (
     CaptureError,
     CheckpointNotFound,
@@ -38,6 +38,7 @@ __all__ = [
     "LocalConfig",
     "S3Config",
     "JobConfig",
+    "PeerConfig",
     "SaveStats",
     "load_config",
     "parse_size",
