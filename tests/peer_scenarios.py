@@ -54,12 +54,15 @@ def load_all(args: dict, rank: int, world: int) -> dict:
     want = full_state(step, saved_world)
     got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
     reader = TieredReader(cfg)
+    resolved = None
     try:
+        if args.get("resolve_first"):  # what a launcher does first; a collective with peers
+            resolved = reader.resolve()
         dcp.load(got, checkpoint_id=args.get("id", "latest"), storage_reader=reader)
     except BaseException as e:  # noqa: BLE001 - the test inspects the message
         return {"error": "\n".join(err_text(x, 4000) for x in errors_in(e))}
     bad = compare(want, got)
-    return {"id": reader.resolved_id, "bad": bad, "from_peers": reader.from_peers, "served": reader.served,
+    return {"id": reader.resolved_id, "resolved": resolved, "bad": bad, "from_peers": reader.from_peers, "served": reader.served,
             "recovered": reader.recovered}
 
 

@@ -137,9 +137,11 @@ def test_node_lost_resumes_newest_from_peer_copies(replicated: Path) -> None:
     """Node n1's disk is lost; a replacement n1 with an empty directory (blind to n0's) rejoins: all
     4 ranks resume the newest checkpoint bit-exact, n1's ranks receiving every byte from n0."""
     shutil.rmtree(replicated / "n1")
-    res = run(replicated, 4, "load_all", {"saved_world": 4, "expect_step": 2}, "load", two_per_node, replicas=1)
+    res = run(replicated, 4, "load_all", {"saved_world": 4, "expect_step": 2, "resolve_first": True}, "load",
+              two_per_node, replicas=1)
     for r, out in enumerate(res):
         assert "error" not in out and out["bad"] == [] and out["id"] == "step-2", (r, out)
+        assert out["resolved"] == "step-2", out  # resolve() answers for the job, even on the empty node
     assert all(not res[r]["from_peers"] for r in (0, 1)), res  # n0 holds everything itself
     assert all(res[r]["from_peers"] and not res[r]["served"] for r in (2, 3)), res
 

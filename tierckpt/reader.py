@@ -99,6 +99,7 @@ class TieredReader(StorageReader):
         self.checkpoint_id = cid
         self.resolved_id = None
         self.metadata = None
+        self._choice = None  # agreed again by the next resolve()/read_metadata
         self.release()
 
     def release(self) -> None:
@@ -110,29 +111,48 @@ class TieredReader(StorageReader):
     def resolve(self) -> str:
         """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers,
         in commit order, whose metadata is valid and whose data a tier can serve (anything newer
-        that fails is logged and skipped; see :func:`tierckpt.catalog.find_latest`)."""
+        that fails is logged and skipped; see :func:`tierckpt.catalog.find_latest`).
+
+        In a distributed job with a node-local first tier the answer is the job's, not this
+        node's (:func:`tierckpt.peers.choose`): then this is a collective of the reader's own group,
+        called by every rank, and raises the same :class:`CheckpointNotFound` on every rank."""
+        group = self._peer_group()
+        if group is not None:
+            return self._agree(group).checkpoint_id
         if self.checkpoint_id != "latest":
             return self.checkpoint_id
         return find_latest(self.tiers).checkpoint_id
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
-        agree here on the checkpoint and share its metadata (see :mod:`tierckpt.peers`): this is
-        then a collective of the reader's own group, so every rank must load together."""
-        self._peers = peers.PeerGroup.get(self.tiers[0], self.cfg.job.commit_timeout) if self.tiers else None
-        if self._peers is not None:
-            return self._read_metadata_with_peers(self._peers)
-        cid = self.resolve()
-        return self._finish_metadata(cid, self._read_local_metadata(cid))
+    def _peer_group(self) -> "peers.PeerGroup | None":
+        if self._peers is None and self.tiers:
+            self._peers = peers.PeerGroup.get(self.tiers[0], self.cfg.job.commit_timeout)
+        return self._peers
 
-    def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
+    def _agree(self, group: "peers.PeerGroup") -> "peers.Choice":
+        """Every rank: gather what each node holds and pick the same checkpoint (once per load)."""
+        if self._choice is not None:
+            return self._choice
         try:
             view: Any = peers.node_view(self.tiers[0], self.tiers[1:], self.checkpoint_id)
         except TierckptError as e:  # still take part in the exchange, then fail on every rank
             view = {"root": self.tiers[0].root_id(), "have": {}, "shared": {}, "error": str(e)}
         views = group.gather(view)
         self._roots = [v["root"] for v in views]
-        self._choice = choice = peers.choose(views, self.checkpoint_id)
+        self._choice = peers.choose(views, self.checkpoint_id)
+        return self._choice
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
+        agree here on the checkpoint and share its metadata (see :mod:`tierckpt.peers`): this is
+        then a collective of the reader's own group, so every rank must load together."""
+        group = self._peer_group()
+        if group is not None:
+            return self._read_metadata_with_peers(group)
+        cid = self.resolve()
+        return self._finish_metadata(cid, self._read_local_metadata(cid))
+
+    def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
+        choice = self._agree(group)
         raw = peers.metadata_from(self.tiers[0], group, choice)
         if raw is None:
             return self._finish_metadata(choice.checkpoint_id, self._read_local_metadata(choice.checkpoint_id))

@@ -10,9 +10,12 @@
    and kills it with SIGKILL at a random moment (during capture, flush, commit or promotion).
 4. Deletes the local tier (the node is lost), runs ``tierckpt-restore fetch latest`` to rebuild it
    from S3, and resumes training from ``latest`` in a new process.
-5. Prints a report: blocked milliseconds per checkpoint vs DCP's default writer, bytes and time per
-   tier, restore time, whether the resumed state equals the reference bit for bit, and whether the
-   resumed run's losses equal the uninterrupted run's. Exit status 0 only if both hold.
+5. Two simulated nodes (one rank each, ``[peer] replicas = 1``) train and checkpoint; node n1's
+   disk is lost, and the job resumes ``latest`` from n1's peer copy on n0, with no S3 download.
+6. Prints a report: blocked milliseconds per checkpoint vs DCP's default writer, bytes and time per
+   tier, restore time from S3 and from the peer copy, whether each resumed state equals the saved
+   one bit for bit, and whether the resumed run's losses equal the uninterrupted run's. Exit status
+   0 only if all hold.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ from train_gpt import read_events as events  # noqa: E402
 BUCKET = "tierckpt-demo"
 
 
-def write_config(work: Path, endpoint: str) -> Path:
-    cfg = work / "tiers.toml"
+def write_config(work: Path, endpoint: str, name: str = "tiers", peer: int = 0) -> Path:
+    cfg = work / f"{name}.toml"
     cfg.write_text(f"""
+[peer]
+replicas = {peer}
+
 [job]
 commit_timeout = 60
 
@@ -56,13 +62,13 @@ buffer_size = "64MiB"
 chunk_size = "4MiB"
 
 [local]
-path = "{work / 'local' / '{node}'}"
+path = "{work / f'local-{name}' / '{node}'}"
 flush_threads = 2
 keep = 2
 
 [s3]
 bucket = "{BUCKET}"
-prefix = "demo-run"
+prefix = "demo-{name}"
 endpoint_url = "{endpoint}"
 part_size = "5MiB"
 concurrency = 4
@@ -84,6 +90,37 @@ def tier_state(cfg_path: Path) -> dict[str, list[str]]:
         if tier is not None:
             out[tier.name] = [f"{c.checkpoint_id}{'' if c.committed else ' (partial)'}" for c in list_checkpoints(tier)]
     return out
+
+
+def peer_story(args: argparse.Namespace, work: Path, endpoint: str, env: dict) -> dict:
+    """Two simulated nodes, one rank each, a peer copy of every file: node n1 is lost (its directory
+    deleted, as its disk would be) and the job resumes ``latest`` from n1's copy on n0."""
+    from tierckpt.testing import launch_ranks
+
+    cfg = write_config(work, endpoint, "peers", peer=1)
+    env = dict(env, TIERCKPT_CONFIG=str(cfg))
+    say("two nodes (n0, n1), one rank each, [peer] replicas = 1: training with checkpoints")
+    log = work / "peers-run.jsonl"
+
+    def job(*extra: str, what: str) -> list:
+        codes, logs = launch_ranks(2, lambda r: trainer(args, cfg, log, "--digests", *extra), work / f"peers-{what}",
+                                   timeout=600, env_of=lambda r: dict(env, TIERCKPT_NODE=f"n{r}"))
+        if any(c != 0 for c in codes):
+            raise RuntimeError(f"two-node {what} failed: exit codes {codes}\n{logs[0][-2000:]}\n{logs[1][-2000:]}")
+        return events(log)
+
+    run = job(what="train")
+    saved = {e["checkpoint"]: e["digest"] for e in run if e.get("event") == "save"}
+    newest = list(saved)[-1]  # the job waited for every checkpoint before it ended
+    newest_s3 = ([c for c in tier_state(cfg).get("s3", []) if "partial" not in c] or ["none"])[-1]
+    shutil.rmtree(work / "local-peers" / "n1")
+    say("node n1 lost (its directory deleted); resuming both ranks from latest, n1 with an empty disk")
+    log.unlink()
+    t0 = time.perf_counter()
+    back = next(e for e in job("--resume", what="resume") if e.get("event") == "resumed")
+    resume_s = time.perf_counter() - t0
+    return {"newest": newest, "newest_s3": newest_s3, "resume_s": resume_s, "load_s": back["load_s"],
+            "from_peers": back.get("from_peers", 0), "identical": saved.get(back["checkpoint"]) == back["digest"]}
 
 
 def say(msg: str) -> None:
@@ -138,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         last = max((e["step"] for e in run1 if e.get("event") == "step"), default=0)
         say(f"killed at step {last} (exit {proc.returncode}); on the tiers: {tier_state(cfg)}")
 
-        shutil.rmtree(work / "local", ignore_errors=True)
+        shutil.rmtree(work / "local-tiers", ignore_errors=True)
         say("node lost: local tier deleted; restoring with `tierckpt-restore fetch latest`")
         t0 = time.perf_counter()
         fetched = subprocess.run([sys.executable, "-m", "restore", "fetch", "latest", "--quiet", "--json"],
@@ -153,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         run2_log = work / "run2.jsonl"
         subprocess.run(trainer(args, cfg, run2_log, "--resume"), env=env, check=True, stderr=subprocess.DEVNULL)
         run2 = events(run2_log)
+
+        peer = peer_story(args, work, endpoint, env)
     finally:
         stop()
 
@@ -184,11 +223,16 @@ def main(argv: list[str] | None = None) -> int:
         ("local commit (median)", f"{med([h['commit_s'] for h in hist if h['commit_s']]) * 1e3:.1f} ms"),
         (f"promotion to S3 ({args.s3}, median)", f"{med([h['promote_s'] for h in hist if h['promote_s']]):.2f} s"),
         ("killed after step", str(last)),
-        ("restore (fetch latest from S3)", f"{restore_s:.2f} s"),
-        ("resumed from", f"{resumed['checkpoint']} (step {resumed['step']}), load {resumed['load_s']:.2f} s"),
+        ("restore from S3 (fetch latest + load)", f"{restore_s + resumed['load_s']:.2f} s "
+                                                 f"(fetch {restore_s:.2f} s + load {resumed['load_s']:.2f} s)"),
+        ("resumed from", f"{resumed['checkpoint']} (step {resumed['step']})"),
         ("resumed state identical", "yes" if identical else "NO"),
         ("losses after resume = uninterrupted run", f"yes ({len(new_loss)} steps)" if same_losses else "NO"),
         ("final state = uninterrupted run", "yes" if final_same else "NO"),
+        ("2 nodes, [peer] replicas = 1: node lost at", f"{peer['newest']} (newest on S3: {peer['newest_s3']})"),
+        ("restore from the peer copy (load, no fetch)", f"{peer['load_s']:.2f} s ({peer['from_peers'] / 2**20:.1f} MiB "
+                                                       f"over the transport; job restart {peer['resume_s']:.1f} s)"),
+        ("resumed state identical (peer copy)", "yes" if peer["identical"] else "NO"),
     ]
     print()
     print("tierckpt demo report")
@@ -203,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"kept {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
-    return 0 if identical and same_losses and final_same else 1
+    return 0 if identical and same_losses and final_same and peer["identical"] else 1
 
 
 if __name__ == "__main__":

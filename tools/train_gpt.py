@@ -169,10 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             t0 = time.perf_counter()
             reader = TieredReader(cfg)
-            reader.resolve()  # CheckpointNotFound here, before DCP would wrap it in its own exception
+            reader.resolve()  # CheckpointNotFound here (on every rank alike), before DCP would wrap it
             dcp.load(state, checkpoint_id="latest", storage_reader=reader, no_dist=no_dist)
+            load_s = time.perf_counter() - t0
+            got = torch.tensor([sum(reader.from_peers.values())], dtype=torch.int64)
+            if world > 1:
+                dist.all_reduce(got)  # bytes every rank received from other nodes
             event(event="resumed", step=app.step, checkpoint=reader.resolved_id, digest=digest(model, optim),
-                  load_s=time.perf_counter() - t0, served=reader.served)
+                  load_s=load_s, served=reader.served, from_peers=int(got.item()))
         except CheckpointNotFound:
             event(event="fresh", reason="no committed checkpoint")
 
