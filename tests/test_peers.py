@@ -210,8 +210,9 @@ def test_partner_killed_during_replication(tmp_path: Path) -> None:
     assert all((base / n / "step-3" / "peers.json").exists() for n in NODES)
 
 
-def test_list_shows_peer_copies(replicated: Path) -> None:
-    """``tierckpt-restore list`` on a node shows which checkpoints have committed peer copies."""
+def test_list_and_verify_peer_copies(replicated: Path) -> None:
+    """``tierckpt-restore list`` on a node shows which checkpoints have committed peer copies;
+    ``verify`` checks the copies with the node's own files."""
     import os
     import subprocess
     import sys
@@ -223,3 +224,13 @@ def test_list_shows_peer_copies(replicated: Path) -> None:
     assert out.returncode == 0, out.stderr
     rows = {r["checkpoint_id"]: r for r in json.loads(out.stdout)}
     assert all(rows[c]["tiers"]["local"]["peer_copies"] for c in ("step-1", "step-2")), rows
+    # verify checks every byte of the node's files, the copies included; a flipped byte in a copy is caught
+    cli = [sys.executable, "-m", "restore", "--config", str(conf_path), "verify", "step-2", "--json", "-q"]
+    ok = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    copy = next(p for p in (replicated / "n0").rglob("rank-00002-*.data") if p.parent.name == "step-2")
+    data = bytearray(copy.read_bytes())
+    data[100] ^= 1
+    copy.write_bytes(bytes(data))
+    bad = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and copy.name in bad.stdout, bad.stdout + bad.stderr
