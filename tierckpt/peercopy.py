@@ -125,8 +125,8 @@ class PeerHop(Replicator):
         piece = max(1, PIECE_BYTES // chunk_size) * chunk_size
         mine = data_key(cid, job.assign.file)
         sizes = {q: size for q, (_f, size) in incoming.items()}
-        send_buf = torch.empty(piece, dtype=torch.uint8) if targets else None
-        recv_bufs = {q: torch.empty(piece, dtype=torch.uint8) for q in incoming}
+        send_buf = _aligned(piece) if targets else None
+        recv_bufs = {q: _aligned(piece) for q in incoming}
         lease = leases.acquire(tier, cid, kind="save", purpose=f"peer copies for rank {job.assign.rank}",
                                require_committed=False, check_tombs=False) if incoming else None
         sinks: dict[int, Any] = {}
@@ -167,6 +167,16 @@ class PeerHop(Replicator):
         finally:
             if lease is not None:
                 lease.release()
+
+
+def _aligned(n: int) -> torch.Tensor:
+    """A page-aligned uint8 CPU tensor of ``n`` bytes (anonymous mmap): the local tier reads into it
+    and writes from it with direct I/O, without a bounce copy or the page cache."""
+    import mmap
+
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8))
 
 
 def _check_piece(recs: list, off: int, view: Any, chunk_size: int) -> str | None:
