@@ -74,6 +74,7 @@ class PeerHop(Replicator):
 
     def __init__(self, owner: HopOwner, src: Callable[[], Tier], replicas: int) -> None:
         self.replicas = replicas
+        self._warned = False
         super().__init__(owner, src, src, 0, "peer")
 
     def _startup_pass(self) -> None:
@@ -87,6 +88,10 @@ class PeerHop(Replicator):
     def _replicate(self, job: RankSave) -> None:
         group = PeerGroup.for_saves(None, 0)
         if group is None:  # one process, or set_up_storage_writer never ran distributed: nothing to copy to
+            if job.assign.distributed and not self._warned:
+                self._warned = True
+                log.warning("[peer] replicas = %d, but no peer group exists in this process (was the save made "
+                            "through TieredWriter in a distributed job?): no peer copies", self.replicas)
             return
         a = job.assign
         assert job.metadata_json is not None
