@@ -263,10 +263,6 @@ class Round:
         self._shared.add(name)
         return self.ch.wait_get(self.key(name), self.timeout + 30, f"{self.what}: {what}")
 
-    def try_shared(self, name: str) -> bytes | None:
-        self._shared.add(name)
-        return self.ch.try_get(self.key(name))
-
     def outcome_ok(self, metadata: bytes | None) -> None:
         """Step 2, coordinator: the outcome (``metadata``: the merged metadata, or None when every
         rank already holds it)."""

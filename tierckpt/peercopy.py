@@ -3,7 +3,7 @@
 One more hop of the chain (:class:`PeerHop`, a :class:`~tierckpt.replicate.Replicator`), run first
 after the local commit, in the background, in commit order, on every rank:
 
-* **Placement** (:func:`partners`): nodes sorted by name; the rank with local index ``j`` on node
+* **Placement** (:func:`placement`): nodes sorted by name; the rank with local index ``j`` on node
   ``i`` sends its file to the rank with local index ``j`` (modulo that node's size) on nodes
   ``i+1 … i+replicas`` (modulo the number of nodes). A copy never lives on its source's node, and
   a restarted job (same node names) finds the copies again; the reader needs no map at all
@@ -41,29 +41,30 @@ from .replicate import HopOwner, Replicator
 from .save import RankSave
 from .tiers.base import Tier
 
-__all__ = ["PeerHop", "partners", "PEERS"]
+__all__ = ["PeerHop", "placement"]
 
 log = logging.getLogger("tierckpt.peers")
 
 PIECE_BYTES = 16 << 20
 
 
-def partners(nodes: list[str], rank: int, replicas: int) -> tuple[list[int], list[int]]:
-    """(the ranks ``rank`` sends its file to, the ranks that send theirs to ``rank``), from the node
-    name of every rank (``nodes[r]``)."""
+def placement(nodes: list[str], replicas: int) -> list[list[int]]:
+    """For every rank, the ranks its file is copied to, from the node name of every rank
+    (``nodes[r]``): nodes sorted by name, local index ``j`` on node ``i`` sends to local index ``j``
+    (modulo that node's size) on nodes ``i+1 … i+replicas``, never its own node. O(world)."""
     names = sorted(set(nodes))
-    ranks_of = {n: [r for r, m in enumerate(nodes) if m == n] for n in names}
+    ranks_of: dict[str, list[int]] = {n: [] for n in names}
+    local_index = []
+    for r, n in enumerate(nodes):
+        local_index.append(len(ranks_of[n]))
+        ranks_of[n].append(r)
+    at = {n: i for i, n in enumerate(names)}
     k = min(replicas, len(names) - 1)
-
-    def targets(r: int) -> list[int]:
-        i, j = names.index(nodes[r]), ranks_of[nodes[r]].index(r)
-        out = []
-        for step in range(1, k + 1):
-            peers = ranks_of[names[(i + step) % len(names)]]
-            out.append(peers[j % len(peers)])
-        return out
-
-    return targets(rank), [q for q in range(len(nodes)) if rank in targets(q)]
+    out = []
+    for r, n in enumerate(nodes):
+        dests = [ranks_of[names[(at[n] + step) % len(names)]] for step in range(1, k + 1)]
+        out.append([d[local_index[r] % len(d)] for d in dests])
+    return out
 
 
 class PeerHop(Replicator):
@@ -96,17 +97,15 @@ class PeerHop(Replicator):
         a = job.assign
         assert job.metadata_json is not None
         md, man = metadata_from_json(job.metadata_json, f"checkpoint {a.checkpoint_id}")
-        targets, sources = partners(group.nodes, a.rank, self.replicas)
-        incoming = {q: f for q in sources for f, size in man.files.items() if size and rank_of_file(f) == q}
+        place = placement(group.nodes, self.replicas)
+        file_of = {rank_of_file(f): f for f, size in man.files.items() if size}
+        targets = place[a.rank]
+        incoming = {q: file_of[q] for q, ts in enumerate(place) if a.rank in ts and q in file_of}
         recs: dict[str, list] = defaultdict(list)
         for rec in (md.storage_data or {}).values():
             recs[rec.file].append(rec)
         names = sorted(set(group.nodes))
-        holders: dict[str, list[str]] = defaultdict(list)
-        for r in range(len(group.nodes)):
-            f = next((f for f, s in man.files.items() if s and rank_of_file(f) == r), None)
-            if f is not None:
-                holders[f] = [group.nodes[t] for t in partners(group.nodes, r, self.replicas)[0]]
+        holders = {f: [group.nodes[t] for t in place[r]] for r, f in file_of.items() if r is not None and r < len(place)}
         record = json.dumps({"replicas": self.replicas, "nodes": names, "copies": dict(sorted(holders.items()))},
                             sort_keys=True).encode()
         rnd = Round(self.owner.channel(job), a.token, self.hop, a.rank, a.world, self.owner.cfg.job.commit_timeout,
