@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierckpt.catalog import committed_in_order
+from tierckpt.config import config_from_dict
 from tierckpt.testing import run_world
+from tierckpt.tiers import make_tiers
 
 from benchlib.common import Ctx, GiB, MiB, log, med, row
 from benchlib.s3 import S3_BUCKET, S3_CONC, S3_PART, start_s3_server
@@ -54,6 +57,39 @@ def _fetch_n1(base: Path, cfg: dict) -> float:
     subprocess.run([sys.executable, "-m", "restore", "--config", str(conf), "fetch", "latest", "--quiet"], check=True,
                    env=dict(os.environ, TIERCKPT_NODE="n1"), cwd=str(Path(__file__).resolve().parents[2]))
     return time.perf_counter() - t0
+
+
+RPO_STEPS = [10, 20, 30, 40, 50, 60]
+RPO_INTERVAL = 0.3
+
+
+def _work_lost(ctx: Ctx, tmp: Path, url: str, world: int, nodes: Any, mib: int) -> dict[int, dict]:
+    """Per ``replicas`` (0, 1): train-like saves that never wait, the job killed as soon as the
+    newest checkpoint is safe somewhere, node n1's disk lost, then a resume: which step it gets."""
+    out: dict[int, dict] = {}
+    for replicas in (1, 0):
+        base = tmp / f"rpo{replicas}"
+        cfg = _conf(base, replicas, url, f"peer-bench-rpo{replicas}")
+        lost = run_world(world, "save_and_lose", {"config": cfg, "steps": RPO_STEPS, "mib": mib, "interval": RPO_INTERVAL},
+                         base / "save", script=WORKER, node_of=nodes, timeout=1800)
+        if not all(r.get("safe") for r in lost):
+            raise RuntimeError(f"peer bench: the newest checkpoint never became safe with replicas={replicas}: {lost}")
+        shutil.rmtree(base / "n1")
+        s3 = make_tiers(config_from_dict(cfg))[-1]
+        try:
+            on_s3 = [c.step for c in committed_in_order(s3)]
+        finally:
+            s3.close()
+        back = run_world(world, "resume_latest", {"config": cfg, "mib": mib}, base / "resume", script=WORKER,
+                         node_of=nodes, timeout=1800)
+        bad = [b for b in back if b.get("bad") or "id" not in b]
+        if bad:
+            raise RuntimeError(f"peer bench: resume after the node loss (replicas={replicas}) was not exact: {bad}")
+        out[replicas] = {"newest": RPO_STEPS[-1], "resumed": int(back[0]["id"].split("-")[-1]),
+                         "s3_newest": max((s for s in on_s3 if s is not None), default=None),
+                         "resume_s": max(b["load_s"] for b in back)}
+        log(f"peer: work lost with replicas={replicas}: {out[replicas]}")
+    return out
 
 
 def section_peer(ctx: Ctx) -> dict:
@@ -127,6 +163,18 @@ def section_peer(ctx: Ctx) -> dict:
                      f"{S3_PART // MiB} MiB x {S3_CONC}; resume = slowest rank's dcp.load of its own tensors + shared "
                      f"ones, in fresh processes, {reps} interleaved repeats, latest = step-{steps[-1]} in both cases (every save was waited for, "
                      "so S3 was not behind; with promotion lagging, replicas=0 would resume an older step)")
+        rpo = _work_lost(ctx, tmp, url, world, nodes, mib)
+        for replicas in (0, 1):
+            r = rpo[replicas]
+            rows.append(row(f"work lost with n1, replicas={replicas}: resumed step-{r['resumed']} of {r['newest']} saved",
+                            [r["resume_s"]], nbytes, note=f"newest on S3 when the job died: step-{r['s3_newest']}; load of the step, then the state"))
+        ratios["steps lost with n1, replicas=1"] = rpo[1]["newest"] - rpo[1]["resumed"]
+        ratios["steps lost with n1, replicas=0"] = rpo[0]["newest"] - rpo[0]["resumed"]
+        targets["steps lost with n1, replicas=1"] = ("<=", 0)
+        notes.append(f"work lost: {len(RPO_STEPS)} saves of {mib} MiB per rank, {RPO_INTERVAL} s of simulated compute between "
+                     "saves, nothing waited for; every rank dies (os._exit) the moment the newest checkpoint reached its "
+                     "first safe place (peer copies committed with replicas=1, the local commit with replicas=0), n1's "
+                     "directory is deleted, and 4 fresh ranks load latest")
         notes.append(f"CPU per replicated GiB: (CPU with replicas=1 - CPU with replicas=0) / {replicated / GiB:.2f} GiB "
                      "copied, all ranks, whole save processes")
     finally:

@@ -45,6 +45,28 @@ def save_steps(args: dict, rank: int, world: int) -> dict:
     return out
 
 
+def save_and_lose(args: dict, rank: int, world: int) -> dict:
+    """Save ``steps`` as training does (never waiting for the background hops, ``interval`` seconds of
+    "compute" between saves), then die as a lost node does the moment the newest checkpoint has
+    reached its first safe place: its peer copies committed (``replicas >= 1``) or its local commit
+    (``replicas = 0``)."""
+    from pathlib import Path
+
+    from tierckpt.config import node_name
+
+    cfg = config_from_dict(args["config"])
+    w = TieredWriter(cfg)
+    for step in args["steps"]:
+        dcp.save(state(rank, step, args["mib"]), checkpoint_id=f"step-{step}", storage_writer=w)
+        time.sleep(args["interval"])
+    last = f"step-{args['steps'][-1]}"
+    mark = Path(cfg.local.path.format(node=node_name())) / last / ("peers.json" if cfg.peer.replicas else "metadata.json")
+    deadline = time.monotonic() + 600
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return {"safe": mark.exists()}
+
+
 def resume(args: dict, rank: int, world: int) -> dict:
     """What a restarted rank loads (its own tensors, the shared ones): seconds, and bit-exactness."""
     cfg = config_from_dict(args["config"])
@@ -57,5 +79,19 @@ def resume(args: dict, rank: int, world: int) -> dict:
             "from_peers": sum(reader.from_peers.values()), "served": reader.served}
 
 
+def resume_latest(args: dict, rank: int, world: int) -> dict:
+    """Load ``latest``, whatever step it is, and check it bit-exact against that step's state."""
+    cfg = config_from_dict(args["config"])
+    reader = TieredReader(cfg)
+    t0 = time.perf_counter()
+    probe = {"step": -1}
+    dcp.load(probe, checkpoint_id="latest", storage_reader=reader)
+    want = state(rank, probe["step"], args["mib"])
+    got = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
+    dcp.load(got, checkpoint_id=reader.resolved_id, storage_reader=TieredReader(cfg))
+    return {"load_s": time.perf_counter() - t0, "id": reader.resolved_id, "bad": compare(want, got)}
+
+
 if __name__ == "__main__":
-    serve({"save_steps": save_steps, "resume": resume})
+    serve({"save_steps": save_steps, "save_and_lose": save_and_lose, "resume": resume,
+           "resume_latest": resume_latest})
