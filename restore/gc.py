@@ -9,7 +9,9 @@ leased (being loaded, fetched, verified, consolidated or saved by any process), 
 that S3 should get and lacks (a job's promoter uploads it). Partial (never committed) checkpoints
 go once no live save or fetch holds a lease on them. Every deletion runs the lease protocol
 (:mod:`tierckpt.lease`): metadata first, then exactly the objects listed. Leftovers of interrupted
-writes older than ``[job] commit_timeout`` (S3 multipart uploads) go too (``Tier.abort_stale``).
+writes older than ``[job] commit_timeout`` go too (``Tier.abort_stale``: S3 multipart uploads; on a
+local tier the half-written files of killed processes, such as a peer copy whose receiving node
+died mid-transfer: orphan replicas).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,15 +211,25 @@ def test_partner_killed_during_replication(tmp_path: Path) -> None:
     run(base, 2, "save_steps", {"steps": [3]}, "next", one_per_node, replicas=1)
     assert _files(base / "n0", "step-3") == _files(base / "n1", "step-3") and len(_files(base / "n0", "step-3")) == 2
     assert all((base / n / "step-3" / "peers.json").exists() for n in NODES)
+    # the dead receiver's half-written copy is an orphan: gc removes it once nobody touched it for
+    # long enough (never a live writer's file), and nothing committed goes with it
+    leftovers = [p for p in (base / "n1").rglob("*.partial") if p.parent.name == "step-2"]
+    assert leftovers, sorted(str(p) for p in (base / "n1").rglob("*"))
+    old = leftovers[0].stat().st_mtime - 3600
+    for p in leftovers:
+        os.utime(p, (old, old))
+    conf_path = base / "n1.toml"
+    conf_path.write_text(f'[local]\npath = "{base}/n1"\nkeep = 3\n')
+    gc = subprocess.run([sys.executable, "-m", "restore", "--config", str(conf_path), "gc", "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert json.loads(gc.stdout)["aborted_uploads"] == len(leftovers) and not any(p.exists() for p in leftovers)
+    assert all((base / "n1" / c / "metadata.json").exists() for c in ("step-1", "step-2", "step-3"))
 
 
 def test_list_and_verify_peer_copies(replicated: Path) -> None:
     """``tierckpt-restore list`` on a node shows which checkpoints have committed peer copies;
     ``verify`` checks the copies with the node's own files."""
-    import os
-    import subprocess
-    import sys
-
     conf_path = replicated / "n0.toml"
     conf_path.write_text(f'[local]\npath = "{replicated}/n0"\n')
     out = subprocess.run([sys.executable, "-m", "restore", "--config", str(conf_path), "list", "--json"],
@@ -234,3 +247,25 @@ def test_list_and_verify_peer_copies(replicated: Path) -> None:
     copy.write_bytes(bytes(data))
     bad = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and copy.name in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_stale_leftovers_only(tmp_path: Path) -> None:
+    """The local tier's ``abort_stale`` removes only files of dead writers: an old ``.partial``
+    without a resume record and an old small-put temp file; never a fresh one (a live writer), a
+    fetch's resumable file with its record and lock, or a committed object, however old."""
+    from tierckpt.tiers.local import LocalTier
+
+    d = tmp_path / "c1"
+    d.mkdir()
+    names = ["rank-00001-a.data.partial", ".tmp-x-metadata.json", "rank-00002-b.data.partial",
+             "rank-00002-b.data.ranges.partial", ".tmp-rank-00002-b.data.lock", "rank-00000-c.data", "metadata.json",
+             "rank-00003-d.data.partial"]
+    for n in names:
+        (d / n).write_bytes(b"x")
+    old = (d / names[0]).stat().st_mtime - 3600
+    for n in names[:-1]:  # the last one stays fresh: someone is writing it
+        os.utime(d / n, (old, old))
+    tier = LocalTier(tmp_path)
+    assert tier.abort_stale(60.0) == 2
+    assert sorted(p.name for p in d.iterdir()) == sorted(names[2:])
+    tier.close()

@@ -225,11 +225,12 @@ class Engine:
     def retain(self, tier: Tier, protect: set[str], *, owed: set[str] | frozenset[str] = frozenset(),
                need_bytes: int = 0) -> None:
         """``tier``'s retention (its ``keep``/``keep_every``) now, sparing ``protect``, saves in flight
-        and (unless the disk would fill) ``owed``; then abort the tier's stale partial uploads."""
+        and (unless the disk would fill) ``owed``; then remove the leftovers of interrupted writes
+        (:meth:`Tier.abort_stale`: multipart uploads, half-written files of dead processes)."""
         enforce(tier, tier.keep, tier.keep_every, self.in_flight_ids() | protect, owed=owed, need_bytes=need_bytes)
         aborted = tier.abort_stale(self.cfg.job.commit_timeout)
         if aborted:
-            log.info("aborted %d stale multipart uploads on %s", aborted, tier.url)
+            log.info("removed %d leftovers of interrupted writes on %s", aborted, tier.url)
 
     def hop_done(self, hop: Replicator, job: RankSave) -> None:
         """A hop thread is done with ``job``: retention on the first tier (it may have waited for

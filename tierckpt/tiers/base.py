@@ -372,7 +372,8 @@ class Tier(abc.ABC):
 
     def abort_stale(self, older_than_s: float) -> int:
         """Discard leftovers of interrupted writes older than ``older_than_s`` seconds (incomplete
-        multipart uploads); return how many. Tiers without such leftovers return 0."""
+        multipart uploads, half-written files of a killed process); return how many. Tiers without
+        such leftovers return 0. Called by retention after each commit and by ``gc``."""
         return 0
 
     def free_bytes(self) -> "int | None":

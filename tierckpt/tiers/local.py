@@ -40,6 +40,10 @@ __all__ = ["LocalTier", "fsync_dir", "drain_deletions", "open_new", "DIO_ALIGN"]
 
 log = logging.getLogger("tierckpt")
 
+STALE_FLOOR_S = 600.0
+"""A leftover of an interrupted write goes only once untouched for this long, whatever the
+configured ``[job] commit_timeout``: a slow live writer's file is never taken for one."""
+
 
 class LocalTier(Tier):
     """A tier rooted at a directory. ``fsync=False`` skips fsyncs (tests, tmpfs).
@@ -409,6 +413,37 @@ class LocalTier(Tier):
         if block <= 0:
             raise ValueError(f"block must be positive, got {block}")
         return _ResumableFile(self, key, size, block, dict(tag or {}), adopt)
+
+    def abort_stale(self, older_than_s: float) -> int:
+        """Remove what writers that died left behind and nobody touched for ``older_than_s``
+        seconds (at least :data:`STALE_FLOOR_S`): ``.partial`` files (a flush or a peer copy whose process was killed mid-file; a
+        live writer keeps its file's mtime fresh, and its commit round gives up sooner) and
+        ``.tmp-`` files of small puts. A fetch's resumable file (it has a ``.ranges.partial`` record)
+        and its lock stay for the fetch that resumes it. Returns how many files went."""
+        import time
+
+        if not self.root.is_dir():
+            return 0
+        cutoff = time.time() - max(older_than_s, STALE_FLOOR_S)
+        n = 0
+        for dirpath, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if not d.startswith(TRASH)]
+            names = set(files)
+            for fn in files:
+                stale = fn.endswith(PARTIAL) and not fn.endswith(".ranges" + PARTIAL) and \
+                    fn[: -len(PARTIAL)] + ".ranges" + PARTIAL not in names
+                stale = stale or (fn.startswith(TMP) and not fn.endswith(".lock"))
+                path = Path(dirpath) / fn
+                try:
+                    if stale and path.stat().st_mtime < cutoff:
+                        path.unlink()
+                        n += 1
+                        log.info("removed %s, left by an interrupted write (untouched for over %.0f s)", path, older_than_s)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    log.warning("cannot remove the stale %s: %s", path, e)
+        return n
 
     def wait_deletions(self, timeout_s: float = 600.0) -> None:
         """Block until the background janitor removed what deletions renamed away."""
