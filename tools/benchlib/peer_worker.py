@@ -45,6 +45,32 @@ def save_steps(args: dict, rank: int, world: int) -> dict:
     return out
 
 
+def train(args: dict, rank: int, world: int) -> dict:
+    """A training loop: ``iters`` iterations of single-threaded matmuls (the "step"), a ``dcp.save``
+    every ``every`` of them that nobody waits for; seconds for the loop (what training feels), then
+    for the final ``wait()``, and CPU seconds of the whole process."""
+    torch.set_num_threads(1)
+    cfg = config_from_dict(args["config"])
+    w = TieredWriter(cfg)
+    a = torch.randn(args["n"], args["n"], generator=torch.Generator().manual_seed(rank))
+    b = torch.randn(args["n"], args["n"], generator=torch.Generator().manual_seed(rank + 100)) / args["n"] ** 0.5
+    sd = state(rank, 0, args["mib"])
+    dcp.save(sd, checkpoint_id="step-0", storage_writer=w)  # warm-up: process groups, pool, plans
+    w.wait()
+    c0, t0 = _cpu(), time.perf_counter()
+    for it in range(1, args["iters"] + 1):
+        for _ in range(args["reps"]):
+            a = torch.tanh(a @ b)
+        if it % args["every"] == 0:
+            sd["step"] = it
+            dcp.save(sd, checkpoint_id=f"step-{it}", storage_writer=w)
+    loop = time.perf_counter() - t0
+    w.wait()
+    out = {"loop_s": loop, "drain_s": time.perf_counter() - t0 - loop, "cpu_s": _cpu() - c0}
+    w.engine.close()
+    return out
+
+
 def save_and_lose(args: dict, rank: int, world: int) -> dict:
     """Save ``steps`` as training does (never waiting for the background hops, ``interval`` seconds of
     "compute" between saves), then die as a lost node does the moment the newest checkpoint has
@@ -94,4 +120,4 @@ def resume_latest(args: dict, rank: int, world: int) -> dict:
 
 if __name__ == "__main__":
     serve({"save_steps": save_steps, "save_and_lose": save_and_lose, "resume": resume,
-           "resume_latest": resume_latest})
+           "resume_latest": resume_latest, "train": train})
