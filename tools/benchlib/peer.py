@@ -167,7 +167,6 @@ def section_peer(ctx: Ctx) -> dict:
         b0 = med([max(r["blocked_s"][i] for r in res[0]["save"]) for i in range(1, len(steps))])
         b1 = med([max(r["blocked_s"][i] for r in res[1]["save"]) for i in range(1, len(steps))])
         ratios["blocked replicas=1 / replicas=0"] = b1 / b0 if b0 else None
-        targets["blocked replicas=1 / replicas=0"] = ("<=", 1.03)
         ratios["CPU s per replicated GiB"] = cpu_per_gib
         t_peer, t_s3 = med(res[1]["resumes"]), med(res[0]["resumes"])
         rows.append(row("resume after losing n1: from peer copies (replicas=1)", res[1]["resumes"], nbytes,
