@@ -73,7 +73,9 @@ class PeerGroup:
             return None
         default = dist.group.WORLD
         if cls._saves is None or cls._saves_for is not default:
+            before = _threads()
             g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            _lower_priority(_threads() - before, cfg.job.background_nice)  # gloo's own send/receive threads
             pg = cls(g, dist.get_rank(), dist.get_world_size())
             pg.nodes = pg.gather(node_name())
             cls._saves, cls._saves_for = pg, default
@@ -122,6 +124,29 @@ class PeerGroup:
                 errors.append(e)
         if errors:
             raise TierckptError(f"serving checkpoint files between nodes failed: {errors[0]}")
+
+
+def _threads() -> set[int]:
+    """Native ids of this process's threads (Linux; empty elsewhere)."""
+    import os
+
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _lower_priority(tids: set[int], nice: int) -> None:
+    """Add ``nice`` to the niceness of threads ``tids``: the save group's transfers are background
+    work, and gloo moves the bytes in threads of its own, which would otherwise run at the
+    training thread's priority."""
+    import os
+
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except OSError as e:  # gone meanwhile, or not allowed
+            log.debug("cannot lower the priority of thread %d: %s", tid, e)
 
 
 def node_view(first: Tier, others: "list[Tier]", checkpoint_id: str) -> dict:
