@@ -89,6 +89,12 @@ def test_path_style_ids_and_catalog(tmp_path):
     assert [(c.id, c.step, c.tiers, c.peer_copies) for c in cps] == [("step-2", 2, ("local",), False),
                                                                      ("step-4", 4, ("local",), False)]
     assert all(isinstance(c.committed, float) for c in cps) and cps[0].committed <= cps[1].committed
+    # the same answers as tierckpt-restore list / latest
+    from restore.catalog import find_latest, list_all, open_tiers
+
+    tiers = open_tiers(cfg)
+    assert [l.checkpoint_id for l in list_all(tiers) if l.committed_anywhere] == [c.id for c in cps]
+    assert find_latest(tiers).checkpoint_id == latest(cfg)
     got = placeholder(states[2])
     dcp.load(got, checkpoint_id=str(tmp_path / "elsewhere" / "step-2"), storage_reader=TieredReader(cfg), no_dist=True)
     assert compare(states[2], got) == []

@@ -41,7 +41,7 @@ def reference(tmp_path_factory) -> dict:
     return {"losses": res[0]["losses"], "record": str(root / "record.pt"), "final": str(root / "final.pt")}
 
 
-@pytest.mark.parametrize("mode", ["disabled", "async"])
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
 def test_crash_and_resume_bit_exact(tmp_path, reference, mode):
     tiers = _tiers(tmp_path)
     base = {"tiers": tiers, "dump": str(tmp_path / "dump"), "mode": mode, "steps": STEPS, "interval": INTERVAL}

@@ -514,7 +514,7 @@ class TieredWriter(StorageWriter):
         if self._closed:
             return
         self._closed = True
-        if sys.is_finalizing() or self.engine._closed:
+        if sys.is_finalizing() or self.engine.closed:
             return
         self.wait()
 

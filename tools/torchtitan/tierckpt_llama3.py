@@ -22,7 +22,8 @@ def with_tierckpt(config: Trainer.Config, tierckpt_config: str = "tools/torchtit
     """``config`` with its checkpoint section handled by tierckpt (its other fields kept)."""
     fields = {f.name: getattr(config.checkpoint, f.name) for f in dataclasses.fields(config.checkpoint)
               if not f.name.startswith("_")}
-    config.checkpoint = TierckptCheckpointManager.Config(**fields, enable=True, tierckpt_config=tierckpt_config)
+    fields.update(enable=True, tierckpt_config=tierckpt_config)
+    config.checkpoint = TierckptCheckpointManager.Config(**fields)
     return config
 
 
