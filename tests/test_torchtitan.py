@@ -64,3 +64,32 @@ def test_crash_and_resume_bit_exact(tmp_path, reference, mode):
         one = _run(1, base | {"steps": 4, "check": reference["record"]}, tmp_path / "one-rank")
         assert one[0]["resumed_from"] == STEPS and one[0]["check"] == [], one  # latest: the last save
 
+
+
+def test_s3_only_initial_load_and_keep_latest_k(tmp_path, reference, moto_endpoint, s3cfg):
+    """No checkpoint directory anywhere: an S3-only configuration. The first job starts from a plain
+    DCP checkpoint written by torchtitan's own manager (initial_load_path, read by DCP's reader);
+    a fresh job resumes from S3; keep_latest_k = 2 is tierckpt's
+    retention on S3 (what tierckpt.list_checkpoints reports), no directory is deleted."""
+    from tierckpt.checkpoints import list_checkpoints
+
+    plain = tmp_path / "plain"
+    _run(2, {"tiers": "", "manager": "torchtitan", "dump": str(plain), "mode": "disabled", "steps": 2,
+             "interval": 2, "no_last": True, "record": str(tmp_path / "plain.pt")}, tmp_path / "p")
+    s3 = s3cfg(moto_endpoint)
+    toml = tmp_path / "tiers.toml"
+    toml.write_text(f'[host]\nbuffer_size = "64MiB"\nchunk_size = "8MiB"\n[s3]\nbucket = "{s3.bucket}"\n'
+                    f'prefix = "{s3.prefix}"\nendpoint_url = "{s3.endpoint_url}"\npart_size = "5MiB"\n')
+    base = {"tiers": str(toml), "dump": str(tmp_path / "dump"), "mode": "async", "steps": STEPS,
+            "interval": INTERVAL, "keep": 2}
+    first = _run(2, base | {"initial_load_path": str(plain / "checkpoint" / "step-2"),
+                            "check": str(tmp_path / "plain.pt"), "check_step": 2}, tmp_path / "first")
+    for r in first:
+        assert r["resumed_from"] == 0 and r["check"] == [], r  # model only, from the plain DCP checkpoint
+    # a fresh job (close() waited for the commits): resumes from S3, two steps more
+    res = _run(2, base | {"steps": STEPS + 2}, tmp_path / "second")
+    assert all(r["resumed_from"] == STEPS for r in res), res
+    assert not (tmp_path / "dump" / "checkpoint").exists()
+    kept = list_checkpoints(str(toml))
+    assert [c.id for c in kept] == [f"step-{STEPS}", f"step-{STEPS + 2}"], kept
+    assert all(c.tiers == ("s3",) for c in kept), kept

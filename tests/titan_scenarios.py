@@ -85,7 +85,9 @@ def _full(x):  # noqa: ANN001, ANN202
 def train(args: dict, rank: int, world: int) -> dict:
     """``args``: tiers (TOML path), dump, mode, steps, crash_after (step or 0), interval, keep,
     record (path: write the full model+optimizer state after each checkpoint step, rank 0),
-    check (path of such a record: compare the loaded state with it, before training)."""
+    check (path of such a record: compare the loaded state with it, before training; with
+    check_step, only the model, with that step's), manager ("torchtitan": torchtitan's own),
+    initial_load_path, no_last (no last-step save), final (path: the full state at the end)."""
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
@@ -107,7 +109,8 @@ def train(args: dict, rank: int, world: int) -> dict:
         cls = TierckptCheckpointManager
         conf = TierckptCheckpointManager.Config(enable=bool(args["tiers"]), interval=args["interval"], folder="checkpoint",
                                          async_mode=args["mode"], keep_latest_k=args.get("keep", 0),
-                                         last_save_model_only=False, tierckpt_config=args["tiers"] or "")
+                                         last_save_model_only=False, tierckpt_config=args["tiers"] or "",
+                                         initial_load_path=args.get("initial_load_path"))
     ckpt = cls(
         conf,
         dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds, states={"train_state": ts},
@@ -117,8 +120,11 @@ def train(args: dict, rank: int, world: int) -> dict:
     out["resumed_from"] = ts.step
     if args.get("check"):
         rec = torch.load(args["check"], weights_only=True)
-        now = {"model": _full(model.state_dict()), "optim": _full(opts.state_dict())}
-        out["check"] = compare(rec[str(ts.step)], now)
+        if args.get("check_step"):  # a model-only initial load: the model of that step
+            out["check"] = compare(rec[str(args["check_step"])]["model"], _full(model.state_dict()))
+        else:
+            now = {"model": _full(model.state_dict()), "optim": _full(opts.state_dict())}
+            out["check"] = compare(rec[str(ts.step)], now)
     records = {}
     for step in range(ts.step + 1, args["steps"] + 1):
         ts.step = step
@@ -146,6 +152,9 @@ def train(args: dict, rank: int, world: int) -> dict:
             if args.get("record") and rank == 0:
                 torch.save(records, args["record"])
             dist.barrier()
+            import json
+
+            Path(sys.argv[3]).write_text(json.dumps(out))  # what serve() would write, then killed
             os._exit(0)  # killed: no close(), nothing waited for
     if args.get("record") and rank == 0:
         torch.save(records, args["record"])
