@@ -68,6 +68,16 @@ def modes(args: dict, rank: int, world: int) -> dict:
         bad = compare(expected, got)
         if bad:
             errors.append(f"{cid}: differs at {bad[:5]}")
+    if args["mode"] == "process":  # a failing save in the checkpoint process fails its future, loudly
+        sd = {"model": model.state_dict(), "step": -1}
+        resp = dcp.async_save(sd, checkpoint_id=f"{args['prefix']}-000", storage_writer=writer, process_group=pg,
+                              async_checkpointer_type=ctype, async_stager=stager)
+        try:
+            _upload(resp).result(timeout=300)
+            errors.append("saving an id already committed succeeded")
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if "already committed" not in str(e):
+                errors.append(f"unexpected error: {e!r}"[:500])
     writer.close()
     writer.close()  # idempotent
     if stager is not None:

@@ -73,6 +73,7 @@ def test_path_style_ids_and_catalog(tmp_path):
     assert checkpoint_id_of(Path("/dump/checkpoint/step-10/")) == "step-10"
     assert checkpoint_id_of("step-10") == "step-10"
     assert not TieredWriter.validate_checkpoint_id("/dump/checkpoint/..")
+    assert not TieredWriter.validate_checkpoint_id("../step-5") and not TieredReader.validate_checkpoint_id("a/../b")
     assert not TieredWriter.validate_checkpoint_id("/dump/checkpoint/bad id")
     assert TieredReader.validate_checkpoint_id("/dump/checkpoint/step-10")
     assert latest(cfg) is None and list_checkpoints(cfg) == []

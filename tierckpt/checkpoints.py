@@ -56,15 +56,17 @@ def checkpoint_id_of(checkpoint_id: str | os.PathLike) -> str:
 
     A path (``os.PathLike``, or a string with a ``/``, such as torchtitan's
     ``<dump>/checkpoint/step-100`` or ``s3://bucket/run/step-100``) stands for its last
-    component; anything else is returned as given. The result is not validated here: the writer
-    and the reader validate it as any other id (a last component such as ``..`` is refused).
+    component; a path with a ``.`` or ``..`` component (``../step-5``, ``step-5/../x``) and
+    anything else is returned as given. The result is not validated here: the writer and the
+    reader validate it as any other id, so those are refused as before.
     """
     cid = os.fspath(checkpoint_id)
     if isinstance(cid, bytes):
         cid = os.fsdecode(cid)
     if "/" in cid or isinstance(checkpoint_id, os.PathLike):
         parts = [p for p in cid.split("/") if p]
-        return parts[-1] if parts else cid
+        if parts and not any(p in (".", "..") for p in parts):
+            return parts[-1]
     return cid
 
 
