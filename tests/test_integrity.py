@@ -513,7 +513,8 @@ def test_unknown_checkpoint(saved):
     assert "step-404" in str(ei.value)
 
 
-@pytest.mark.parametrize("cid", ["../step-5", "/etc", "step-5/../../x", ".hidden", "a/b", "", "latest/.."])
+# "/etc" and "a/b" are path-style ids since issue 14 (ids "etc" and "b"); a "." or ".." component is refused.
+@pytest.mark.parametrize("cid", ["../step-5", "step-5/../../x", ".hidden", "", "latest/..", "a/./b", "/ckpt/.."])
 def test_invalid_checkpoint_ids_are_rejected(saved, cid):
     cfg, _sd = saved
     root = cfg.local.resolved_path()

@@ -19,6 +19,12 @@ protocol, :meth:`AsyncTickets.bind`), and it ends when
 * no writer call binds it within :data:`BIND_TIMEOUT` (DCP failed before it called the writer,
   or ran the save in another process): logged as a warning.
 
+**Process-based async** (``AsyncCheckpointerType.PROCESS``): DCP pickles the staged state dict
+and sends it to its checkpoint process. The dict ``stage`` returns is a :class:`LiveState`: in
+this process it is the live state dict, but pickling it copies every tensor first (DCP's own
+``DefaultStager``, into shared memory, a fresh copy per save) and pickles the copy; its ticket
+ends once the copy is made, so the pre-step hook waits for the copy, never for the other process.
+
 Nothing here depends on how DCP names or manages its threads (torch 2.11-2.14 create one
 ``ThreadPoolExecutor`` per save and shut it down afterwards; a reused thread is handled too).
 A synchronous ``dcp.save`` on the staging thread never binds a ticket.
@@ -31,7 +37,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["AsyncTickets", "BIND_TIMEOUT"]
+__all__ = ["AsyncTickets", "BIND_TIMEOUT", "LiveState"]
 
 log = logging.getLogger("tierckpt")
 
@@ -65,12 +71,17 @@ class AsyncTickets:
         self._lock = threading.Lock()
         self._open: list[_Ticket] = []
 
-    def open(self) -> None:
+    def open(self) -> "_Ticket":
         """``stage`` (the caller's thread): a save is about to be planned on DCP's thread."""
         t = _Ticket(threading.get_ident())
         with self._lock:
             self._open.append(t)
         threading.Thread(target=self._watch, args=(t,), name="tierckpt-async-ticket", daemon=True).start()
+        return t
+
+    def shipped(self, t: "_Ticket") -> None:
+        """:class:`LiveState` pickled for another process: its copy is made, the ticket ends."""
+        self._forget(t)
 
     def bind(self, save: object) -> None:
         """A save's first writer calls (``reset``, ``set_up_storage_writer``), on its thread;
@@ -92,6 +103,12 @@ class AsyncTickets:
             self._open = [t for t in self._open if t not in ended]
         for t in ended:
             t.end()
+
+    def bound_here(self) -> bool:
+        """Whether a ticket (a ``stage`` call of this writer) is bound to the calling thread's save."""
+        me = threading.current_thread()
+        with self._lock:
+            return any(t.thread is me for t in self._open)
 
     def captured(self, job: Any) -> None:
         """``write_data`` on a save's thread: the capture of its save is enqueued."""
@@ -117,6 +134,8 @@ class AsyncTickets:
 
     def _watch(self, t: _Ticket) -> None:
         if not t.bound.wait(BIND_TIMEOUT):
+            if t.future.done():  # shipped to another process (LiveState) meanwhile
+                return
             if not t.future.done():
                 log.warning("dcp.async_save made no call to TieredWriter within %.0fs of stage(); no longer "
                             "waiting for it before optimizer steps", BIND_TIMEOUT)
@@ -129,3 +148,36 @@ class AsyncTickets:
             if not thread.is_alive():
                 self._forget(t)
                 return
+
+
+class LiveState(dict):
+    """The state dict ``TieredWriter.stage`` returns: the live state dict (a shallow copy of its
+    top level), which DCP's save thread reads directly (the capture is lazy).
+
+    Pickled (only ``AsyncCheckpointerType.PROCESS`` does that, on DCP's executor thread), it
+    first copies every tensor with DCP's ``DefaultStager`` (shared memory, no cache: a fresh
+    copy per save, so an overlapping save never overwrites it), ends the save's ticket (the
+    state may change from then on) and pickles as the copy, a plain dict. The copy costs what
+    DCP's own process-mode staging costs; the training thread's pre-step hook waits for it.
+    """
+
+    def __init__(self, state_dict: dict, ticket: "_Ticket | None" = None, tickets: "AsyncTickets | None" = None) -> None:
+        super().__init__(state_dict)
+        self._ticket = ticket
+        self._tickets = tickets
+
+    def __reduce__(self) -> tuple:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                              use_async_staging=False, use_non_blocking_copy=False))
+        try:
+            copy = stager.stage(dict(self))
+        finally:
+            stager.close()
+            if self._ticket is not None:
+                if self._tickets is not None:
+                    self._tickets.shipped(self._ticket)
+                else:
+                    self._ticket.end()
+        return (dict, (copy,))

@@ -77,6 +77,11 @@ class Engine:
             self.hops.insert(0, PeerHop(self, lambda: chain[0], cfg.peer.replicas))
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (at exit: :func:`close_all`); a closed engine takes no saves."""
+        return self._closed
+
+    @property
     def pool(self) -> HostPool:
         """The host pool, allocated on the first save (readers and tools never allocate it)."""
         return self.stream.pool

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from . import lease as leases
 from . import peers
 from .catalog import find_latest, read_checkpoint_metadata
+from .checkpoints import checkpoint_id_of
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, metadata_from_json, padded as _padded
@@ -93,7 +94,9 @@ class TieredReader(StorageReader):
 
     # -- DCP StorageReader ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
-        cid = "latest" if checkpoint_id is None else str(checkpoint_id)
+        """Every rank: the checkpoint to load, ``"latest"`` (also for ``None``) or an id; a path
+        (``<dir>/step-100``) stands for its last component."""
+        cid = "latest" if checkpoint_id is None else checkpoint_id_of(checkpoint_id)
         if cid != "latest":
             check_checkpoint_id(cid)
         self.checkpoint_id = cid
@@ -229,7 +232,8 @@ class TieredReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return str(checkpoint_id) == "latest" or is_valid_checkpoint_id(str(checkpoint_id))
+        cid = checkpoint_id_of(checkpoint_id)
+        return cid == "latest" or is_valid_checkpoint_id(cid)
 
     # -- reading --------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":

@@ -31,10 +31,12 @@ import dataclasses
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
 import weakref
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
@@ -45,7 +47,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import plancache
-from .asyncsave import AsyncTickets
+from .asyncsave import AsyncTickets, LiveState
+from .checkpoints import checkpoint_id_of
 from .catalog import is_committed
 from .commit import default_channel
 from .config import TierConfig, load_config
@@ -151,11 +154,23 @@ class TieredWriter(StorageWriter):
     Args:
         config: a :class:`~tierckpt.config.TierConfig`, a path to a TOML file, or ``None`` to
             read ``$TIERCKPT_CONFIG``.
+
+    **Checkpoint ids** may be paths, as frameworks pass them (``<dump>/checkpoint/step-100``,
+    ``os.PathLike``): the last component is the id (:func:`tierckpt.checkpoints.checkpoint_id_of`).
+
+    **Other processes.** A writer pickles as its configuration (DCP's
+    ``AsyncCheckpointerType.PROCESS`` sends it to its checkpoint process). The copy is *detached*:
+    nobody will call its ``wait()``, so each of its saves starts the capture at once and
+    ``dcp.save`` returns (on the coordinator, ``finish`` blocks) only once the checkpoint is
+    committed on every configured tier, raising its failure otherwise: the future DCP hands the
+    training process completes only then.
     """
 
     def __init__(self, config: TierConfig | str | None = None) -> None:
         super().__init__()
         self.cfg = config if isinstance(config, TierConfig) else load_config(config)
+        self._detached = False  # an unpickled copy, saving in another process (see the class docstring)
+        self._closed = False
         self.engine: Engine = get_engine(self.cfg)
         self.checkpoint_id: str | None = None
         self._rank = 0
@@ -176,6 +191,10 @@ class TieredWriter(StorageWriter):
         self._last: RankSave | None = None
         self._tickets = AsyncTickets()  # dcp.async_save saves not planned yet (see asyncsave)
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its configuration; the copy is detached (see the class docstring)."""
+        return (_detached_writer, (self.cfg,))
+
     def _ctx(self) -> _SaveCtx:
         ctx = getattr(self._tls, "ctx", None)
         if ctx is None:
@@ -187,7 +206,7 @@ class TieredWriter(StorageWriter):
         """DCP passes the id of the save about to start (only when ``dcp.save`` got one)."""
         ctx = self._tls.ctx = _SaveCtx()
         self._tickets.bind(ctx)
-        cid = None if checkpoint_id is None else check_checkpoint_id(str(checkpoint_id))
+        cid = None if checkpoint_id is None else check_checkpoint_id(checkpoint_id_of(checkpoint_id))
         ctx.requested = cid
         ctx.from_reset = True
         self.checkpoint_id = cid
@@ -394,10 +413,17 @@ class TieredWriter(StorageWriter):
         results = inputs.results()
         job = RankSave(assign, inputs, self.engine.chunk_size)
         release_all(urgent=False)  # an earlier save still held: this process is past its dcp.save
-        job.hold = hold(assign, coordinator=ctx.own_assign is not None)
-        job.hold_timeout = HOLD_TIMEOUT
+        # A save on a thread of its own whose state this writer did not stage (dcp.async_save with
+        # another stager, e.g. DCP's DefaultStager): that stager may reuse its buffers once DCP's
+        # future completes, so this save returns only once captured (on DCP's thread, not the caller's).
+        foreign = (not self._detached and threading.current_thread() is not threading.main_thread()
+                   and not self._tickets.bound_here())
+        if not (self._detached or foreign):  # those start the capture at once (nothing to hold back for)
+            job.hold = hold(assign, coordinator=ctx.own_assign is not None)
+            job.hold_timeout = HOLD_TIMEOUT
         ctx.job = job
         self._last = job
+        self._closed = False  # a save after close(): the next close() waits for it
         job.owner = weakref.ref(self)
         if self._persister is not None:
             snap = plancache.snapshot(planner, plan, assign.world, assign.rank, _global_rank(), ctx.coord_global)
@@ -407,6 +433,12 @@ class TieredWriter(StorageWriter):
                     plancache.add_coordinator(snap, ctx.members)
                 self._persister.after_commit(job.committed, snap, coordinator)
         self.engine.submit(job)
+        if foreign:
+            try:
+                job.captured.result()
+            except BaseException:
+                self.engine.raise_errors(owner=self)
+                raise
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
         self._tickets.captured(job)
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
@@ -422,16 +454,29 @@ class TieredWriter(StorageWriter):
             raise TierckptError("finish() called before write_data() on this thread")
         ctx.job = None
         _results.submit(job, metadata, results)
-        if len(results) > 1:
+        if self._detached:
+            self._wait_committed(job)
+        elif len(results) > 1:
             metadata.storage_data = Release(job.assign.token)  # see savehold.Release
         else:
             release(job.assign.token)  # one rank: DCP broadcasts nothing (or to itself) after this
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
 
+    def _wait_committed(self, job: RankSave) -> None:
+        """Detached writer, coordinator, in ``finish``: block until ``job`` is committed on every
+        tier (its commit needs every rank's report, so every rank's part is done too), or raise
+        its failure; DCP then fails the save on every rank."""
+        try:
+            job.replicated.result()
+        except BaseException:
+            self.engine.raise_errors(owner=self)
+            raise
+        self.engine.raise_errors(owner=self)
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         try:
-            check_checkpoint_id(str(checkpoint_id))
+            check_checkpoint_id(checkpoint_id_of(checkpoint_id))
             return True
         except CorruptCheckpoint:
             return False
@@ -446,19 +491,57 @@ class TieredWriter(StorageWriter):
     def stage(self, state_dict: dict) -> dict:
         """``dcp.async_save`` hook: no copy here; the capture happens lazily in ``write_data``.
 
-        The returned state dict is the live one, so the same memory bound holds as for
+        The returned state dict holds the live tensors, so the same memory bound holds as for
         ``dcp.save``. Until DCP's save thread reaches ``write_data`` (or fails before it),
         ``wait_captured()`` waits for it too (a ticket, see :mod:`tierckpt.asyncsave`), so the
-        pre-step hook stays safe.
+        pre-step hook stays safe. With ``AsyncCheckpointerType.PROCESS`` DCP pickles it for its
+        checkpoint process: then (and only then) it is copied, under the same ticket
+        (:class:`tierckpt.asyncsave.LiveState`).
         """
-        self._tickets.open()
-        return state_dict
+        return LiveState(state_dict, self._tickets.open(), self._tickets)
 
     def synchronize_staging(self) -> None:
         self.wait_captured()
 
     def close(self) -> None:
-        """AsyncStager protocol: nothing to release per writer (pool and threads are shared)."""
+        """Wait for this writer's saves to commit (as :meth:`wait`), once; later calls return at once.
+
+        Raises a background error of its saves, like :meth:`wait`; but never during interpreter
+        shutdown (where the ``atexit`` handler has already drained every engine and threads may be
+        gone) nor when called from a finalizer (``__del__``): there it logs the error instead.
+        Pool and threads are shared per configuration, so nothing else is released here.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if sys.is_finalizing() or self.engine.closed:
+            return
+        self.wait()
+
+    def close_quietly(self) -> None:
+        """:meth:`close` for finalizers and shutdown paths: never raises, logs what went wrong."""
+        try:
+            self.close()
+        except BaseException as e:  # noqa: BLE001 - see docstring
+            if not sys.is_finalizing():
+                log.error("closing the writer of %s: %s", self.cfg.source or "its configuration", e)
+
+    def captured_future(self) -> Future:
+        """A future that completes once every save staged or started through this writer so far
+        has been captured (the state may change), or fails with the first background error: the
+        ``staging_completion`` of an :class:`~torch.distributed.checkpoint.state_dict_saver.AsyncSaveResponse`.
+        A daemon thread runs :meth:`wait_captured` for it."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                self.wait_captured()
+                fut.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - the future carries it
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="tierckpt-staging", daemon=True).start()
+        return fut
 
     # -- the user's side ------------------------------------------------------------------
     def wait_captured(self) -> float:
@@ -499,6 +582,11 @@ class TieredWriter(StorageWriter):
         return optimizer.register_step_pre_hook(_pre_step)
 
     @property
+    def detached(self) -> bool:
+        """Whether this writer is a copy unpickled in another process (see the class docstring)."""
+        return self._detached
+
+    @property
     def last(self) -> RankSave | None:
         """The last save through this writer on this rank: its futures ``captured``, ``durable``,
         ``committed``, ``promoted`` and its ``stats``."""
@@ -514,3 +602,10 @@ class TieredWriter(StorageWriter):
         """Figures of every checkpoint saved through this process's engine for this config."""
         return list(self.engine.history)
 
+
+
+def _detached_writer(cfg: TierConfig) -> TieredWriter:
+    """Unpickling a :class:`TieredWriter`: a detached writer of the same configuration."""
+    w = TieredWriter(cfg)
+    w._detached = True
+    return w

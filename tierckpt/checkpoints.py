@@ -1,0 +1,132 @@
+"""The public catalog: which checkpoints exist, and which one is ``latest``.
+
+For training scripts and framework adapters that must decide what to resume from without a
+process group::
+
+    from tierckpt.checkpoints import latest, list_checkpoints
+    cid = latest("tiers.toml")                 # e.g. "step-000300", or None when there is none
+    for c in list_checkpoints("tiers.toml"):   # oldest commit first
+        print(c.id, c.step, c.tiers, c.committed, c.peer_copies)
+
+The answers are those of ``tierckpt-restore latest`` and ``tierckpt-restore list`` (both read
+:mod:`tierckpt.catalog`: commit order from the metadata headers, never file times; ``latest``
+is the newest committed checkpoint whose metadata is valid and whose data a tier can serve).
+Any process may call these, on any rank, at any time; they list the tiers (one listing per tier,
+one small read per committed checkpoint) and block for that long. An unreachable tier raises its
+error when no other tier answers, as the CLI does.
+
+It also holds :func:`checkpoint_id_of`, the mapping from what a framework passes as a checkpoint
+id (often a directory path such as ``<dump>/checkpoint/step-100``) to a tierckpt id.
+
+This module imports neither torch nor the tiers at import time (only when called).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = ["Checkpoint", "checkpoint_id_of", "latest", "list_checkpoints"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint committed on at least one tier.
+
+    ``tiers``: the configuration sections (``"local"``, ``"s3"``, ...) of the tiers holding a
+    committed copy, fastest first. ``committed``: the commit time recorded in its metadata (Unix
+    seconds), ``None`` when no tier's metadata header is readable (such a checkpoint is never
+    ``latest``). ``peer_copies``: the peer hop committed copies of it on other nodes.
+    """
+
+    id: str
+    step: int | None
+    tiers: tuple[str, ...]
+    committed: float | None
+    peer_copies: bool = False
+    order: tuple = field(default=(), repr=False, compare=False)  # commit order (seq, time, step)
+
+
+def checkpoint_id_of(checkpoint_id: str | os.PathLike) -> str:
+    """The tierckpt id for what a framework passed as a checkpoint id.
+
+    A path (``os.PathLike``, or a string with a ``/``, such as torchtitan's
+    ``<dump>/checkpoint/step-100`` or ``s3://bucket/run/step-100``) stands for its last
+    component; a path with a ``.`` or ``..`` component (``../step-5``, ``step-5/../x``) and
+    anything else is returned as given. The result is not validated here: the writer and the
+    reader validate it as any other id, so those are refused as before.
+    """
+    cid = os.fspath(checkpoint_id)
+    if isinstance(cid, bytes):
+        cid = os.fsdecode(cid)
+    if "/" in cid or isinstance(checkpoint_id, os.PathLike):
+        parts = [p for p in cid.split("/") if p]
+        if parts and not any(p in (".", "..") for p in parts):
+            return parts[-1]
+    return cid
+
+
+def _config(cfg: "Config | str | os.PathLike | None") -> "Config":
+    from .config import Config, load_config
+
+    return cfg if isinstance(cfg, Config) else load_config(None if cfg is None else os.fspath(cfg))
+
+
+def _tiers(cfg: "Config | str | os.PathLike | None") -> list[Any]:
+    from .tiers import make_tiers
+
+    return make_tiers(_config(cfg))
+
+
+def latest(cfg: "Config | str | os.PathLike | None" = None) -> str | None:
+    """The id ``TieredReader`` loads for ``"latest"`` (what ``tierckpt-restore latest`` prints),
+    or ``None`` when no tier holds a committed checkpoint.
+
+    ``cfg``: a :class:`~tierckpt.config.Config`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
+    """
+    from .catalog import find_latest
+    from .errors import CheckpointNotFound
+
+    tiers = _tiers(cfg)
+    try:
+        return find_latest(tiers).checkpoint_id
+    except CheckpointNotFound:
+        return None
+    finally:
+        for t in tiers:
+            t.close()
+
+
+def list_checkpoints(cfg: "Config | str | os.PathLike | None" = None) -> list[Checkpoint]:
+    """Every checkpoint committed on some tier, oldest commit first (the committed rows of
+    ``tierckpt-restore list``, in its order); checkpoints whose headers no tier can read come
+    first (by id). Partial (uncommitted) checkpoints are left out."""
+    from .catalog import list_checkpoints as list_tier
+    from .layout import PEERS
+
+    tiers = _tiers(cfg)
+    try:
+        found: dict[str, dict[str, Any]] = {}
+        for tier in tiers:
+            for c in list_tier(tier):
+                if not c.committed:
+                    continue
+                e = found.setdefault(c.checkpoint_id, {"step": c.step, "tiers": [], "times": [], "orders": [],
+                                                       "peer": False})
+                e["tiers"].append(tier.name)
+                if c.header is not None:
+                    e["times"].append(c.header.committed)
+                    e["orders"].append(c.header.order_key())
+                e["peer"] = e["peer"] or PEERS in c.objects
+    finally:
+        for t in tiers:
+            t.close()
+    out = [Checkpoint(id=cid, step=e["step"], tiers=tuple(e["tiers"]), committed=max(e["times"]) if e["times"] else None,
+                      peer_copies=e["peer"], order=max(e["orders"]) if e["orders"] else ())
+           for cid, e in found.items()]
+    # restore.catalog.list_all's order: unordered committed first, then by commit order.
+    return sorted(out, key=lambda c: (1, c.order, c.id) if c.order else (0, (), c.id))

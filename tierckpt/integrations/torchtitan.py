@@ -1,0 +1,204 @@
+"""torchtitan's checkpointing through tierckpt: one line of configuration.
+
+In a torchtitan config function (``--module``/``--config``)::
+
+    from tierckpt.integrations.torchtitan import TierckptCheckpointManager
+
+    config.checkpoint = TierckptCheckpointManager.Config(
+        enable=True, interval=500, tierckpt_config="tiers.toml", async_mode="async")
+
+or keep the config and pass ``--checkpoint.tierckpt_config tiers.toml`` on the command line once the
+checkpoint section is a :class:`TierckptCheckpointManager.Config` (see
+``tools/torchtitan/tierckpt_llama3.py``).
+
+What changes against torchtitan's :class:`~torchtitan.components.checkpointer.CheckpointManager`
+(everything else, the trainer included, is unchanged; the trainer calls all of this):
+
+* **Saves** (``dcp_save``) go through one :class:`~tierckpt.TieredWriter`; torchtitan's ids
+  (``<dump>/<folder>/step-N``) become tierckpt ids ``step-N``. ``async_mode = "disabled"``:
+  ``dcp.save`` returns once the state is *captured* (committed in the background: torchtitan's
+  "Finished saving" then means captured); ``"async"``: DCP's thread executor; 
+  ``"async_with_pinned_mem"``: DCP's process executor (``AsyncCheckpointerType.PROCESS``), the
+  writer as its own stager (it copies the state for the checkpoint process; torchtitan's
+  ``DefaultStager`` needs an accelerator for its non-blocking copies), returning the
+  ``AsyncSaveResponse`` torchtitan expects; the upload future completes once the checkpoint is
+  committed on every tier. HF exports (``last_save_in_hf``) are written by torchtitan as before.
+* **Waiting**: the trainer's ``maybe_wait_for_staging()`` (before every optimizer step) waits
+  for the capture in flight, in every mode, never for flush, commit or upload.
+* **Loads**: the newest step is ``tierckpt.checkpoints.latest`` (commit order over all tiers, not
+  a directory listing), so an S3-only configuration resumes too; ``load_step = N`` loads
+  ``step-N``. With no tierckpt checkpoint, ``initial_load_path`` (a plain DCP checkpoint
+  directory) and HF weights are read by DCP's own readers, as torchtitan does.
+* **Retention**: ``keep_latest_k > 0`` becomes the first tier's ``keep`` (``[local]``, or
+  ``[s3]`` without a local tier); torchtitan never deletes a directory. Other tiers keep their
+  configured ``keep``/``keep_every``.
+* **Closing** (``close()``, also from ``__del__`` and at exit) waits for every save to commit,
+  once; from a finalizer or during interpreter shutdown it never raises (it logs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+try:
+    from torchtitan.components.checkpointer.base import MODEL
+    from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
+    from torchtitan.tools.utils import GarbageCollection
+except ImportError as e:  # pragma: no cover - depends on the environment
+    from ..errors import TierckptError
+
+    raise TierckptError(f"tierckpt.integrations.torchtitan needs torchtitan ({e}); "
+                        'install it with: pip install "tierckpt[torchtitan]"') from e
+
+from ..checkpoints import checkpoint_id_of, latest
+from ..config import Config, load_config
+from ..layout import is_valid_checkpoint_id, step_of
+from ..reader import TieredReader
+from ..writer import TieredWriter
+
+__all__ = ["TierckptCheckpointManager", "with_retention"]
+
+log = logging.getLogger("tierckpt")
+
+
+def with_retention(cfg: Config, keep_latest_k: int) -> Config:
+    """``cfg`` with torchtitan's ``keep_latest_k`` as its first tier's ``keep`` (0: unchanged)."""
+    if keep_latest_k <= 0:
+        return cfg
+    if cfg.local is not None:
+        return dataclasses.replace(cfg, local=dataclasses.replace(cfg.local, keep=keep_latest_k))
+    if cfg.s3 is not None:
+        return dataclasses.replace(cfg, s3=dataclasses.replace(cfg.s3, keep=keep_latest_k))
+    return cfg
+
+
+class TierckptCheckpointManager(CheckpointManager):
+    """torchtitan's ``CheckpointManager`` with tierckpt's storage (see the module docstring).
+
+    Built by the trainer from :class:`TierckptCheckpointManager.Config`, on every rank; every
+    method is called by the trainer as for torchtitan's own manager, with the same collectives.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        tierckpt_config: str = ""
+        """Path of tierckpt's TOML configuration ("" reads $TIERCKPT_CONFIG)."""
+
+    def __init__(self, config: "TierckptCheckpointManager.Config", **kwargs: Any) -> None:
+        self._in_del = False
+        keep = config.keep_latest_k
+        # torchtitan's purge thread deletes step directories; tierckpt's retention replaces it.
+        super().__init__(dataclasses.replace(config, keep_latest_k=0), **kwargs)
+        if not self.enable:
+            return
+        self.keep_latest_k = keep
+        self.tier_config: Config = with_retention(load_config(config.tierckpt_config or None), keep)
+        self.writer = TieredWriter(self.tier_config)
+        if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            # The writer is the stager (CheckpointManager._save would build a DefaultStager otherwise).
+            self.stager = self.writer  # type: ignore[assignment]
+
+    # -- ids ------------------------------------------------------------------------------
+    def _is_ours(self, checkpoint_id: str) -> bool:
+        """Whether ``checkpoint_id`` names a checkpoint of this manager (``<folder>/step-N`` or a
+        bare id), not one torchtitan reads with DCP's own readers (``initial_load_path``, HF)."""
+        parent = os.path.dirname(os.path.normpath(str(checkpoint_id)))
+        return parent in ("", os.path.normpath(self.folder)) and is_valid_checkpoint_id(checkpoint_id_of(checkpoint_id))
+
+    # -- saving ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Future | AsyncSaveResponse | None:
+        """Every rank, from the trainer's ``save``: see the module docstring for what each mode
+        returns and when its future completes. HF exports go to torchtitan's own writer."""
+        if to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        ret: Future | AsyncSaveResponse | None = None
+        if async_mode == AsyncMode.ASYNC:
+            ret = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=self.writer,
+                                 process_group=self.pg)
+        elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            upload = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=self.writer,
+                                    process_group=self.pg, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            if isinstance(upload, AsyncSaveResponse):
+                ret = upload
+            else:
+                ret = AsyncSaveResponse(staging_completion=self.writer.captured_future(), upload_completion=upload)
+        else:
+            dcp.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=self.writer)
+            log.info("checkpoint %s captured; it commits in the background (close() waits for it)",
+                     checkpoint_id_of(checkpoint_id))
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return ret
+
+    def _maybe_wait_for_staging(self) -> None:
+        """Before every optimizer step (the trainer): wait for the capture in flight (every mode)."""
+        self.writer.wait_captured()
+        self.staging_future = None
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Nothing: tierckpt's retention (``keep_latest_k`` as the first tier's ``keep``) runs after
+        each commit, in commit order, lease-guarded; no directory is deleted."""
+
+    # -- loading --------------------------------------------------------------------------
+    def _find_load_step(self, folder: str = "") -> int:
+        """The step of the newest committed tierckpt checkpoint (any tier), or -1."""
+        cid = latest(self.tier_config)
+        step = step_of(cid) if cid is not None else None
+        return -1 if step is None else step
+
+    def _load(self, step: int = -1) -> bool:
+        """Every rank (the trainer, before training): ``step`` (-1: the newest committed
+        checkpoint over all tiers) through :class:`~tierckpt.TieredReader`; with none, torchtitan's
+        own initial load (``initial_load_path``, HF weights) or a fresh start."""
+        if step == -1:
+            cid = latest(self.tier_config)
+            if cid is None:
+                return super()._load(-1)  # initial_load_path / HF / fresh start, read by DCP's readers
+        else:
+            cid = f"step-{step}"
+        load_step = step_of(cid)
+        states = self._states_to_load(load_step == 0)
+        log.info("loading checkpoint %s through tierckpt", cid)
+        self._load_tiered(states, cid)
+        GarbageCollection.collect("GC collection for checkpoint loading.")
+        return True
+
+    def _load_tiered(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=TieredReader(self.tier_config))
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """Ours through tierckpt; anything else (``initial_load_path``, HF) through torchtitan."""
+        if not from_hf and self._is_ours(checkpoint_id):
+            self._load_tiered(state_dict, checkpoint_id)
+        else:
+            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __del__(self) -> None:
+        self._in_del = True
+        self.close()
+
+    def _close(self) -> None:
+        """Wait for every save to commit (first call only; the writer's close is idempotent).
+        From ``__del__`` or during interpreter shutdown it never raises: it logs."""
+        writer = getattr(self, "writer", None)
+        if writer is None:
+            return
+        if self._in_del or sys.is_finalizing():
+            writer.close_quietly()
+        else:
+            writer.close()
