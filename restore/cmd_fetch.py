@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from .fetch import fetch_checkpoint
 from .fmt import add_json, checkpoint_ref, human_size, print_json
 
 EPILOG = """examples:
@@ -46,6 +45,8 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
 
 
 def run(args: argparse.Namespace) -> int:
+    from .fetch import fetch_checkpoint  # on use: --help and the other commands do not pay for its imports
+
     res = fetch_checkpoint(args.config, args.checkpoint, ranks=args.rank, progress=not args.quiet)
     if args.json:
         print_json(res.to_json())
