@@ -58,7 +58,7 @@ from tierckpt import lease as leases
 from tierckpt.catalog import find_latest, read_checkpoint_doc
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError, TierError
-from tierckpt.layout import CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
+from tierckpt.layout import MAX_METADATA_BYTES, CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
 from tierckpt.readback import TRIES, range_size, read_checked, workers
 from tierckpt.tiers.base import ResumableSink, Tier
 
@@ -341,12 +341,21 @@ def _holders(cid: str, shared: list[Tier], nodes: list[PeerNode]) -> list[_Sourc
 
 
 def _metadata(cid: str, sources: list[_Source]) -> tuple[CheckpointDoc, bytes]:
-    """The checkpoint's metadata (parsed, and its bytes) from the first source with a valid copy."""
+    """The checkpoint's metadata (parsed, and its bytes) from the first source with a valid copy
+    (size-checked before it is read, then validated: :func:`tierckpt.catalog.read_checkpoint_doc`'s checks)."""
     errors = []
+    key = metadata_key(cid)
     for src in sources:
+        where = f"{src.tier.url}/{key}"
         try:
-            doc = read_checkpoint_doc(src.tier, cid)  # size-checked before it is read, then validated
-            return doc, src.tier.get(metadata_key(cid))
+            size = src.tier.size(key)
+            if size > MAX_METADATA_BYTES:
+                raise CorruptCheckpoint(f"{where}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
+            raw = src.tier.get(key, 0, size)
+            doc = parse_metadata(raw, where)
+            if doc.manifest.checkpoint_id != cid:
+                raise CorruptCheckpoint(f"{where}: metadata names checkpoint {doc.manifest.checkpoint_id!r}")
+            return doc, raw
         except (CheckpointNotFound, CorruptCheckpoint, TierError) as e:
             errors.append(f"{src.label}: {e}")
             log.warning("metadata of %s from %s: %s; trying the next source", cid, src.label, e)
