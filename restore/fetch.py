@@ -50,6 +50,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -431,8 +432,17 @@ class _Buffers:
                 pass
 
 
+WRITERS = 2
+"""Threads writing fetched ranges to the local tier, apart from the readers: a range is read
+(and checked) into one buffer while earlier ones are still being written, so a fetch takes about
+the longer of downloading and writing, not their sum."""
+
+
 def _download(cid: str, plans: list[_FilePlan], res: FetchResult, progress: bool) -> None:
-    """Fetch every missing range of ``plans`` on parallel workers (files and ranges at once)."""
+    """Fetch every missing range of ``plans``: reader workers (the sources' parallelism) read and
+    check ranges of all files at once into page-aligned buffers, :data:`WRITERS` threads write
+    them (direct I/O where the local tier can). Returns once every range is written; the first
+    error stops both, waits for the writes in flight, and propagates."""
     # Ranges of different files interleaved: every file's first range, then every second one...
     per_file = [[(p, i) for i in p.missing()] for p in plans]
     tasks = [t for row in _interleave(per_file) for t in row]
@@ -446,38 +456,60 @@ def _download(cid: str, plans: list[_FilePlan], res: FetchResult, progress: bool
     tiers = {id(s.tier): s.tier for p in plans for s in p.sources}
     n = max(workers(t, rsize) for t in tiers.values()) if tiers else 1
     n = max(1, min(n, len(tasks)))
-    bufs = _Buffers(n, rsize)
+    bufs = _Buffers(min(len(tasks), n + 2 * WRITERS), rsize)
+    writes = ThreadPoolExecutor(WRITERS, thread_name_prefix="tierckpt-fetch-write")
+    pending: list[Future] = []
+    errors: list[BaseException] = []
+
+    def write(p: _FilePlan, i: int, m: mmap.mmap, view: memoryview) -> None:
+        try:
+            if errors:  # a write failed: the local tier is in trouble. (After a read error or an
+                return  # interruption the ranges already read and checked are still written: progress kept.)
+            assert p.sink is not None
+            p.sink.write_block(i, view)
+            nbytes = len(view)
+            with lock:
+                res.bytes_downloaded += nbytes
+            bar.update(nbytes)
+        except BaseException as e:  # noqa: BLE001 - handed to the readers' loop and raised there
+            with lock:
+                errors.append(e)
+            stop.set()
+        finally:
+            view.release()
+            bufs.give(m)
 
     def one(task: tuple[_FilePlan, int]) -> int:
         p, i = task
+        if errors:
+            raise errors[0]
         if stop.is_set():
             return 0
         s, e = p.ranges[i]
         m = bufs.take()
+        view = memoryview(m)[: e - s]
         try:
-            view = memoryview(m)[: e - s]
-            try:
-                label, retried = _read_range(cid, p, s, view)
-                with lock:
-                    res.ranges_retried += retried
-                    p.used.add(label)
-                assert p.sink is not None
-                p.sink.write_block(i, view)
-            finally:
-                view.release()
-        finally:
+            label, retried = _read_range(cid, p, s, view)
+            with lock:
+                res.ranges_retried += retried
+                p.used.add(label)
+            fut = writes.submit(write, p, i, m, view)
+        except BaseException:
+            view.release()
             bufs.give(m)
+            raise
+        with lock:
+            pending.append(fut)
         return e - s
 
-    def done(task: tuple[_FilePlan, int], nbytes: int) -> None:
-        res.bytes_downloaded += nbytes
-        bar.update(nbytes)
-
     try:
-        run_all(one, tasks, n, done, stop)
+        run_all(one, tasks, n, None, stop)
     finally:
+        writes.shutdown(wait=True)  # no write in flight once this returns (the sinks may be suspended)
         bar.close()
         bufs.close()
+    if errors:
+        raise errors[0]
 
 
 def _interleave(rows: list[list]) -> list[list]:
