@@ -10,6 +10,7 @@ EPILOG = """examples:
   tierckpt-restore fetch latest                      # the whole newest checkpoint (other nodes, then S3)
   tierckpt-restore fetch step-000300 --rank 0 --rank 1   # only what ranks 0 and 1 wrote
   tierckpt-restore fetch latest --quiet --json       # for scripts; rerun after a failure to resume
+  TIERCKPT_NODE=n1 tierckpt-restore fetch latest --no-peers   # a replacement node, from S3 only
 """
 
 
@@ -43,6 +44,8 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
     p.add_argument("checkpoint", metavar="ID|latest", type=checkpoint_ref, help="checkpoint id, or 'latest' (the newest the sources hold in full)")
     p.add_argument("--rank", type=rank_arg, action="append", metavar="R",
                    help="fetch only the data file written by rank R, an integer >= 0 (repeatable)")
+    p.add_argument("--no-peers", action="store_true",
+                   help="take every file from the shared tiers (S3), never from other nodes' directories")
     add_json(p)
     p.set_defaults(func=run, interrupt_hint="run the same command again to resume the fetch")
 
@@ -50,7 +53,7 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
 def run(args: argparse.Namespace) -> int:
     from .fetch import fetch_checkpoint  # on use: --help and the other commands do not pay for its imports
 
-    res = fetch_checkpoint(args.config, args.checkpoint, ranks=args.rank, progress=not args.quiet)
+    res = fetch_checkpoint(args.config, args.checkpoint, ranks=args.rank, progress=not args.quiet, peers=not args.no_peers)
     if args.json:
         print_json(res.to_json())
         return 0

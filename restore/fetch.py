@@ -210,7 +210,7 @@ class _FilePlan:
 
 
 def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_id: str = "latest",
-                     ranks: Iterable[int] | None = None, progress: bool = True) -> FetchResult:
+                     ranks: Iterable[int] | None = None, progress: bool = True, peers: bool = True) -> FetchResult:
     """Copy committed checkpoint ``checkpoint_id`` (or ``"latest"``) into the local tier from
     other nodes' directories readable here and from the shared tiers (S3).
 
@@ -220,6 +220,7 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
             whose other nodes' directories this process can read.
         ranks: fetch only the data files written by these ranks (None: all files).
         progress: show a progress bar on a terminal.
+        peers: take files from other nodes' directories where readable (False: shared tiers only).
 
     Blocks until the files and the metadata are in place (or the fetch failed); runs in the
     calling process, any rank or a launcher script. Returns a :class:`FetchResult`. Raises
@@ -242,7 +243,7 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
     plans: list[_FilePlan] = []
     held: list[leases.Lease] = []
     try:
-        nodes = open_peer_nodes(cfg, tiers)
+        nodes = open_peer_nodes(cfg, tiers) if peers else []
         if not shared and not nodes:
             where = f" {cfg.source}" if cfg.source else ""
             raise UsageError(f"fetch copies from [s3] or from other nodes' [local] directories ({{node}}) to [local]: "

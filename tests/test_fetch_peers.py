@@ -112,8 +112,8 @@ def test_lost_node_fetches_its_files_from_the_peer_copies(replicated_master: Pat
 
 
 def test_fetch_prefers_the_peer_copy_over_s3(tmp_path: Path, moto_endpoint: str, s3cfg) -> None:
-    """With S3 behind the nodes, the lost node's files come from n0's copies; a range of a copy
-    that fails its CRC32C comes from S3, and the result says so."""
+    """With S3 behind the nodes, the lost node's files come from n0's copies (from S3 with
+    ``--no-peers``); a range of a copy that fails its CRC32C comes from S3, and the result says so."""
     s3 = dataclasses.asdict(s3cfg(moto_endpoint))
     s3["part_size"] = "5MiB"
     base = tmp_path / "ckpt"
@@ -124,6 +124,11 @@ def test_fetch_prefers_the_peer_copy_over_s3(tmp_path: Path, moto_endpoint: str,
     data[10] ^= 0x20  # n0's copy of rank 1's file (n1's own, lost) is damaged
     copy.write_bytes(bytes(data))
     conf = node_config(base, s3)
+
+    p = cli_on("n1", conf, "fetch", "latest", "--json", "-q", "--no-peers")  # S3 only when asked
+    assert p.returncode == 0, p.stderr
+    assert set(json.loads(p.stdout)["sources"].values()) == {"s3"}, p.stdout
+    shutil.rmtree(base / "n1")
 
     p = cli_on("n1", conf, "fetch", "latest", "--json", "-q")
     assert p.returncode == 0, p.stderr
