@@ -9,15 +9,33 @@
 
 Every function takes a :class:`tierckpt.TierConfig`, a TOML path, or ``None`` for
 ``$TIERCKPT_CONFIG``, and raises tierckpt's errors (see :mod:`restore.errors` for how the CLI
-maps them to messages and exit statuses).
+maps them to messages and exit statuses). The names are imported on first use: the CLI's
+``latest``, ``list``, ``verify`` and ``fetch`` never import torch (only ``consolidate`` does).
 """
 
-from .catalog import Latest, Listing, find_latest, list_all, open_tiers
-from .consolidate import ConsolidateResult, consolidate_checkpoint
-from .errors import NotFound, UsageError, VerificationFailed
-from .fetch import FetchResult, fetch_checkpoint
-from .gc import GcAction, GcResult, gc_checkpoints
-from .verify import Problem, VerifyReport, verify_checkpoint
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .catalog import Latest, Listing, find_latest, list_all, open_tiers
+    from .consolidate import ConsolidateResult, consolidate_checkpoint
+    from .errors import NotFound, UsageError, VerificationFailed
+    from .fetch import FetchResult, fetch_checkpoint
+    from .gc import GcAction, GcResult, gc_checkpoints
+    from .verify import Problem, VerifyReport, verify_checkpoint
+
+_LAZY: dict[str, str] = {
+    # public name -> the module defining it (imported on first use: consolidate imports torch)
+    "Latest": ".catalog", "Listing": ".catalog", "find_latest": ".catalog", "list_all": ".catalog",
+    "open_tiers": ".catalog",
+    "ConsolidateResult": ".consolidate", "consolidate_checkpoint": ".consolidate",
+    "NotFound": ".errors", "UsageError": ".errors", "VerificationFailed": ".errors",
+    "FetchResult": ".fetch", "fetch_checkpoint": ".fetch",
+    "GcAction": ".gc", "GcResult": ".gc", "gc_checkpoints": ".gc",
+    "Problem": ".verify", "VerifyReport": ".verify", "verify_checkpoint": ".verify",
+}
 
 __all__ = [
     "ConsolidateResult",
@@ -39,3 +57,17 @@ __all__ = [
     "open_tiers",
     "verify_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module defining public ``name`` on first use (so ``import restore.cli`` stays torch-free)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

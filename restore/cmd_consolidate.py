@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from .consolidate import consolidate_checkpoint
 from .fmt import add_json, checkpoint_ref, human_size, print_json
 
 EPILOG = """examples:
@@ -36,6 +35,8 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
 
 
 def run(args: argparse.Namespace) -> int:
+    from .consolidate import consolidate_checkpoint  # on use: --help and the other commands do not pay for its imports
+
     res = consolidate_checkpoint(args.config, args.checkpoint, out=args.out, keys=args.keys, exclude=args.exclude,
                                  fmt=args.format, progress=not args.quiet)
     if args.json:

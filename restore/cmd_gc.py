@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from .fmt import add_json, add_tier, human_size, print_json, table
-from .gc import gc_checkpoints
 
 EPILOG = """examples:
   tierckpt-restore gc --dry-run        # what would go, and why
@@ -28,6 +27,8 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
 
 
 def run(args: argparse.Namespace) -> int:
+    from .gc import gc_checkpoints  # on use: --help and the other commands do not pay for its imports
+
     res = gc_checkpoints(args.config, dry_run=args.dry_run, tier=args.tier)
     if args.json:
         print_json(res.to_json())

@@ -6,7 +6,6 @@ import argparse
 
 from .errors import VerificationFailed
 from .fmt import add_json, add_tier, checkpoint_ref, human_size, print_json
-from .verify import verify_checkpoint
 
 EPILOG = """examples:
   tierckpt-restore verify latest
@@ -29,6 +28,8 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
 
 
 def run(args: argparse.Namespace) -> int:
+    from .verify import verify_checkpoint  # on use: --help and the other commands do not pay for its imports
+
     rep = verify_checkpoint(args.config, args.checkpoint, tier=args.tier, progress=not args.quiet)
     if args.json:
         print_json(rep.to_json())

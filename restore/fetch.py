@@ -1,28 +1,40 @@
-"""``fetch``: copy a committed checkpoint from S3 to the local tier, resumably and verified.
+"""``fetch``: copy a committed checkpoint into the local tier from other nodes or S3, resumably and verified.
 
 Contract of :func:`fetch_checkpoint`:
 
-* The source is the last configured tier (S3), the destination the first (local); ``latest``
-  is the newest checkpoint committed on the source.
-* Every selected data file is downloaded with parallel ranged reads: the source tier's
-  ``read_concurrency`` workers (fewer if ``workers x range`` would pass
+* The destination is the first configured tier (local). The sources, fastest first: other
+  nodes' copies of it (when its path is node-local, ``{node}``: the node directories this
+  process can read, :func:`restore.catalog.open_peer_nodes`; their own files and the peer hop's
+  copies), then every later shared tier holding the checkpoint committed (S3). Each file is taken
+  from the first source that holds it committed with the right size; a range that fails there
+  (read error, CRC32C) is taken from the next source. ``latest`` is what this node's load would
+  resolve (:func:`restore.catalog.find_latest_here`) with peer nodes, else the newest checkpoint
+  committed on the shared tiers.
+* Every selected data file is downloaded with parallel ranged reads, several files and ranges
+  at once: the sources' ``read_concurrency`` workers (fewer if ``workers x range`` would pass
   :data:`~tierckpt.readback.BUFFER_BUDGET`), ranges of :func:`tierckpt.readback.range_size`
   (about ``[s3] part_size``, a multiple of the checkpoint's chunk size so that every range holds
-  whole CRC32C pieces). Each range is checked against its pieces *before* it is written; a bad
-  range is read again (:func:`tierckpt.readback.read_checked`, :data:`~tierckpt.readback.TRIES`
-  reads), then the fetch fails with ``ChecksumMismatch``.
-* Resumable: each file is written through the local tier's resumable sink
-  (:meth:`tierckpt.tiers.base.Tier.open_resumable`, one block per range, tagged with the save):
-  a block is recorded only once written and durable. After an interruption (Ctrl-C, kill,
-  crash) the next fetch re-checks the recorded ranges, keeps the good ones and downloads the
-  rest. Nothing appears under a file's final name before all of it is in and durable.
+  whole CRC32C pieces), into page-aligned buffers. Each range is checked against its pieces
+  *before* it is written; a bad range is read again (:func:`tierckpt.readback.read_checked`,
+  :data:`~tierckpt.readback.TRIES` reads), then the next source is tried, then the fetch fails
+  with ``ChecksumMismatch``.
+* Resumable, with durability proportional to the work: each file is written through the local
+  tier's resumable sink (:meth:`tierckpt.tiers.base.Tier.open_resumable`, one block per range,
+  tagged with the save; direct I/O where the file system allows it). The local tier records
+  landed blocks durably in batches (every few hundred MiB per file, and at an interruption) and
+  fsyncs each file once at the end. After an interruption (Ctrl-C, kill, crash) the next fetch
+  re-checks the recorded ranges, keeps the good ones and downloads the rest; a crash loses at most
+  the progress since the last record. Nothing appears under a file's final name before all of it
+  is in and durable.
 * A file already present locally with the right size is checked range by range; if it is
   intact it is skipped, otherwise only its bad ranges are downloaded again.
-* ``ID/metadata.json`` is written on the local tier last, byte-identical to the S3 copy (same
-  ``committed`` time, so ``latest`` agrees across tiers). Until then the local copy is partial:
+* ``ID/metadata.json`` is written on the local tier last, byte-identical to the source's copy
+  (same ``committed`` time, so ``latest`` agrees across tiers). Until then the local copy is partial:
   never loaded, never ``latest``. With ``ranks`` only the files written by those ranks are
   fetched, and the metadata is still written: :class:`tierckpt.TieredReader` reads each data file
-  from the local tier when it is there and from S3 otherwise.
+  from the local tier when it is there and from S3 (or another node) otherwise.
+* :attr:`FetchResult.sources` says where each selected file came from (``local`` when it was
+  there already, ``node NAME``, ``s3``; several joined by ``+`` when ranges came from several).
 * A local committed copy of the same id from a *different* save is never overwritten
   (``CommitConflict``). Two fetches never write one file at once: the second fails, saying
   another fetch is running (a resumable sink has one writer per key).
@@ -32,25 +44,28 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tierckpt import lease as leases
-from tierckpt.catalog import find_latest, read_checkpoint_metadata
+from tierckpt.catalog import find_latest, read_checkpoint_doc
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError, TierError
-from tierckpt.layout import check_checkpoint_id, data_key, metadata_from_json, metadata_key
+from tierckpt.layout import MAX_METADATA_BYTES, CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
 from tierckpt.readback import TRIES, range_size, read_checked, workers
 from tierckpt.tiers.base import ResumableSink, Tier
 
-from .catalog import as_config, open_tiers, rank_of_file
+from .catalog import PeerNode, as_config, find_latest_here, node_files, open_peer_nodes, open_tiers, rank_of_file
 from .errors import UsageError
-from .pieces import FileCheck, files_items
+from .pieces import FileCheck
 from .work import progress_bar, run_all
 
 __all__ = ["SIDECAR_FORMAT", "FetchResult", "fetch_checkpoint"]
@@ -66,13 +81,14 @@ class FetchResult:
 
     checkpoint_id: str
     local_url: str
-    source_url: str
+    source_url: str  # the first source (another node's directory or the shared tier), for messages
     ranks: list[int] | None
     files: list[str]  # the data files selected
     downloaded: list[str] = field(default_factory=list)  # files (partly) downloaded now
     skipped: list[str] = field(default_factory=list)  # files already complete and intact locally
     resumed: list[str] = field(default_factory=list)  # files whose earlier partial download was kept
     repaired: list[str] = field(default_factory=list)  # files present locally whose bad ranges were replaced
+    sources: dict[str, str] = field(default_factory=dict)  # file -> "local", "node NAME", "s3" ("a+b": several)
     bytes_downloaded: int = 0
     bytes_reused: int = 0  # verified bytes kept from local files and partial downloads
     ranges_retried: int = 0
@@ -85,10 +101,19 @@ class FetchResult:
         return d
 
 
-class _FilePlan:
-    """One data file being fetched into ``local``: its resumable sink, the ranges still missing."""
+@dataclass
+class _Source:
+    """One place a data file can be read from: another node's tier or a shared tier."""
 
-    def __init__(self, local: Tier, cid: str, token: str, fc: FileCheck, range_size: int) -> None:
+    label: str  # "node NAME" or the tier's name ("s3")
+    tier: Tier
+
+
+class _FilePlan:
+    """One data file being fetched into ``local``: its resumable sink, the ranges still missing,
+    the sources holding it (fastest first) and those that served it."""
+
+    def __init__(self, local: Tier, cid: str, token: str, fc: FileCheck, range_size: int, sources: list[_Source]) -> None:
         self.local = local
         self.cid = cid
         self.fc = fc
@@ -98,6 +123,8 @@ class _FilePlan:
         self.range_size = range_size
         self.tag = {"format": SIDECAR_FORMAT, "checkpoint_id": cid, "save_token": token, "file": fc.file}
         self.ranges = fc.ranges(range_size)
+        self.sources = sources
+        self.used: set[str] = set()
         self.sink: ResumableSink | None = None
         self.state = "fresh"  # "skipped", "resumed", "repaired", "fresh"
         self.reused = 0
@@ -160,6 +187,14 @@ class _FilePlan:
         done = self.sink.recorded if self.sink is not None else set(range(len(self.ranges)))
         return [i for i in range(len(self.ranges)) if i not in done]
 
+    def source_label(self) -> str:
+        if self.state == "skipped":
+            return self.local.name
+        labels = [s.label for s in self.sources if s.label in self.used]
+        if self.reused and not labels:
+            return self.local.name
+        return "+".join(labels) or self.local.name
+
     # -- the end ------------------------------------------------------------------------
     def finish(self) -> None:
         """All ranges are in: the file becomes durable under its final name."""
@@ -175,17 +210,22 @@ class _FilePlan:
 
 
 def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_id: str = "latest",
-                     ranks: Iterable[int] | None = None, progress: bool = True) -> FetchResult:
-    """Copy committed checkpoint ``checkpoint_id`` (or ``"latest"`` on S3) from S3 to the local tier.
+                     ranks: Iterable[int] | None = None, progress: bool = True, peers: bool = True) -> FetchResult:
+    """Copy committed checkpoint ``checkpoint_id`` (or ``"latest"``) into the local tier from
+    other nodes' directories readable here and from the shared tiers (S3).
 
     Args:
         config: a :class:`TierConfig`, a TOML path, or ``None`` for ``$TIERCKPT_CONFIG``; it needs
-            both ``[local]`` and ``[s3]``.
+            ``[local]`` and a source: ``[s3]``, or a node-local ``[local]`` path (``{node}``)
+            whose other nodes' directories this process can read.
         ranks: fetch only the data files written by these ranks (None: all files).
         progress: show a progress bar on a terminal.
+        peers: take files from other nodes' directories where readable (False: shared tiers only).
 
-    Returns a :class:`FetchResult`. Raises :class:`CheckpointNotFound` if S3 holds no committed
-    copy, :class:`ChecksumMismatch` if S3's bytes fail their CRC32C three times,
+    Blocks until the files and the metadata are in place (or the fetch failed); runs in the
+    calling process, any rank or a launcher script. Returns a :class:`FetchResult`. Raises
+    :class:`CheckpointNotFound` if no source holds a committed copy (or a selected file),
+    :class:`ChecksumMismatch` if every source's bytes of a range fail their CRC32C,
     :class:`CommitConflict` if the local tier holds a different save under the same id. An
     interrupted fetch (any exception, ``KeyboardInterrupt`` included) is resumed by calling it again.
     See the module docstring for the whole contract.
@@ -198,33 +238,53 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
             raise UsageError(f"--rank {bad[0]!r}: ranks are integers from 0")
     cfg = as_config(config)
     tiers = open_tiers(cfg)
-    if len(tiers) < 2:
-        for t in tiers:
-            t.close()
-        raise UsageError(f"fetch copies from [s3] to [local]: the configuration{(' ' + cfg.source) if cfg.source else ''} "
-                         "needs both sections")
-    local, s3 = tiers[0], tiers[-1]
+    local, shared = tiers[0], [t for t in tiers[1:] if not t.node_local]
+    nodes: list[PeerNode] = []
     plans: list[_FilePlan] = []
     held: list[leases.Lease] = []
     try:
-        cid = _resolve_on_s3(s3, local, checkpoint_id)
-        # Leases: gc or retention anywhere leaves the S3 copy and the local files alone meanwhile.
-        held.append(leases.acquire(s3, cid, purpose="fetch"))
+        nodes = open_peer_nodes(cfg, tiers) if peers else []
+        if not shared and not nodes:
+            where = f" {cfg.source}" if cfg.source else ""
+            raise UsageError(f"fetch copies from [s3] or from other nodes' [local] directories ({{node}}) to [local]: "
+                             + (f"the configuration{where} has no [s3] section and no other node's directory is "
+                                "readable here" if local.node_local else f"the configuration{where} needs both sections"))
+        cid = _resolve(cfg, tiers, shared, nodes, checkpoint_id)
+        sources = _holders(cid, shared, nodes)
+        if not sources:
+            here = " (the local tier holds a committed copy already)" if local.exists(metadata_key(cid)) else ""
+            raise CheckpointNotFound(f"checkpoint {cid} is not committed on "
+                                     + ", ".join([t.url for t in shared] + [n.tier.url for n in nodes]) + here)
+        # Leases: gc or retention anywhere leave the sources and the local files alone meanwhile.
+        for src in sources:
+            try:
+                held.append(leases.acquire(src.tier, cid, purpose="fetch"))
+            except CheckpointNotFound:
+                raise
+            except (TierckptError, OSError) as e:
+                if src.tier.node_local:  # another node's directory may be read-only here: read it all the same
+                    log.debug("no lease on %s (%s): reading it without one", src.tier.url, e)
+                    continue
+                raise
         held.append(leases.acquire(local, cid, kind="fetch", purpose="fetch into this tier", require_committed=False))
         mkey = metadata_key(cid)
-        md, man = read_checkpoint_metadata(s3, cid)  # size-checked before it is read, then validated
-        raw = s3.get(mkey)
+        doc, raw = _metadata(cid, sources)
+        man = doc.manifest
         local_raw = _local_metadata(local, cid, man.save_token)
         selected = _select(man.files, man.world_size, ranks)
         rank_list = None if ranks is None else sorted(set(ranks))
-        res = FetchResult(cid, f"{local.url}/{cid}", f"{s3.url}/{cid}", rank_list, sorted(selected))
-        by_file = files_items(md)
-        rsize = range_size(s3, man.chunk_size)
+        res = FetchResult(cid, f"{local.url}/{cid}", f"{sources[0].tier.url}/{cid}", rank_list, sorted(selected))
+        by_file = doc.files_items()
+        sized = next((s.tier for s in sources if not s.tier.node_local), sources[0].tier)
+        rsize = range_size(sized, man.chunk_size)
+        on_nodes = _file_sources(cid, man.save_token, sources, nodes)
+        on_shared = [src for src in sources if not src.tier.node_local]
         for file in sorted(selected):
             fc = FileCheck(file, man.files[file], by_file.get(file, []), man.chunk_size)
             if fc.covered != fc.size:
-                raise CorruptCheckpoint(f"{s3.url}/{mkey}: the CRC pieces of {file} cover {fc.covered} of {fc.size} bytes")
-            plans.append(_FilePlan(local, cid, man.save_token, fc, rsize))
+                raise CorruptCheckpoint(f"{sources[0].tier.url}/{mkey}: the CRC pieces of {file} cover {fc.covered} "
+                                        f"of {fc.size} bytes")
+            plans.append(_FilePlan(local, cid, man.save_token, fc, rsize, on_nodes.get(file, []) + on_shared))
         for p in plans:
             p.prepare()
             res.bytes_reused += p.reused
@@ -237,16 +297,15 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
         todo = [p for p in plans if p.sink is not None]
         for p in todo:
             if p.missing():
-                got = s3.size(p.key)
-                if got != p.size:
-                    raise CorruptCheckpoint(f"{s3.url}/{p.key}: the object has {got} bytes, the manifest says {p.size}")
-        _download(s3, cid, todo, res, progress)
+                _check_sizes(p)
+        _download(cid, todo, res, progress)
         for p in todo:
             p.finish()
             if p.state != "skipped":
                 res.downloaded.append(p.file)
+        res.sources = {p.file: p.source_label() for p in plans}
         if local_raw != raw:
-            # Last: the local copy becomes committed only now, with S3's bytes (same commit time).
+            # Last: the local copy becomes committed only now, with the source's bytes (same commit time).
             try:
                 local.put(mkey, raw, if_absent=local_raw is None)
             except CommitConflict:
@@ -260,18 +319,240 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
             p.close()
         for lease in held:
             lease.release()
+        for n in nodes:
+            n.tier.close()
         for t in tiers:
             t.close()
 
 
-def _resolve_on_s3(s3: Tier, local: Tier, checkpoint_id: str) -> str:
+def _resolve(cfg: TierConfig, tiers: list[Tier], shared: list[Tier], nodes: list[PeerNode], checkpoint_id: str) -> str:
+    """The checkpoint id to fetch: ``latest`` as this node's load resolves it (peer nodes), or
+    the newest on the shared tiers."""
     if checkpoint_id == "latest":
-        return find_latest([s3]).checkpoint_id
-    cid = check_checkpoint_id(checkpoint_id)
-    if not s3.exists(metadata_key(cid)):
-        here = " (the local tier holds a committed copy already)" if local.exists(metadata_key(cid)) else ""
-        raise CheckpointNotFound(f"checkpoint {cid} is not committed on {s3.url}{here}")
-    return cid
+        if nodes:
+            return find_latest_here(cfg, tiers, nodes).checkpoint_id
+        return find_latest(shared).checkpoint_id
+    return check_checkpoint_id(checkpoint_id)
+
+
+def _holders(cid: str, shared: list[Tier], nodes: list[PeerNode]) -> list[_Source]:
+    """The sources holding ``cid`` committed: other nodes first (their order), then shared tiers."""
+    out = [_Source(n.label, n.tier) for n in nodes if n.info(cid) is not None]
+    out += [_Source(t.name, t) for t in shared if t.exists(metadata_key(cid))]
+    return out
+
+
+def _metadata(cid: str, sources: list[_Source]) -> tuple[CheckpointDoc, bytes]:
+    """The checkpoint's metadata (parsed, and its bytes) from the first source with a valid copy
+    (size-checked before it is read, then validated: :func:`tierckpt.catalog.read_checkpoint_doc`'s checks)."""
+    errors = []
+    key = metadata_key(cid)
+    for src in sources:
+        where = f"{src.tier.url}/{key}"
+        try:
+            size = src.tier.size(key)
+            if size > MAX_METADATA_BYTES:
+                raise CorruptCheckpoint(f"{where}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
+            raw = src.tier.get(key, 0, size)
+            doc = parse_metadata(raw, where)
+            if doc.manifest.checkpoint_id != cid:
+                raise CorruptCheckpoint(f"{where}: metadata names checkpoint {doc.manifest.checkpoint_id!r}")
+            return doc, raw
+        except (CheckpointNotFound, CorruptCheckpoint, TierError) as e:
+            errors.append(f"{src.label}: {e}")
+            log.warning("metadata of %s from %s: %s; trying the next source", cid, src.label, e)
+    raise CorruptCheckpoint(f"checkpoint {cid}: no source holds valid metadata: " + "; ".join(errors))
+
+
+def _file_sources(cid: str, token: str, sources: list[_Source], nodes: list[PeerNode]) -> dict[str, list[_Source]]:
+    """Data file -> the other nodes holding it with the manifest's size (when their copy is the
+    same save), in source order; a shared tier's commit covers every file."""
+    by_label = {n.label: n for n in nodes}
+    out: dict[str, list[_Source]] = {}
+    for src in sources:
+        node = by_label.get(src.label)
+        info = None if node is None else node.info(cid)
+        if info is None:
+            continue
+        try:
+            doc = read_checkpoint_doc(src.tier, cid)
+        except (CheckpointNotFound, CorruptCheckpoint, TierError) as e:
+            log.warning("skipping %s as a source of %s: %s", src.label, cid, e)
+            continue
+        if doc.manifest.save_token != token:
+            log.warning("skipping %s as a source of %s: it holds another save of it", src.label, cid)
+            continue
+        for f in node_files(info, doc.manifest):
+            out.setdefault(f, []).append(src)
+    return out
+
+
+def _check_sizes(p: _FilePlan) -> None:
+    """Drop shared sources whose object has another size than the manifest's; none left: an error."""
+    if not p.sources:
+        raise CheckpointNotFound(f"checkpoint {p.cid}: data file {p.file} is on no readable node and on no shared tier")
+    kept, wrong = [], []
+    for src in p.sources:
+        if src.tier.node_local:
+            kept.append(src)  # sized from the node's listing already
+            continue
+        got = src.tier.size(p.key)
+        if got != p.size:
+            wrong.append(f"{src.tier.url}/{p.key}: the object has {got} bytes, the manifest says {p.size}")
+        else:
+            kept.append(src)
+    if not kept:
+        raise CorruptCheckpoint(wrong[0])
+    p.sources = kept
+
+
+class _Buffers:
+    """Page-aligned range buffers (anonymous maps), one per worker, reused: the local tier writes
+    them with ``O_DIRECT`` and fresh memory is slow to touch."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._all: list[mmap.mmap] = []
+        for _ in range(count):
+            m = mmap.mmap(-1, max(size, 1))
+            self._all.append(m)
+            self._free.put(m)
+
+    def take(self) -> mmap.mmap:
+        return self._free.get()
+
+    def give(self, m: mmap.mmap) -> None:
+        self._free.put(m)
+
+    def close(self) -> None:
+        for m in self._all:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive somewhere: the map goes with it
+                pass
+
+
+WRITERS = 2
+"""Threads writing fetched ranges to the local tier, apart from the readers: a range is read
+(and checked) into one buffer while earlier ones are still being written, so a fetch takes about
+the longer of downloading and writing, not their sum."""
+
+
+def _download(cid: str, plans: list[_FilePlan], res: FetchResult, progress: bool) -> None:
+    """Fetch every missing range of ``plans``: reader workers (the sources' parallelism) read and
+    check ranges of all files at once into page-aligned buffers, :data:`WRITERS` threads write
+    them (direct I/O where the local tier can). Returns once every range is written; the first
+    error stops both, waits for the writes in flight, and propagates."""
+    # Ranges of different files interleaved: every file's first range, then every second one...
+    per_file = [[(p, i) for i in p.missing()] for p in plans]
+    tasks = [t for row in _interleave(per_file) for t in row]
+    if not tasks:
+        return
+    lock = threading.Lock()
+    stop = threading.Event()
+    total = sum(p.ranges[i][1] - p.ranges[i][0] for p, i in tasks)
+    bar = progress_bar(total, f"fetch {cid}", progress)
+    rsize = max(p.range_size for p in plans)
+    tiers = {id(s.tier): s.tier for p in plans for s in p.sources}
+    n = max(workers(t, rsize) for t in tiers.values()) if tiers else 1
+    n = max(1, min(n, len(tasks)))
+    bufs = _Buffers(min(len(tasks), n + 2 * WRITERS), rsize)
+    writes = ThreadPoolExecutor(WRITERS, thread_name_prefix="tierckpt-fetch-write")
+    pending: list[Future] = []
+    errors: list[BaseException] = []
+
+    def write(p: _FilePlan, i: int, m: mmap.mmap, view: memoryview) -> None:
+        try:
+            if errors:  # a write failed: the local tier is in trouble. (After a read error or an
+                return  # interruption the ranges already read and checked are still written: progress kept.)
+            assert p.sink is not None
+            p.sink.write_block(i, view)
+            nbytes = len(view)
+            with lock:
+                res.bytes_downloaded += nbytes
+            bar.update(nbytes)
+        except BaseException as e:  # noqa: BLE001 - handed to the readers' loop and raised there
+            with lock:
+                errors.append(e)
+            stop.set()
+        finally:
+            view.release()
+            bufs.give(m)
+
+    def one(task: tuple[_FilePlan, int]) -> int:
+        p, i = task
+        if errors:
+            raise errors[0]
+        if stop.is_set():
+            return 0
+        s, e = p.ranges[i]
+        m = bufs.take()
+        view = memoryview(m)[: e - s]
+        try:
+            label, retried = _read_range(cid, p, s, view)
+            with lock:
+                res.ranges_retried += retried
+                p.used.add(label)
+            fut = writes.submit(write, p, i, m, view)
+        except BaseException:
+            view.release()
+            bufs.give(m)
+            raise
+        with lock:
+            pending.append(fut)
+        return e - s
+
+    try:
+        run_all(one, tasks, n, None, stop)
+    finally:
+        writes.shutdown(wait=True)  # no write in flight once this returns (the sinks may be suspended)
+        bar.close()
+        bufs.close()
+    if errors:
+        raise errors[0]
+
+
+def _interleave(rows: list[list]) -> list[list]:
+    """Columns of ``rows`` (the i-th element of every row, for i = 0, 1, ...)."""
+    width = max((len(r) for r in rows), default=0)
+    return [[r[i] for r in rows if i < len(r)] for i in range(width)]
+
+
+def _read_range(cid: str, p: _FilePlan, start: int, view: memoryview) -> tuple[str, int]:
+    """Read range ``[start, start + len(view))`` of ``p``'s file into ``view`` from the first source
+    that gives intact bytes; return its label and the reads beyond the first."""
+    retried = 0
+    failures: list[str] = []
+    bad_everywhere = True
+    for src in p.sources:
+        try:
+            bad, reads = read_checked(src.tier, p.key, start, view, p.fc.check)
+        except (TierckptError, OSError) as e:
+            if src is p.sources[-1]:
+                raise
+            bad_everywhere = False
+            failures.append(f"{src.label}: {e}")
+            log.warning("%s/%s [%d, %d): cannot read it from %s (%s); trying the next source", cid, p.file, start,
+                        start + len(view), src.label, e)
+            continue
+        retried += reads - 1
+        if not bad:
+            return src.label, retried
+        failures.append(f"{src.label}: {bad[0].describe()}")
+        if src is not p.sources[-1]:
+            log.warning("%s/%s: %s from %s fails its CRC32C after %d reads; trying the next source", cid, p.file,
+                        bad[0].describe(), src.label, reads)
+    if not p.sources:
+        raise CheckpointNotFound(f"checkpoint {cid}: data file {p.file} is on no readable node and on no shared tier")
+    names = [s.label if s.tier.node_local else s.tier.name.upper() for s in p.sources]
+    if not bad_everywhere:
+        what = "no source gave intact bytes"
+    elif len(names) == 1:
+        what = f"the {names[0]} copy is corrupt"
+    else:
+        what = f"every source's copy is corrupt ({', '.join(names)})"
+    raise ChecksumMismatch(f"checkpoint {cid}: {p.key}: " + "; ".join(failures) + f"; downloaded {TRIES} times: {what}")
 
 
 def _local_metadata(local: Tier, cid: str, token: str) -> bytes | None:
@@ -282,13 +563,13 @@ def _local_metadata(local: Tier, cid: str, token: str) -> bytes | None:
     except CheckpointNotFound:
         return None
     try:
-        _md, man = metadata_from_json(raw, f"{local.url}/{mkey}")
+        man = parse_metadata(raw, f"{local.url}/{mkey}").manifest
     except CorruptCheckpoint as e:
-        log.warning("%s; replacing it with the S3 copy", e)
+        log.warning("%s; replacing it with the source's copy", e)
         return b""
     if man.save_token != token:
         raise CommitConflict(f"{local.url}/{cid} holds a different save of checkpoint {cid} "
-                             f"(token {man.save_token[:8]}, S3 has {token[:8]}); it is never overwritten")
+                             f"(token {man.save_token[:8]}, the source has {token[:8]}); it is never overwritten")
     return raw
 
 
@@ -300,40 +581,3 @@ def _select(files: dict[str, int], world: int, ranks: Iterable[int] | None) -> d
     if bad:
         raise UsageError(f"--rank {bad[0]}: the checkpoint was saved by {world} rank(s) (0-{world - 1})")
     return {f: s for f, s in files.items() if rank_of_file(f) in want}
-
-
-def _download(s3: Tier, cid: str, plans: list[_FilePlan], res: FetchResult, progress: bool) -> None:
-    tasks = [(p, i) for p in plans for i in p.missing()]
-    if not tasks:
-        return
-    lock = threading.Lock()
-    stop = threading.Event()
-    total = sum(p.ranges[i][1] - p.ranges[i][0] for p, i in tasks)
-    bar = progress_bar(total, f"fetch {cid}", progress)
-
-    def one(task: tuple[_FilePlan, int]) -> int:
-        p, i = task
-        if stop.is_set():
-            return 0
-        s, e = p.ranges[i]
-        buf = np.empty(e - s, dtype=np.uint8)
-        bad, reads = read_checked(s3, p.key, s, memoryview(buf), p.fc.check)
-        if reads > 1:
-            with lock:
-                res.ranges_retried += reads - 1
-        if bad:
-            raise ChecksumMismatch(f"checkpoint {cid}: {s3.url}/{p.key}: {bad[0].describe()}"
-                                   + (f" (and {len(bad) - 1} more pieces)" if len(bad) > 1 else "")
-                                   + f"; downloaded {TRIES} times: the S3 copy is corrupt")
-        assert p.sink is not None
-        p.sink.write_block(i, memoryview(buf))
-        return e - s
-
-    def done(task: tuple[_FilePlan, int], n: int) -> None:
-        res.bytes_downloaded += n
-        bar.update(n)
-
-    try:
-        run_all(one, tasks, workers(s3, max(p.range_size for p in plans)), done, stop)
-    finally:
-        bar.close()

@@ -14,12 +14,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 import numpy as np
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from tierckpt.layout import ItemRecord, padded, piece_bounds
+from tierckpt.layout import CheckpointDoc, ItemRecord, padded, piece_bounds
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "BadPiece",
@@ -74,9 +77,12 @@ class BadPiece:
         return f"item {self.fqn!r}{off}: CRC32C mismatch in bytes [{self.start}, {self.end})"
 
 
-def files_items(md: Metadata) -> dict[str, list[tuple[MetadataIndex, ItemRecord]]]:
-    """The items of each data file, in file order."""
-    out: dict[str, list[tuple[MetadataIndex, ItemRecord]]] = {}
+def files_items(md: "Metadata | CheckpointDoc") -> dict[str, list[tuple[Any, ItemRecord]]]:
+    """The items of each data file, in file order: ``(index, record)`` pairs, the index a DCP
+    ``MetadataIndex`` or a :class:`tierckpt.layout.ItemIndex` (both have ``fqn`` and ``offset``)."""
+    if isinstance(md, CheckpointDoc):
+        return md.files_items()
+    out: dict[str, list[tuple[Any, ItemRecord]]] = {}
     for idx, rec in (md.storage_data or {}).items():
         out.setdefault(rec.file, []).append((idx, rec))
     for items in out.values():
@@ -90,11 +96,11 @@ class FileCheck:
     Args:
         file: the data file's name (for messages).
         size: its size in bytes (from the manifest).
-        items: its ``(index, record)`` pairs.
+        items: its ``(index, record)`` pairs (the index has ``fqn`` and ``offset``).
         chunk_size: the checkpoint's chunk size (from the manifest).
     """
 
-    def __init__(self, file: str, size: int, items: Iterable[tuple[MetadataIndex, ItemRecord]], chunk_size: int) -> None:
+    def __init__(self, file: str, size: int, items: Iterable[tuple[Any, ItemRecord]], chunk_size: int) -> None:
         self.file = file
         self.size = size
         self.chunk_size = chunk_size

@@ -23,7 +23,7 @@ from tierckpt import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.layout import CheckpointManifest, data_key
-from tierckpt.catalog import read_checkpoint_metadata
+from tierckpt.catalog import read_checkpoint_doc
 from tierckpt.readback import range_size
 from tierckpt.tiers.base import Tier
 
@@ -139,14 +139,14 @@ def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_
             rep = TierReport(t.name, t.url)
             reports.append(rep)
             try:
-                md, man = read_checkpoint_metadata(t, cid)
+                doc = read_checkpoint_doc(t, cid)
             except (CorruptCheckpoint, CheckpointNotFound) as e:
                 rep.problems.append(Problem(t.name, "metadata.json", "metadata", str(e)))
                 continue
-            manifests[t.name] = man
+            man = manifests[t.name] = doc.manifest
             all_files.update(man.files)
             sizes = {name: info.size for name, info in checkpoint_objects(t, cid).items()}
-            by_file = files_items(md)
+            by_file = doc.files_items()
             rsize = range_size(t, man.chunk_size)
             for file, want in sorted(man.files.items()):
                 got = sizes.get(file)

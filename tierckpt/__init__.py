@@ -5,29 +5,69 @@ Public surface::
     from tierckpt import TieredWriter, TieredReader, Config, load_config
     dcp.save(state_dict, checkpoint_id="step-100", storage_writer=TieredWriter(cfg))
     dcp.load(state_dict, checkpoint_id="latest", storage_reader=TieredReader(cfg))
+
+The public names are imported on first use (PEP 562 module ``__getattr__``), so that importing a
+submodule (``tierckpt.catalog``, ``tierckpt.layout``: what the restore CLI's ``latest`` needs)
+does not import torch. ``from tierckpt import TieredWriter`` works as before; adding a public
+name is one line in :data:`_LAZY` (and one in ``__all__``).
 """
 
-from .config import Config, HostConfig, JobConfig, LocalConfig, PeerConfig, S3Config, TierConfig, load_config, parse_size
-from .errors import (
-    CaptureError,
-    CheckpointNotFound,
-    CommitError,
-    ReplicationError,
-    SaveError,
-    ChecksumMismatch,
-    CommitConflict,
-    ConfigError,
-    CorruptCheckpoint,
-    TierckptError,
-    TierError,
-    TierUnavailable,
-    TornCaptureError,
-)
-from .save import SaveStats
-from .reader import TieredReader
-from .writer import TieredWriter
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config, HostConfig, JobConfig, LocalConfig, PeerConfig, S3Config, TierConfig, load_config, parse_size
+    from .errors import (
+        CaptureError,
+        CheckpointNotFound,
+        ChecksumMismatch,
+        CommitConflict,
+        CommitError,
+        ConfigError,
+        CorruptCheckpoint,
+        ReplicationError,
+        SaveError,
+        TierckptError,
+        TierError,
+        TierUnavailable,
+        TornCaptureError,
+    )
+    from .reader import TieredReader
+    from .save import SaveStats
+    from .writer import TieredWriter
 
 __version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    # public name -> the module (relative to this package) that defines it
+    "TieredWriter": ".writer",
+    "TieredReader": ".reader",
+    "SaveStats": ".save",
+    "Config": ".config",
+    "TierConfig": ".config",
+    "HostConfig": ".config",
+    "LocalConfig": ".config",
+    "S3Config": ".config",
+    "JobConfig": ".config",
+    "PeerConfig": ".config",
+    "load_config": ".config",
+    "parse_size": ".config",
+    "TierckptError": ".errors",
+    "ConfigError": ".errors",
+    "CheckpointNotFound": ".errors",
+    "CorruptCheckpoint": ".errors",
+    "ChecksumMismatch": ".errors",
+    "CommitConflict": ".errors",
+    "SaveError": ".errors",
+    "CaptureError": ".errors",
+    "CommitError": ".errors",
+    "ReplicationError": ".errors",
+    "TornCaptureError": ".errors",
+    "TierError": ".errors",
+    "TierUnavailable": ".errors",
+}
 
 __all__ = [
     "TieredWriter",
@@ -56,3 +96,17 @@ __all__ = [
     "TierError",
     "TierUnavailable",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module defining public ``name`` on first use and cache the name here."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointManifest, CommitHeader, check_checkpoint_id, metadata_from_json,
-                     metadata_key, read_header, split_key, step_of)
+from .layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointDoc, CheckpointManifest, CommitHeader, check_checkpoint_id,
+                     metadata_key, parse_metadata, read_header, split_key, step_of)
 from .tiers.base import ObjectInfo, Tier
 
 __all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
-           "is_committed", "read_checkpoint_metadata", "commit_header", "max_seq", "servable"]
+           "is_committed", "read_checkpoint_metadata", "read_checkpoint_doc", "commit_header", "max_seq", "servable"]
 
 log = logging.getLogger("tierckpt.catalog")
 
@@ -166,7 +166,16 @@ def is_committed(tier: Tier, checkpoint_id: str) -> bool:
 def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Any, CheckpointManifest]:
     """Read and validate ``ID/metadata.json`` from ``tier``: DCP ``Metadata`` and the manifest.
 
-    Whatever the file holds, the result is the parsed metadata, :class:`CorruptCheckpoint`
+    :func:`read_checkpoint_doc`, then DCP's ``Metadata`` built from it (this imports torch).
+    """
+    doc = read_checkpoint_doc(tier, checkpoint_id)
+    return doc.to_metadata(), doc.manifest
+
+
+def read_checkpoint_doc(tier: Tier, checkpoint_id: str) -> CheckpointDoc:
+    """Read and validate ``ID/metadata.json`` from ``tier`` without torch (:func:`~tierckpt.layout.parse_metadata`).
+
+    Whatever the file holds, the result is the parsed document, :class:`CorruptCheckpoint`
     (naming the file) or :class:`CheckpointNotFound`; tier failures raise the tier's errors.
     A file larger than :data:`~tierckpt.layout.MAX_METADATA_BYTES` is refused before it is read.
     """
@@ -175,10 +184,10 @@ def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Any, Check
     if size > MAX_METADATA_BYTES:
         raise CorruptCheckpoint(f"{tier.url}/{key}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
     raw = tier.get(key, 0, size)
-    md, manifest = metadata_from_json(raw, f"{tier.url}/{key}")
-    if manifest.checkpoint_id != checkpoint_id:
-        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata names checkpoint {manifest.checkpoint_id!r}")
-    return md, manifest
+    doc = parse_metadata(raw, f"{tier.url}/{key}")
+    if doc.manifest.checkpoint_id != checkpoint_id:
+        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata names checkpoint {doc.manifest.checkpoint_id!r}")
+    return doc
 
 
 def servable(tier: Tier, info: CheckpointInfo, manifest: CheckpointManifest) -> str | None:
@@ -214,7 +223,16 @@ class Latest:
     tiers: list[str]
     holding: list[Tier] = field(default_factory=list, repr=False)
     manifest: CheckpointManifest | None = field(default=None, repr=False)
-    metadata: Any = field(default=None, repr=False)
+    doc: CheckpointDoc | None = field(default=None, repr=False)
+
+    @property
+    def metadata(self) -> Any:
+        """DCP ``Metadata`` of the checkpoint (built on first use: this imports torch)."""
+        if self.doc is None:
+            return None
+        if not hasattr(self, "_metadata"):
+            self._metadata = self.doc.to_metadata()
+        return self._metadata
 
     def to_json(self) -> dict:
         return {"checkpoint_id": self.checkpoint_id, "step": self.step, "seq": self.seq,
@@ -244,10 +262,11 @@ def find_latest(tiers: list[Tier]) -> Latest:
         holding: list[tuple[Tier, CheckpointInfo]] = listed[cid]
         for tier, info in holding:
             try:
-                md, man = read_checkpoint_metadata(tier, cid)
+                doc = read_checkpoint_doc(tier, cid)
             except (CheckpointNotFound, CorruptCheckpoint) as e:
                 log.error("skipping %s on %s for 'latest': %s", cid, tier.url, e)
                 continue
+            man = doc.manifest
             why = servable(tier, info, man)
             if why is not None:
                 log.error("skipping %s on %s for 'latest': %s", cid, tier.url, why)
@@ -256,7 +275,7 @@ def find_latest(tiers: list[Tier]) -> Latest:
             for e in unreachable:
                 log.warning("a tier was unreachable while resolving latest: %s", e)
             return Latest(checkpoint_id=cid, committed=man.committed, step=man.step, seq=man.seq,
-                          tiers=[t.name for t in ok], holding=ok, manifest=man, metadata=md)
+                          tiers=[t.name for t in ok], holding=ok, manifest=man, doc=doc)
     if unreachable:
         raise unreachable[0]  # nothing found where we could look: the outage is the answer
     raise CheckpointNotFound("no committed checkpoint on any tier: " + ", ".join(t.url for t in tiers))

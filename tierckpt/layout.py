@@ -17,6 +17,12 @@ body) followed by the JSON body, so any corruption of it is detected too.
 Metadata is JSON, never pickle: :func:`metadata_to_json` / :func:`metadata_from_json` rebuild
 DCP's ``Metadata`` and validate everything a hostile file could abuse (keys, sizes, dtypes); the
 conversions of DCP's own objects come from :mod:`tierckpt.dcpjson` (shared with the plan cache).
+
+This module does not import torch: :func:`parse_metadata` validates a whole ``metadata.json``
+into a :class:`CheckpointDoc` (manifest, checked entries, item records) with the torch-free
+helpers of :mod:`tierckpt.jsonvalues`; only :meth:`CheckpointDoc.to_metadata` (and so
+:func:`metadata_from_json`) and :func:`metadata_to_json` import torch, when called. The restore
+CLI's ``latest``, ``list``, ``verify`` and ``fetch`` therefore never load torch.
 """
 
 from __future__ import annotations
@@ -25,16 +31,16 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import google_crc32c
-import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from . import safejson
-from .dcpjson import (
-    DTYPES,
+from .errors import CorruptCheckpoint
+from .jsonvalues import (
+    DTYPE_SIZES,
     METADATA_VALUES,
+    CheckedEntry,
     _brief,
     _cut,
     _int,
@@ -44,11 +50,11 @@ from .dcpjson import (
     _req,
     _str,
     _time,
-    entry_from_json,
-    entry_to_json,
-    new_metadata,
+    check_entry,
 )
-from .errors import CorruptCheckpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "FORMAT",
@@ -76,7 +82,11 @@ __all__ = [
     "item_intact",
     "metadata_to_json",
     "metadata_from_json",
+    "parse_metadata",
+    "CheckpointDoc",
+    "ItemIndex",
     "DTYPES",
+    "DTYPE_SIZES",
 ]
 
 FORMAT = "tierckpt/1"
@@ -220,6 +230,16 @@ def item_intact(rec: "ItemRecord", data, pad, chunk_size: int) -> bool:
     return True
 
 
+class ItemIndex(NamedTuple):
+    """An item's key in a parsed checkpoint, without torch: the fields of DCP's ``MetadataIndex``
+    (``fqn``, ``offset`` or None, ``index`` hint or None); :meth:`CheckpointDoc.to_metadata` turns
+    it into one."""
+
+    fqn: str
+    offset: tuple[int, ...] | None
+    index: int | None
+
+
 @dataclass
 class ItemRecord:
     """Where one saved item (a tensor chunk or a serialized object) lives, and its checksums.
@@ -256,12 +276,15 @@ class CheckpointManifest:
 
 
 
-def _index_key(idx: MetadataIndex) -> list:
+def _index_key(idx: Any) -> list:
     return [idx.fqn, list(idx.offset) if idx.offset is not None else None, idx.index]
 
 
 def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
     """Serialize DCP ``Metadata`` (whose ``storage_data`` maps MetadataIndex -> ItemRecord)."""
+    import torch
+
+    from .dcpjson import entry_to_json
     sdm = {fqn: entry_to_json(fqn, m) for fqn, m in md.state_dict_metadata.items()}
     items = []
     for idx, rec in (md.storage_data or {}).items():
@@ -347,10 +370,60 @@ def _n_pieces(pos: int, length: int, chunk_size: int) -> int:
     return 0 if length <= 0 else (pos + length - 1) // chunk_size - pos // chunk_size + 1
 
 
-def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointManifest]:
-    """Parse and validate ``metadata.json`` (``where`` names it in errors).
+@dataclass
+class CheckpointDoc:
+    """A ``metadata.json`` parsed and validated without torch (:func:`parse_metadata`).
 
-    Rebuilds DCP ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to :class:`ItemRecord`.
+    ``entries`` holds every state dict key's checked entry, ``items`` every saved item's
+    (:class:`ItemIndex`, :class:`ItemRecord`) in file order of the document; ``planner_data`` is
+    decoded, ``storage_meta`` the checked fields of DCP's ``StorageMeta`` (or None). Restore tools
+    that only need where the bytes are and their checksums (``verify``, ``fetch``) use it as it is;
+    :meth:`to_metadata` builds DCP's ``Metadata`` (importing torch).
+    """
+
+    manifest: CheckpointManifest
+    entries: dict[str, CheckedEntry]
+    items: list[tuple[ItemIndex, ItemRecord]]
+    planner_data: Any = None
+    storage_meta: dict[str, Any] | None = None
+    version: str | None = None
+
+    def to_metadata(self) -> Metadata:
+        """DCP ``Metadata`` whose ``storage_data`` maps ``MetadataIndex`` to :class:`ItemRecord`
+        (the same record objects as :attr:`items`)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+
+        from .dcpjson import entry_from_checked, new_metadata
+
+        sdm = {fqn: entry_from_checked(e) for fqn, e in self.entries.items()}
+        storage = {MetadataIndex(i.fqn, None if i.offset is None else list(i.offset), i.index): rec
+                   for i, rec in self.items}
+        sm = None if self.storage_meta is None else StorageMeta(**self.storage_meta)
+        return new_metadata(sdm, self.planner_data, sm, self.version, storage_data=storage)
+
+    def files_items(self) -> dict[str, list[tuple[ItemIndex, ItemRecord]]]:
+        """The items of each data file, in file order."""
+        out: dict[str, list[tuple[ItemIndex, ItemRecord]]] = {}
+        for idx, rec in self.items:
+            out.setdefault(rec.file, []).append((idx, rec))
+        for items in out.values():
+            items.sort(key=lambda x: x[1].pos)
+        return out
+
+
+def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointManifest]:
+    """Parse and validate ``metadata.json`` (``where`` names it in errors) into DCP ``Metadata``
+    (whose ``storage_data`` maps ``MetadataIndex`` to :class:`ItemRecord`) and the manifest.
+
+    :func:`parse_metadata` then :meth:`CheckpointDoc.to_metadata`: the same checks, the same errors.
+    """
+    doc = parse_metadata(raw, where)
+    return doc.to_metadata(), doc.manifest
+
+
+def parse_metadata(raw: bytes, where: str) -> CheckpointDoc:
+    """Parse and validate ``metadata.json`` (``where`` names it in errors), without torch.
+
     Rejects unknown formats, file names outside the checkpoint, items past the end of their file,
     and tensor lengths that do not match dtype and shape.
 
@@ -390,7 +463,7 @@ def metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, CheckpointMani
         raise CorruptCheckpoint(f"{where}: malformed metadata ({type(e).__name__}: {_cut(str(e))})") from None
 
 
-def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
+def _parse(doc: Any, where: str) -> CheckpointDoc:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{where}: not a {FORMAT} metadata file")
     cid = check_checkpoint_id(_str(_req(doc, "checkpoint_id", "the document"), "checkpoint_id", 200))
@@ -414,15 +487,15 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
         seq=_int(doc.get("seq", 0), "seq"),
     )
     d = _obj(_req(doc, "dcp", "the document"), "'dcp'")
-    sdm: dict[str, Any] = {}
+    sdm: dict[str, CheckedEntry] = {}
     for fqn, m in _obj(_req(d, "state_dict_metadata", "'dcp'"), "'state_dict_metadata'").items():
         try:
-            sdm[fqn] = entry_from_json(m)
+            sdm[fqn] = check_entry(m)
         except CorruptCheckpoint as e:
             raise CorruptCheckpoint(f"{e} (entry {_brief(fqn)})") from None
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"metadata: malformed entry {_brief(fqn)} ({type(e).__name__}: {_cut(str(e), 80)})") from None
-    storage: dict[MetadataIndex, ItemRecord] = {}
+    storage: list[tuple[ItemIndex, ItemRecord]] = []
     for n, it in enumerate(_list(_req(doc, "items", "the document"), "'items'")):
         try:
             idx, rec = _item(it, sdm, files, chunk_size)
@@ -430,24 +503,23 @@ def _parse(doc: Any, where: str) -> tuple[Metadata, CheckpointManifest]:
             raise CorruptCheckpoint(f"{e} (item {n})") from None
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"metadata: malformed item {n} ({type(e).__name__}: {_cut(str(e), 80)})") from None
-        storage[idx] = rec
+        storage.append((idx, rec))
     sm = d.get("storage_meta")
     storage_meta = None
     if sm is not None:
         _obj(sm, "'storage_meta'")
-        storage_meta = StorageMeta(
+        storage_meta = dict(
             checkpoint_id=_str(sm.get("checkpoint_id"), "storage_meta checkpoint_id", 4096, none=True),
             save_id=_str(sm.get("save_id"), "storage_meta save_id", 256, none=True),
             load_id=_str(sm.get("load_id"), "storage_meta load_id", 256, none=True),
             modules=[_str(x, "storage_meta module", 4096) for x in _list(sm.get("modules", []), "storage_meta modules")],
         )
-    md = new_metadata(sdm, METADATA_VALUES.decode(d.get("planner_data")), storage_meta,
-                      _str(d.get("version"), "dcp version", 64, none=True), storage_data=storage)
-    return md, manifest
+    return CheckpointDoc(manifest, sdm, storage, METADATA_VALUES.decode(d.get("planner_data")), storage_meta,
+                         _str(d.get("version"), "dcp version", 64, none=True))
 
 
 
-def _item(it: Any, sdm: dict[str, Any], files: dict[str, int], chunk_size: int) -> tuple[MetadataIndex, ItemRecord]:
+def _item(it: Any, sdm: dict[str, CheckedEntry], files: dict[str, int], chunk_size: int) -> tuple[ItemIndex, ItemRecord]:
     """One element of ``items`` -> (index, record), checked against the entries and files (hot)."""
     if type(it) is not dict:
         raise CorruptCheckpoint(f"metadata: an item must be an object, got {_brief(it)}")
@@ -468,22 +540,31 @@ def _item(it: Any, sdm: dict[str, Any], files: dict[str, int], chunk_size: int) 
         raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has dtype {_brief(dtype)}")
     shape = tuple(_ints(it.get("shape", []), "shape"))
     if dtype:
-        if dtype not in DTYPES:
+        if dtype not in DTYPE_SIZES:
             raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has unsupported dtype {_brief(dtype)}")
         numel = 1
         for n in shape:
             numel *= n
-        if numel * DTYPES[dtype].itemsize != length:
+        if numel * DTYPE_SIZES[dtype] != length:
             raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} length {length} does not match {dtype}{list(shape)}")
     crcs = it["crcs"]
     if type(crcs) is not list or len(crcs) != _n_pieces(pos, padded(length), chunk_size):
         raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has a wrong number of checksums")
     _ints(crcs, "crc", len(crcs), 0xFFFFFFFF)
     rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape, crcs=crcs)
-    idx = MetadataIndex(fqn, None if off is None else _ints(off, "offset"), None if idx_n is None else _int(idx_n, "index"))
+    idx = ItemIndex(fqn, None if off is None else tuple(_ints(off, "offset")), None if idx_n is None else _int(idx_n, "index"))
     return idx, rec
 
 
-def iter_items(md: Metadata) -> Iterator[tuple[MetadataIndex, ItemRecord]]:
+def iter_items(md: Metadata) -> Iterator[tuple[Any, ItemRecord]]:
     """Every (index, record) pair of a parsed checkpoint."""
     yield from (md.storage_data or {}).items()
+
+
+def __getattr__(name: str) -> Any:
+    # DTYPES maps dtype names to torch dtypes: importing it (the reader does) imports torch, not this module.
+    if name == "DTYPES":
+        from .dcpjson import DTYPES
+
+        return DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

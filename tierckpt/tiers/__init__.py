@@ -14,9 +14,11 @@ config dataclass when its section is new), and a subclass of the tier contract s
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .base import DataSink, ObjectInfo, Tier, check_key
 
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from ..config import Config
 
 __all__ = ["Tier", "DataSink", "ObjectInfo", "check_key", "TierKind", "register_tier", "tier_kinds",
-           "make_tier", "make_tiers", "make_local", "make_s3", "Chain"]
+           "make_tier", "make_tiers", "make_local", "make_s3", "make_node_tiers", "is_node_name", "Chain"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class TierKind:
         config_cls: the section's dataclass, for sections not built into :class:`Config`
             (registered with :func:`tierckpt.config.register_section`); None for built-ins.
         required / sizes: keys of ``config_cls`` that must be given / that accept sizes.
+        for_node: for node-local kinds, ``(cfg, node)`` -> the tier as node ``node`` sees it
+            (its ``{node}`` filled with that name) and ``nodes(cfg)`` -> the node names whose
+            tiers exist where this process can see them (:func:`make_node_tiers`).
     """
 
     name: str
@@ -46,6 +51,8 @@ class TierKind:
     config_cls: type | None = None
     required: tuple[str, ...] = ()
     sizes: tuple[str, ...] = ()
+    for_node: Callable[["Config", str], Tier] | None = None
+    nodes: Callable[["Config"], list[str]] | None = None
 
 
 _KINDS: dict[str, TierKind] = {}
@@ -77,6 +84,34 @@ def make_tier(cfg: "Config", name: str) -> Tier | None:
 def make_tiers(cfg: "Config") -> list[Tier]:
     """The configured tiers, fastest first."""
     return [k.build(cfg) for k in tier_kinds(cfg)]
+
+
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def is_node_name(name: object) -> bool:
+    """Whether ``name`` can be a node name filled into a tier's ``{node}`` (no path separators,
+    no ``..``): names read from files (``peers.json``) are checked with it before use."""
+    return isinstance(name, str) and bool(_NODE_RE.match(name)) and ".." not in name
+
+
+def make_node_tiers(cfg: "Config", nodes: "Iterable[str]" = ()) -> "dict[str, Tier]":
+    """Other nodes' copies of the first configured tier, when it is node-local: node name ->
+    the tier as that node sees it, for the names in ``nodes`` and those its kind finds (e.g.
+    the directories next to this node's). Only tiers this process can see are built (a shared or
+    NFS-mounted node directory); whether they can be read is for the caller to find out. This
+    node's own name is left out; invalid names (:func:`is_node_name`) are ignored. Empty when
+    the first tier is not node-local or its kind cannot be built for another node.
+    """
+    from ..configvalues import node_name
+
+    kinds = tier_kinds(cfg)
+    if not kinds or kinds[0].for_node is None:
+        return {}
+    kind = kinds[0]
+    names = set(nodes) | set(kind.nodes(cfg) if kind.nodes is not None else [])
+    me = node_name()
+    return {n: kind.for_node(cfg, n) for n in sorted(names) if is_node_name(n) and n != me}
 
 
 def make_local(cfg: "Config") -> Tier | None:
@@ -158,6 +193,40 @@ def _build_local(cfg: "Config") -> Tier:
                      keep=lc.keep, read_concurrency=lc.flush_threads)
 
 
+def _local_for_node(cfg: "Config", node: str) -> Tier:
+    """The local tier of node ``node`` (``{node}`` in ``[local] path`` filled with it)."""
+    from .local import LocalTier
+
+    lc = cfg.local
+    assert lc is not None
+    other = dataclasses.replace(lc, path=lc.path.replace("{node}", node))
+    return LocalTier(other.resolved_path(), fsync=lc.fsync, node_local=True, direct_io=lc.direct_io, keep=lc.keep,
+                     read_concurrency=lc.flush_threads)
+
+
+def _local_nodes(cfg: "Config") -> list[str]:
+    """Node names whose ``[local]`` directories exist here: the path with ``{node}`` as a
+    wildcard, matched against the directories of the path's fixed part (``/nvme/ckpt/{node}``:
+    the entries of ``/nvme/ckpt``). Unreadable parents give no names."""
+    import glob
+    import os
+    import socket
+
+    lc = cfg.local
+    if lc is None or "{node}" not in lc.path:
+        return []
+    path = os.path.expanduser(lc.path.replace("{hostname}", socket.gethostname()))
+    pattern = glob.escape(path).replace("{node}", "*")
+    pre, _, post = path.partition("{node}")
+    rx = re.compile(re.escape(pre) + r"([^/]+)" + re.escape(post).replace(re.escape("{node}"), r"[^/]+"))
+    found = []
+    for p in glob.glob(pattern):
+        m = rx.fullmatch(p)
+        if m and os.path.isdir(p) and is_node_name(m.group(1)):
+            found.append(m.group(1))
+    return found
+
+
 def _build_s3(cfg: "Config") -> Tier:
     try:
         from .s3 import S3Tier
@@ -169,5 +238,5 @@ def _build_s3(cfg: "Config") -> Tier:
     return S3Tier(cfg.s3)
 
 
-register_tier(TierKind("local", 10, _build_local))
+register_tier(TierKind("local", 10, _build_local, for_node=_local_for_node, nodes=_local_nodes))
 register_tier(TierKind("s3", 30, _build_s3))

@@ -1,5 +1,6 @@
 """The local tier's sinks: :class:`_FileSink` (a large object written at offsets by several threads,
-direct I/O where aligned) and :class:`_ResumableFile` (block-wise, resumable writes for fetch).
+direct I/O where aligned) and :class:`_ResumableFile` (block-wise, resumable writes for fetch,
+direct I/O where aligned, progress recorded every :data:`RECORD_EVERY` bytes).
 Created only by :class:`~tierckpt.tiers.local.LocalTier`.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import threading
 import uuid
@@ -19,6 +21,8 @@ from .localfs import (DIO_ALIGN, PARTIAL, TMP, _address, _REFUSED, _tier_error, 
 
 if TYPE_CHECKING:
     from .local import LocalTier
+
+log = logging.getLogger("tierckpt")
 
 class _FileSink(DataSink):
     """One ``.partial`` file written at planned offsets by several threads (see the module doc).
@@ -165,12 +169,24 @@ class _FileSink(DataSink):
             pass
 
 
+RECORD_EVERY = 256 << 20
+"""Bytes a :class:`_ResumableFile` writes between two durable records of its progress: a crash
+loses at most this much download per file (never correctness: resumed blocks are re-checked)."""
+
+
 class _ResumableFile(ResumableSink):
     """:class:`ResumableSink` of the local tier (see :meth:`LocalTier.open_resumable`).
 
-    Crash safety: a block is recorded in the sidecar (temp file, fsync, rename) only after its
-    bytes were written and, with ``fsync``, ``fdatasync``'d; the final name appears only by the
-    rename in :meth:`close`, after an fsync of the whole file.
+    Durability is proportional to the work: blocks are written with ``O_DIRECT`` where the file
+    system allows it (the aligned part of each block, from a page-aligned buffer; buffered
+    otherwise, e.g. on tmpfs) and are *recorded* in the sidecar (temp file, fsync, rename) in
+    batches: after every :data:`RECORD_EVERY` bytes, the file is ``fdatasync``'d and every block
+    landed so far recorded at once; :meth:`suspend` (an interruption) does the same for all
+    landed blocks. So a recorded block is always durable; a crash loses at most the blocks
+    written since the last record. The final name appears only by the rename in :meth:`close`,
+    after one fsync of the whole file.
+
+    ``recorded`` (the in-memory set) holds every block that landed, recorded durably or not yet.
     """
 
     def __init__(self, tier: LocalTier, key: str, size: int, block: int, tag: dict, adopt: bool) -> None:
@@ -180,19 +196,36 @@ class _ResumableFile(ResumableSink):
         self._partial = self._final.with_name(self._final.name + PARTIAL)
         self._sidecar = self._final.with_name(self._final.name + ".ranges" + PARTIAL)
         self._lockpath = self._final.with_name(f"{TMP}{self._final.name}.lock")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # recorded, _unsaved
+        self._record_lock = threading.Lock()  # one sync + sidecar write at a time, in order
         self._fd = -1
+        self._dfd = -1
+        self._unsaved = 0  # bytes landed since the last durable record
         self._lock_fd = self._take_lock()
         try:
             self.recorded = self._start(adopt)
             self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(self._fd, size)
-            self._save()
+            if os.fstat(self._fd).st_size != size:
+                os.ftruncate(self._fd, size)
+            if size:
+                try:  # contiguous extents: direct writes then need no allocation on the way
+                    os.posix_fallocate(self._fd, 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+            if size >= DIO_ALIGN:
+                self._dfd = tier._open_direct(self._partial, os.O_WRONLY)
+            self._save(self.recorded)
         except BaseException as e:
             self.suspend()
             if isinstance(e, OSError) and not isinstance(e, TierError):
                 raise _tier_error(e, f"cannot start writing {self._partial}") from e
             raise
+
+    @property
+    def direct(self) -> bool:
+        """Whether aligned block writes currently go through ``O_DIRECT``."""
+        return self._dfd >= 0 and self._tier._direct_ok is not False
 
     def _take_lock(self) -> int:
         import fcntl
@@ -232,8 +265,8 @@ class _ResumableFile(ResumableSink):
             _unlink_quietly(p)
         return set()
 
-    def _save(self) -> None:
-        doc = {**self._tag, "size": self.size, "range_size": self.block, "done": sorted(self.recorded)}
+    def _save(self, blocks: "set[int]") -> None:
+        doc = {**self._tag, "size": self.size, "range_size": self.block, "done": sorted(blocks)}
         tmp = self._sidecar.with_name(f"{TMP}{uuid.uuid4().hex}-{self._sidecar.name}")
         try:
             with open(open_new(tmp), "w") as f:
@@ -245,6 +278,16 @@ class _ResumableFile(ResumableSink):
         except OSError as e:
             _unlink_quietly(tmp)
             raise _tier_error(e, f"cannot write {self._sidecar}") from e
+
+    def _record(self) -> None:
+        """Make every landed block durable, then record them all in the sidecar."""
+        with self._record_lock:
+            with self._lock:
+                blocks = set(self.recorded)
+                self._unsaved = 0
+            if self._tier.fsync:
+                os.fdatasync(self._fd)  # one inode: covers the direct descriptor's writes too
+            self._save(blocks)
 
     def read_block(self, i: int, buf: memoryview) -> None:
         s, e = self.span(i)
@@ -258,24 +301,56 @@ class _ResumableFile(ResumableSink):
             raise CorruptCheckpoint(f"{self._partial}: unexpected end of file at {s + n}")
 
     def keep(self, blocks: "set[int]") -> None:
-        with self._lock:
-            self.recorded &= set(blocks)
-            self._save()
+        with self._record_lock:
+            with self._lock:
+                self.recorded &= set(blocks)
+                kept = set(self.recorded)
+            self._save(kept)
 
     def write_block(self, i: int, data: memoryview) -> None:
+        """Write block ``i`` (from any thread; a page-aligned ``data`` goes through ``O_DIRECT``).
+        It is recorded durably with the next batch (see the class docstring)."""
         s, e = self.span(i)
         mv = memoryview(data).cast("B") if data.format != "B" or data.ndim != 1 else data
         if len(mv) != e - s:
             raise CorruptCheckpoint(f"{self._partial}: block {i} has {e - s} bytes, got {len(mv)}")
         try:
-            _FileSink._pwrite(self._fd, mv, s)
-            if self._tier.fsync:
-                os.fdatasync(self._fd)
+            n = len(mv)
+            aligned = n // DIO_ALIGN * DIO_ALIGN if s % DIO_ALIGN == 0 else 0
+            done = 0
+            if aligned and self.direct and _address(mv) % DIO_ALIGN == 0:
+                done = self._pwrite_direct(mv[:aligned], s)
+            _FileSink._pwrite(self._fd, mv[done:], s + done)
+        except TierError:
+            raise
         except OSError as err:
             raise _tier_error(err, f"cannot write {self._partial}") from err
         with self._lock:
             self.recorded.add(i)
-            self._save()
+            self._unsaved += n
+            due = self._unsaved >= RECORD_EVERY
+        if due:
+            try:
+                self._record()
+            except OSError as err:
+                raise _tier_error(err, f"cannot make {self._partial} durable") from err
+
+    def _pwrite_direct(self, mv: memoryview, offset: int) -> int:
+        """Write aligned ``mv`` through the direct descriptor; return the bytes written (the rest,
+        after a refusal or a short write, is left to the buffered descriptor)."""
+        done = 0
+        while done < len(mv):
+            try:
+                n = os.pwrite(self._dfd, mv[done:], offset + done)
+            except OSError as e:
+                if e.errno not in _REFUSED or done % DIO_ALIGN:
+                    raise
+                self._tier._direct_refused(self._partial, e)  # raises with direct_io = true
+                return done
+            done += n
+            if n <= 0 or n % DIO_ALIGN:
+                break
+        return done
 
     def close(self) -> None:
         missing = self.blocks() - len(self.recorded)
@@ -284,8 +359,7 @@ class _ResumableFile(ResumableSink):
         try:
             if self._tier.fsync:
                 os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            self._close_fds()
             os.replace(self._partial, self._final)
             if self._tier.fsync:
                 fsync_dir(self._final.parent)
@@ -295,19 +369,34 @@ class _ResumableFile(ResumableSink):
         self._unlock()
 
     def suspend(self) -> None:
+        """Record every landed block (durably), then release. Never raises: a failure to record
+        only loses progress (logged)."""
+        if self._fd >= 0 and self._lock_fd >= 0:
+            try:
+                with self._lock:
+                    pending = self._unsaved > 0
+                if pending:
+                    self._record()
+            except OSError as e:
+                log.warning("%s: cannot record the download progress (%s); the next fetch re-downloads "
+                            "what was not recorded", self._partial, e)
         self._release(discard=False)
 
     def abort(self) -> None:
         self._release(discard=True)
 
+    def _close_fds(self) -> None:
+        for fd in (self._fd, self._dfd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._dfd = -1
+
     def _release(self, discard: bool) -> None:
         """Close the file and drop the lock; ``discard``: remove the partial file and its sidecar."""
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = -1
+        self._close_fds()
         if discard:
             for p in (self._partial, self._sidecar):
                 _unlink_quietly(p)
