@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
     p = sub.add_parser("gc", parents=parents, help="apply retention now (delete old and stale checkpoints)",
                        description="Apply the retention policy now on every tier: [local] keep, [s3] keep and "
                                    "keep_every (0 keeps all). Also removes partial checkpoints older than the start "
-                                   "of the newest committed one, and on S3 stale multipart uploads. The newest "
+                                   "of the newest committed one, and leftovers of interrupted writes (on S3 stale multipart "
+                                   "uploads, on a local tier half-written files of killed processes such as a "
+                                   "peer copy whose receiver died). The newest "
                                    "committed checkpoint of a tier is never deleted.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", "-n", action="store_true", help="only print what would be deleted")
@@ -41,5 +43,6 @@ def run(args: argparse.Namespace) -> int:
                     [[verb if (res.dry_run or a.deleted) else "kept", a.tier, a.checkpoint_id, human_size(a.size), a.reason]
                      for a in res.actions]))
     if res.aborted_uploads:
-        print(f"aborted {res.aborted_uploads} stale multipart upload(s)")
+        print(f"removed {res.aborted_uploads} leftover(s) of interrupted writes (stale multipart uploads, "
+              "half-written files of killed processes)")
     return 0

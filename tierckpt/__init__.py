@@ -5,11 +5,12 @@ Public surface::
     from tierckpt import TieredWriter, TieredReader, Config, load_config
     dcp.save(state_dict, checkpoint_id="step-100", storage_writer=TieredWriter(cfg))
     dcp.load(state_dict, checkpoint_id="latest", storage_reader=TieredReader(cfg))
+    tierckpt.latest(cfg), tierckpt.list_checkpoints(cfg)   # what the tiers hold, as the CLI says
 
 The public names are imported on first use (PEP 562 module ``__getattr__``), so that importing a
 submodule (``tierckpt.catalog``, ``tierckpt.layout``: what the restore CLI's ``latest`` needs)
 does not import torch. ``from tierckpt import TieredWriter`` works as before; adding a public
-name is one line in :data:`_LAZY` (and one in ``__all__``).
+name is one line in :data:`_LAZY` (``__all__`` is its keys).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         TierUnavailable,
         TornCaptureError,
     )
+    from .checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
     from .reader import TieredReader
     from .save import SaveStats
     from .writer import TieredWriter
@@ -67,35 +69,13 @@ _LAZY: dict[str, str] = {
     "TornCaptureError": ".errors",
     "TierError": ".errors",
     "TierUnavailable": ".errors",
+    "latest": ".checkpoints",
+    "list_checkpoints": ".checkpoints",
+    "Checkpoint": ".checkpoints",
+    "checkpoint_id_of": ".checkpoints",
 }
 
-__all__ = [
-    "TieredWriter",
-    "TieredReader",
-    "Config",
-    "TierConfig",
-    "HostConfig",
-    "LocalConfig",
-    "S3Config",
-    "JobConfig",
-    "PeerConfig",
-    "SaveStats",
-    "load_config",
-    "parse_size",
-    "TierckptError",
-    "ConfigError",
-    "CheckpointNotFound",
-    "CorruptCheckpoint",
-    "ChecksumMismatch",
-    "CommitConflict",
-    "SaveError",
-    "CaptureError",
-    "CommitError",
-    "ReplicationError",
-    "TornCaptureError",
-    "TierError",
-    "TierUnavailable",
-]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -107,7 +107,10 @@ class ResumableSink(abc.ABC):
 
     @abc.abstractmethod
     def write_block(self, i: int, data: memoryview) -> None:
-        """Write all of block ``i``, make it durable where the tier can, then record it."""
+        """Write all of block ``i``. A block is recorded (kept by a resumed write) only once durable
+        where the tier can make it so; a tier may record blocks in batches (the local tier: every
+        few hundred MiB, after one ``fdatasync``), so an interruption may cost the unrecorded
+        blocks, never correctness (a resumed write re-checks what it keeps)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -49,12 +49,13 @@ def _toml(cfg: dict) -> str:
 
 
 def _fetch_n1(base: Path, cfg: dict) -> float:
-    """``tierckpt-restore fetch latest`` on the replacement node n1 (what an operator runs to rebuild
-    its disk from S3 before the job resumes); seconds."""
+    """``tierckpt-restore fetch latest --no-peers`` on the replacement node n1 (what an operator runs
+    to rebuild its disk from S3 before the job resumes; here n0's directory is readable, so
+    ``--no-peers`` keeps the copies out of it); seconds."""
     conf = base / "n1.toml"
     conf.write_text(_toml(cfg))
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "restore", "--config", str(conf), "fetch", "latest", "--quiet"], check=True,
+    subprocess.run([sys.executable, "-m", "restore", "--config", str(conf), "fetch", "latest", "--quiet", "--no-peers"], check=True,
                    env=dict(os.environ, TIERCKPT_NODE="n1"), cwd=str(Path(__file__).resolve().parents[2]))
     return time.perf_counter() - t0
 
