@@ -57,7 +57,7 @@ class PartBuffers:
             if size <= self.size and self._free:
                 return self._free.pop()
         try:
-            return _anonymous(max(size, self.size) if size <= self.size else size)
+            return _anonymous(max(size, self.size))
         except BaseException:
             with self._cond:
                 self._out -= 1
