@@ -270,7 +270,7 @@ def test_direct_reads_in_place_into_aligned_buffers(mode: str, tmp_path: Path, m
     import mmap
 
     monkeypatch.setattr(local_mod, "DIRECT_READ_MIN", 4096)
-    monkeypatch.setattr(local_mod, "_INPLACE_STEP", 64 * KiB)  # several in-place reads per call
+    monkeypatch.setattr(local_mod, "INPLACE_STEP", 64 * KiB)  # several in-place reads per call
     tier = LocalTier(tmp_path / "root", fsync=True, direct_io=_direct_io(mode))
     size = 700 * KiB + 123
     data = _data(size, 12)

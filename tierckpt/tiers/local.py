@@ -31,16 +31,14 @@ import numpy as np
 
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
 from .base import DataSink, ObjectInfo, ResumableSink, Tier, check_key
-from .localfs import (BOUNCE_SIZE, DIO_ALIGN, DIRECT_READ_MIN, PARTIAL, TMP, TRASH, _O_DIRECT, _REFUSED, _address,
-                      _bounce, _cached, _janitor, _log_fallback, _tier_error, _unlink_quietly, drain_deletions,
-                      fsync_dir, open_new)
+from .localfs import (BOUNCE_SIZE, DIO_ALIGN, DIRECT_READ_MIN, INPLACE_STEP, PARTIAL, TMP, TRASH, _O_DIRECT, _REFUSED,
+                      _address, _bounce, _cached, _janitor, _log_fallback, _tier_error, _unlink_quietly,
+                      drain_deletions, fsync_dir, open_new)
 from .localsinks import _FileSink, _ResumableFile
 
 __all__ = ["LocalTier", "fsync_dir", "drain_deletions", "open_new", "DIO_ALIGN"]
 
 log = logging.getLogger("tierckpt")
-
-_INPLACE_STEP = 64 << 20  # bytes per O_DIRECT read straight into an aligned destination
 
 
 class LocalTier(Tier):
@@ -305,7 +303,7 @@ class LocalTier(Tier):
         got = 0
         while got < len(dest):
             try:
-                n = os.preadv(dfd, [dest[got : got + _INPLACE_STEP]], start + got)
+                n = os.preadv(dfd, [dest[got : got + INPLACE_STEP]], start + got)
             except OSError as e:
                 if e.errno not in _REFUSED or got:
                     raise
