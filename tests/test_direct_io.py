@@ -263,6 +263,45 @@ def test_direct_reads_cold_and_buffered_when_cached(mode: str, tmp_path: Path, m
         assert not direct_reads
 
 
+def test_direct_reads_in_place_into_aligned_buffers(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aligned destination at an aligned offset (promotion's part buffers) is filled by
+    O_DIRECT reads straight into it, with no bounce buffer; the tail past its last whole block,
+    reads running into the end of the file and unaligned shapes stay exact."""
+    import mmap
+
+    monkeypatch.setattr(local_mod, "DIRECT_READ_MIN", 4096)
+    monkeypatch.setattr(local_mod, "INPLACE_STEP", 64 * KiB)  # several in-place reads per call
+    tier = LocalTier(tmp_path / "root", fsync=True, direct_io=_direct_io(mode))
+    size = 700 * KiB + 123
+    data = _data(size, 12)
+    sink = tier.open_sink("p/rank-0.data", size)
+    sink.write_at(0, memoryview(data))
+    sink.close()
+    path = tmp_path / "root" / "p" / "rank-0.data"
+    bounced: list[int] = []
+    real_take = localfs_mod._bounce.take
+
+    def spy_take():  # noqa: ANN202
+        bounced.append(1)
+        return real_take()
+
+    monkeypatch.setattr(local_mod._bounce, "take", spy_take)
+    buf = mmap.mmap(-1, 256 * KiB)
+    for start, n in ((0, 256 * KiB), (256 * KiB, 256 * KiB), (512 * KiB, size - 512 * KiB), (4096, 100 * KiB + 7),
+                     (4096 * 5, 3)):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        bounced.clear()
+        view = memoryview(buf)[:n]
+        tier.read_into("p/rank-0.data", start, view)
+        assert bytes(view) == data[start : start + n], (start, n)
+        del view
+        if mode == "direct" and n % DIO_ALIGN == 0 and n >= 4096:
+            assert not bounced, f"an aligned read of [{start}, {start + n}) went through the bounce buffer"
+    buf.close()
+
+
 def test_direct_read_refused_falls_back(refuse_direct: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local_mod, "DIRECT_READ_MIN", 4096)
     (tmp_path / "root" / "x").mkdir(parents=True)

@@ -146,6 +146,32 @@ class BitExactContract:
         assert bytes(buf) == data[1000 : 1000 + PS]
         assert tier.get("rd/obj.data") == data
 
+    def test_read_ranges_scatter_bit_exact(self, tier: Tier) -> None:
+        data = _data(2 * PS + 999, 5)
+        sink = tier.open_sink("sc/obj.data", len(data))
+        sink.write_at(0, memoryview(data))
+        sink.close()
+        for start, lens in ((0, [len(data)]), (7, [PS - 3, 1, 0, 4096, PS - 4200]), (PS + 1, [3, PS - 5, 100])):
+            bufs = [memoryview(bytearray(n)) for n in lens]
+            tier.read_ranges("sc/obj.data", start, bufs)
+            at = start
+            for b in bufs:
+                assert bytes(b) == data[at : at + len(b)], (start, lens)
+                at += len(b)
+
+    @pytest.mark.parametrize("size", [0, 1000, 3 * PS + 4097], ids=lambda s: f"size{s}")
+    def test_copy_from_local_bit_exact(self, tier: Tier, tmp_path: Path, size: int) -> None:
+        """Promotion's path: a file committed on a local tier copied here under the same key."""
+        src = LocalTier(tmp_path / f"copy-src-{size}", fsync=True)
+        data = _data(size, 6)
+        key = f"cp-{size}/_00/rank-0.data"
+        sink = src.open_sink(key, size)
+        sink.write_at(0, memoryview(data))
+        sink.close()
+        assert tier.copy_from(src, key) == size
+        assert tier.size(key) == size and tier.get(key) == data
+        assert not self.leftover_partials(tier)
+
     def test_put_roundtrip_and_if_absent(self, tier: Tier) -> None:
         tier.put("pc/commit.json", b'{"ok": 1}', if_absent=True)
         with pytest.raises(CommitConflict):

@@ -94,6 +94,7 @@ SECTIONS: dict[str, Callable[[Ctx], dict]] = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=2.0, help="state size of section local (default 2)")
+    ap.add_argument("--s3-gib", default="0.5", help="state sizes of section s3, comma-separated (default 0.5)")
     ap.add_argument("--cpu-gib", type=float, default=0.75, help="state size of section cpu (default 0.75)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench.json"), help="JSON output path")
     ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),

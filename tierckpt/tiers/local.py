@@ -31,9 +31,9 @@ import numpy as np
 
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
 from .base import DataSink, ObjectInfo, ResumableSink, Tier, check_key
-from .localfs import (BOUNCE_SIZE, DIO_ALIGN, DIRECT_READ_MIN, PARTIAL, TMP, TRASH, _O_DIRECT, _REFUSED, _bounce,
-                      _cached, _janitor, _log_fallback, _tier_error, _unlink_quietly, drain_deletions,
-                      fsync_dir, open_new)
+from .localfs import (BOUNCE_SIZE, DIO_ALIGN, DIRECT_READ_MIN, INPLACE_STEP, PARTIAL, TMP, TRASH, _O_DIRECT, _REFUSED,
+                      _address, _bounce, _cached, _janitor, _log_fallback, _tier_error, _unlink_quietly,
+                      drain_deletions, fsync_dir, open_new)
 from .localsinks import _FileSink, _ResumableFile
 
 __all__ = ["LocalTier", "fsync_dir", "drain_deletions", "open_new", "DIO_ALIGN"]
@@ -249,8 +249,21 @@ class LocalTier(Tier):
 
     def _read_direct(self, dfd: int, path: Path, start: int, total: int, dests: "list[memoryview]") -> bool:
         """Read ``[start, start+total)`` with ``O_DIRECT`` into ``dests``; False (nothing
-        delivered) if the file system refused the transfer, so the caller reads it buffered."""
+        delivered) if the file system refused the transfer, so the caller reads it buffered.
+
+        One page-aligned destination at an aligned file offset (promotion's part buffers) is
+        read into in place, with no bounce copy, up to its last whole block; the rest, and every
+        other shape of destination, goes through a reused bounce buffer and one copy."""
         end = start + total
+        if len(dests) == 1 and start % DIO_ALIGN == 0 and _address(dests[0]) % DIO_ALIGN == 0:
+            body = total - total % DIO_ALIGN
+            got = self._read_direct_inplace(dfd, path, start, dests[0][:body])
+            if got < 0:
+                return False
+            if got == total:
+                return True
+            start, total, dests = start + got, total - got, [dests[0][got:]]
+            end = start + total
         off = start - start % DIO_ALIGN
         bounce = _bounce.take()
         _mm, bmv, barr = bounce
@@ -286,6 +299,24 @@ class LocalTier(Tier):
         finally:
             _bounce.give(bounce)
         return True
+
+    def _read_direct_inplace(self, dfd: int, path: Path, start: int, dest: memoryview) -> int:
+        """``O_DIRECT`` reads of ``[start, start+len(dest))`` straight into ``dest`` (offset,
+        length and address aligned to :data:`DIO_ALIGN`). Returns the bytes read (fewer at the end
+        of the file), or -1 if the file system refused the first transfer (nothing delivered)."""
+        got = 0
+        while got < len(dest):
+            try:
+                n = os.preadv(dfd, [dest[got : got + INPLACE_STEP]], start + got)
+            except OSError as e:
+                if e.errno not in _REFUSED or got:
+                    raise
+                self._direct_refused(path, e)
+                return -1
+            got += n
+            if n == 0 or n % DIO_ALIGN:
+                break
+        return got
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

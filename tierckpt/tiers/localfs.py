@@ -28,6 +28,7 @@ TRASH = ".trash-"
 DIO_ALIGN = max(4096, mmap.PAGESIZE)  # offsets, lengths and addresses of O_DIRECT transfers
 DIRECT_READ_MIN = 1 << 20  # reads smaller than this stay buffered (page cache, readahead)
 BOUNCE_SIZE = 8 << 20  # bytes per direct read into the bounce buffer
+INPLACE_STEP = 64 << 20  # bytes per O_DIRECT read straight into an aligned destination (no bounce)
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTTY)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 

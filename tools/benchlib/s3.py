@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -17,7 +18,9 @@ import torch.distributed.checkpoint as dcp
 from tierckpt import HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
 from tierckpt.testing import free_port
 
-from benchlib.common import Ctx, GiB, MiB, compare_state, empty_like_state, log, make_state, med, now, rm, row, tensor_bytes, zero_state
+from benchlib.common import (Ctx, GiB, MiB, compare_state, cpu_seconds, empty_like_state, log, make_state, med, now, rm, row,
+                             tensor_bytes, zero_state)
+from benchlib.cpu import thread_cpu
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +114,70 @@ def raw_upload(client: Any, key: str, path: Path, part: int, conc: int) -> float
     return now() - t0
 
 
+def default_client(url: str) -> Any:
+    """A boto3 client as a user writes it: defaults, path-style addressing, a pool for the threads."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client("s3", endpoint_url=url, config=Config(
+        s3={"addressing_style": "path"}, max_pool_connections=S3_CONC + 4))
+
+
+class Crt:
+    """awscrt's S3 client (the C data plane boto3's CRT transfer manager and s3torchconnector
+    wrap): multipart PUT from a file (``send_filepath``, its own ``direct_io`` reads, CRC32C per
+    part) and GETs split into ``S3_PART`` ranges, ``S3_CONC`` connections, credentials from boto3's
+    chain. Loopback http endpoints only (``tls_mode`` disabled)."""
+
+    def __init__(self, url: str) -> None:
+        import boto3
+        from awscrt import auth, io, s3
+
+        self.s3 = s3
+        self.host = url.split("://", 1)[1].rstrip("/")
+        el = io.EventLoopGroup(S3_CONC)
+        bootstrap = io.ClientBootstrap(el, io.DefaultHostResolver(el))
+        creds = boto3.session.Session().get_credentials().get_frozen_credentials()
+        prov = auth.AwsCredentialsProvider.new_static(creds.access_key, creds.secret_key, creds.token)
+        self.client = s3.S3Client(bootstrap=bootstrap, region="us-east-1", tls_mode=s3.S3RequestTlsMode.DISABLED,
+                                  credential_provider=prov, part_size=S3_PART,
+                                  max_active_connections_override=S3_CONC)
+
+    def upload(self, key: str, path: Path) -> float:
+        from awscrt import http
+
+        s3 = self.s3
+        size = path.stat().st_size
+        req = http.HttpRequest("PUT", f"/{S3_BUCKET}/{key}", http.HttpHeaders(
+            [("Host", self.host), ("Content-Length", str(size)), ("Content-Type", "application/octet-stream")]))
+        t0 = now()
+        r = self.client.make_request(
+            type=s3.S3RequestType.PUT_OBJECT, request=req, send_filepath=str(path),
+            checksum_config=s3.S3ChecksumConfig(algorithm=s3.S3ChecksumAlgorithm.CRC32C,
+                                                location=s3.S3ChecksumLocation.HEADER),
+            fio_options=s3.S3FileIoOptions(should_stream=False, direct_io=True))
+        r.finished_future.result()
+        return now() - t0
+
+    def download(self, objs: list[tuple[str, int]], bufs: list[bytearray]) -> float:
+        from awscrt import http
+
+        s3 = self.s3
+        t0 = now()
+        reqs = []
+        for (key, _size), buf in zip(objs, bufs):
+            mv = memoryview(buf)
+
+            def on_body(chunk: Any, offset: int, mv: memoryview = mv, **_: Any) -> None:
+                mv[offset: offset + len(chunk)] = chunk
+
+            req = http.HttpRequest("GET", f"/{S3_BUCKET}/{key}", http.HttpHeaders([("Host", self.host)]))
+            reqs.append(self.client.make_request(type=s3.S3RequestType.GET_OBJECT, request=req, on_body=on_body))
+        for r in reqs:
+            r.finished_future.result()
+        return now() - t0
+
+
 def raw_download(client: Any, objs: list[tuple[str, int]], bufs: list[bytearray], part: int, conc: int) -> float:
     """Parallel ranged GETs (``part`` bytes each, ``conc`` in flight) into preallocated buffers."""
     from concurrent.futures import ThreadPoolExecutor
@@ -162,25 +229,176 @@ def s3tc_probe() -> str | None:
     return None
 
 
-def section_s3(ctx: Ctx) -> dict:
+_PROMOTE_THREADS = ("tierckpt-replicate", "tierckpt-s3", "tierckpt-copy")
+
+
+def _threads_cpu(before: dict[int, float], after: dict[int, float], prefixes: tuple[str, ...]) -> float:
+    """CPU seconds spent between two :func:`thread_cpu` snapshots by live threads named ``prefixes*``."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    return sum(c - before.get(tid, 0.0) for tid, c in after.items() if names.get(tid, "").startswith(prefixes))
+
+
+def _delete_prefix(client: Any, prefix: str) -> None:
+    keys = [k for k, _ in list_objects(client, prefix)]
+    for i in range(0, len(keys), 1000):
+        client.delete_objects(Bucket=S3_BUCKET, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+
+
+class _Series:
+    """Times and CPU seconds of one path over the repeats."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+        self.c: list[float] = []
+
+    def timed(self, fn: Callable[[], Any]) -> Any:
+        c0, t0 = cpu_seconds(), now()
+        out = fn()
+        self.t.append(now() - t0)
+        self.c.append(cpu_seconds() - c0)
+        return out
+
+    def per_gib(self, nbytes: int) -> float | None:
+        return med(self.c) / (nbytes / GiB) if self.c else None
+
+
+def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str | None, notes: list[str]) -> dict:
+    """Every path, interleaved per repeat, for one state size on one server."""
     from tierckpt.tiers.s3 import make_client
 
-    size = (64 if ctx.quick else 256) * MiB
-    reps = 2 if ctx.quick else 3
     sd = make_state(size, seed=5)
     nbytes = tensor_bytes(sd)
-    pool = 256 * MiB if size <= 256 * MiB else 1 * GiB
+    gib = f"{nbytes / GiB:.2g} GiB"
+    pool = 256 * MiB if nbytes <= 256 * MiB else (nbytes + 64 * MiB)
+    prefix = f"bench-{kind}-{size // MiB}"
+    local = tmp / f"local-{size // MiB}"
+    cfg = s3_tier_cfg(local, url, prefix, pool, keep_s3=2)
+    cfg_s3 = s3_tier_cfg(None, url, prefix, pool)
+    client = make_client(cfg.s3)
+    dclient = default_client(url)
+    crt = Crt(url)
+    writer = TieredWriter(cfg)
+    S = {k: _Series() for k in ("save", "up", "up_def", "up_crt", "ld", "dl", "dl_crt", "tcw", "tcr")}
+    t_prom: list[float] = []
+    c_prom: list[float] = []
+    dest = empty_like_state(sd)
+    objs: list[tuple[str, int]] = []
+    try:
+        for r in range(reps):
+            cid = f"s3b-{r:02d}"
+            # (a) our save until promoted (capture, local durable commit, promotion, S3 commit)
+            before = thread_cpu()
+            S["save"].timed(lambda: (dcp.save(sd, checkpoint_id=cid, storage_writer=writer), writer.wait()))
+            c_prom.append(_threads_cpu(before, thread_cpu(), _PROMOTE_THREADS))
+            t_prom.append(writer.history[-1].promote_s)
+            files = [p for p in local.rglob("*") if p.is_file() and cid in str(p) and p.stat().st_size > MiB]
+            assert len(files) == 1, files
+            # (b) raw uploads of the same data file: tier's client config, boto3 defaults, awscrt
+            S["up"].timed(lambda: raw_upload(client, f"raw/{kind}-{r}-t", files[0], S3_PART, S3_CONC))
+            S["up_def"].timed(lambda: raw_upload(dclient, f"raw/{kind}-{r}-d", files[0], S3_PART, S3_CONC))
+            S["up_crt"].timed(lambda: crt.upload(f"raw/{kind}-{r}-c", files[0]))
+            _delete_prefix(client, "raw/")
+            # (c) load from S3 only, then raw ranged GETs of the same objects (boto3, awscrt)
+            zero_state(dest)
+            S["ld"].timed(lambda: dcp.load(dest, checkpoint_id=cid, storage_reader=TieredReader(cfg_s3)))
+            if r == 0:
+                bad = compare_state(dest, sd)
+                if bad:
+                    raise RuntimeError(f"S3 load mismatch: {bad[:5]}")
+            objs = [o for o in list_objects(client, f"{prefix}/") if f"/{cid}/" in o[0] and o[1] > MiB]
+            if not objs:
+                raise RuntimeError(f"no data objects of {cid} found on S3")
+            bufs = [bytearray(s) for _, s in objs]
+            S["dl"].timed(lambda: raw_download(client, objs, bufs, S3_PART, S3_CONC))
+            S["dl_crt"].timed(lambda: crt.download(objs, bufs))
+            del bufs
+            # (d) s3torchconnector's DCP writer/reader
+            if not why_tc:
+                from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+                path = f"s3://{S3_BUCKET}/tc-{kind}/{r}"
+                w = S3StorageWriter(region="us-east-1", path=path, thread_count=S3_CONC)
+                w.fs._client = s3tc_client(url)
+                S["tcw"].timed(lambda: dcp.save(sd, storage_writer=w))
+                zero_state(dest)
+                rd = S3StorageReader(region="us-east-1", path=path)
+                rd.fs._client = s3tc_client(url)
+                S["tcr"].timed(lambda: dcp.load(dest, storage_reader=rd))
+                if r == 0:
+                    bad = compare_state(dest, sd)
+                    if bad:
+                        notes.append(f"{kind}: s3torchconnector load mismatch: {bad[:3]}")
+                _delete_prefix(client, f"tc-{kind}/")
+            log(f"s3 {kind} {gib} rep {r}: save->promoted {S['save'].t[-1]:.2f} (promote {t_prom[-1]:.2f}) raw up "
+                f"{S['up'].t[-1]:.2f}/{S['up_def'].t[-1]:.2f}/crt {S['up_crt'].t[-1]:.2f} load {S['ld'].t[-1]:.2f} raw dl "
+                f"{S['dl'].t[-1]:.2f}/crt {S['dl_crt'].t[-1]:.2f}"
+                + (f" tc w {S['tcw'].t[-1]:.2f} r {S['tcr'].t[-1]:.2f}" if S["tcw"].t else ""))
+    finally:
+        writer.close()
+    dsize = sum(s for _, s in objs)
+    pg = med(c_prom) / (dsize / GiB) if c_prom else None
+
+    def ratio(a: list[float], b: list[float]) -> float | None:
+        return med(a) / med(b) if a and b else None
+
+    n = f"{kind} {gib}"
+    rows = [
+        row(f"{n}: raw boto3 upload, tier's client config", S["up"].t, dsize, cpu_s_per_gib=S["up"].per_gib(dsize),
+            note="no checksum; unsigned payload, 1 MiB send blocks"),
+        row(f"{n}: raw boto3 upload, boto3 defaults", S["up_def"].t, dsize, cpu_s_per_gib=S["up_def"].per_gib(dsize),
+            note="no checksum; payload SHA-256 signed (http)"),
+        row(f"{n}: raw awscrt upload (send_filepath, direct_io)", S["up_crt"].t, dsize,
+            cpu_s_per_gib=S["up_crt"].per_gib(dsize), note="CRC32C per part by the CRT"),
+        row(f"{n}: tierckpt promotion (promote_s)", t_prom, dsize, ratio=ratio(S["up"].t, t_prom), cpu_s_per_gib=pg,
+            note="ratio: raw (tier config) / ours; CPU: promotion threads"),
+        row(f"{n}: tierckpt save->promoted (dcp.save..wait)", S["save"].t, dsize, cpu_s_per_gib=S["save"].per_gib(dsize),
+            note="capture + local durable + commit + promotion"),
+        row(f"{n}: raw boto3 ranged GETs", S["dl"].t, dsize, cpu_s_per_gib=S["dl"].per_gib(dsize), note="tier's client"),
+        row(f"{n}: raw awscrt GETs", S["dl_crt"].t, dsize, cpu_s_per_gib=S["dl_crt"].per_gib(dsize),
+            note="split by the CRT, copied in on_body"),
+        row(f"{n}: TieredReader from S3 only", S["ld"].t, dsize, ratio=ratio(S["dl"].t, S["ld"].t),
+            cpu_s_per_gib=S["ld"].per_gib(dsize), note="ratio: raw boto3 / ours; CRC-checked"),
+    ]
+    ratios: dict[str, Any] = {f"{n} promote raw/ours": ratio(S["up"].t, t_prom),
+                              f"{n} S3 load raw/ours": ratio(S["dl"].t, S["ld"].t),
+                              f"{n} upload CPU/GiB ours/raw defaults": pg / S["up_def"].per_gib(dsize) if pg else None,
+                              f"{n} upload CPU/GiB ours/raw tier config": pg / S["up"].per_gib(dsize) if pg else None}
+    targets: dict[str, Any] = {f"{n} promote raw/ours": (">=", 1.0),
+                               f"{n} upload CPU/GiB ours/raw defaults": ("<", 1.0)}
+    if S["tcw"].t:
+        rows += [row(f"{n}: s3torchconnector S3StorageWriter", S["tcw"].t, dsize, ratio=ratio(S["tcw"].t, S["save"].t),
+                     cpu_s_per_gib=S["tcw"].per_gib(dsize), note="ratio: its save / our save->promoted; CPU incl. its serialization"),
+                 row(f"{n}: s3torchconnector S3StorageReader", S["tcr"].t, dsize, ratio=ratio(S["tcr"].t, S["ld"].t),
+                     cpu_s_per_gib=S["tcr"].per_gib(dsize), note="ratio: its load / our S3 load")]
+        ratios[f"{n} s3tc writer / our save->promoted"] = ratio(S["tcw"].t, S["save"].t)
+        ratios[f"{n} s3tc writer / our promotion"] = ratio(S["tcw"].t, t_prom)
+        ratios[f"{n} s3tc reader / our S3 load"] = ratio(S["tcr"].t, S["ld"].t)
+        targets[f"{n} s3tc writer / our save->promoted"] = (">=", 1.2)
+        targets[f"{n} s3tc reader / our S3 load"] = (">=", 1.2)
+    raw = {k: {"s": v.t, "cpu_s": v.c} for k, v in S.items()}
+    raw["promote"] = {"s": t_prom, "cpu_s": c_prom}
+    return {"rows": rows, "ratios": ratios, "targets": targets, "raw": raw, "bytes": dsize}
+
+
+def section_s3(ctx: Ctx) -> dict:
+    """Promotion, raw uploads (boto3 tuned and default, awscrt), S3 loads, raw GETs (boto3,
+    awscrt) and s3torchconnector's DCP writer/reader, per server (moto, SeaweedFS) and state size
+    (``--s3-gib``), repeats interleaved; wall time and CPU seconds per GiB of each."""
+    sizes = [64 * MiB] if ctx.quick else [int(float(g) * GiB) for g in str(ctx.args.s3_gib).split(",")]
+    reps = 2 if ctx.quick else 3
     rows: list[dict] = []
     ratios: dict[str, Any] = {}
     targets: dict[str, Any] = {}
-    notes = [f"state {nbytes / MiB:.0f} MiB ({len([v for v in sd.values() if isinstance(v, torch.Tensor)])} tensors); "
-             f"[s3] part_size {S3_PART // MiB} MiB, concurrency {S3_CONC}; {reps} interleaved repeats; "
+    notes = [f"[s3] part_size {S3_PART // MiB} MiB, concurrency {S3_CONC} (every client: {S3_CONC} connections); "
+             f"{reps} interleaved repeats per size; medians",
              "raw upload = boto3 create_multipart_upload/upload_part on a ThreadPoolExecutor (pread per part, no "
-             "checksum; same botocore client config as the tier) of our local data file; raw download = ranged GETs "
-             f"of {S3_PART // MiB} MiB into preallocated bytearrays, {S3_CONC} in flight",
-             "promotion = writer.history[-1].promote_s (upload of the data file incl. CRC32C per part + "
-             "conditional PutObject of metadata.json + S3 retention; keep=0 so nothing is deleted); the promoter "
-             "thread runs at background_nice=10 (nothing else competes)"]
+             "checksum) of our local data file, with the tier's client config (make_client) and with boto3's defaults; "
+             "raw awscrt = awscrt.s3.S3Client PUT_OBJECT with send_filepath + direct_io + CRC32C, GET_OBJECT split by "
+             "the CRT; raw download = ranged GETs of 16 MiB into preallocated bytearrays",
+             "promotion = writer.history[-1].promote_s (upload of the data file incl. CRC32C per part + conditional "
+             "PutObject of metadata.json + S3 retention keep=2); promotion CPU = CPU of the threads tierckpt-replicate*/"
+             "tierckpt-s3*; every other CPU figure = whole-process CPU (getrusage) over the timed call; servers run in "
+             "other processes and are not counted"]
     why_tc = s3tc_probe()
     if why_tc:
         notes.append(why_tc)
@@ -202,89 +420,13 @@ def section_s3(ctx: Ctx) -> dict:
         notes.append(f"{kind}: {snote}")
         log(f"s3: {kind} at {url}")
         try:
-            prefix = f"bench-{kind}"
-            cfg = s3_tier_cfg(tmp / "local", url, prefix, pool)
-            cfg_s3 = s3_tier_cfg(None, url, prefix, pool)
-            client = make_client(cfg.s3)
-            writer = TieredWriter(cfg)
-            t_up, t_prom, t_save, t_ld, t_rawdl, t_tcw, t_tcr = [], [], [], [], [], [], []
-            dest = empty_like_state(sd)
-            verified = False
-            for r in range(reps):
-                # (a) our save+promotion, then raw multipart upload of the same data file
-                cid = f"s3b-{r:02d}"
-                t0 = now()
-                dcp.save(sd, checkpoint_id=cid, storage_writer=writer)
-                writer.wait()
-                t_save.append(now() - t0)
-                t_prom.append(writer.history[-1].promote_s)
-                files = [p for p in (tmp / "local").rglob("*") if p.is_file() and cid in str(p) and p.stat().st_size > MiB]
-                assert len(files) == 1, files
-                t_up.append(raw_upload(client, f"raw/{kind}-{r}", files[0], S3_PART, S3_CONC))
-                # (b) load from S3 only, then raw ranged GETs of the same objects
-                zero_state(dest)
-                t0 = now()
-                dcp.load(dest, checkpoint_id=cid, storage_reader=TieredReader(cfg_s3))
-                t_ld.append(now() - t0)
-                if not verified:
-                    bad = compare_state(dest, sd)
-                    if bad:
-                        raise RuntimeError(f"S3 load mismatch: {bad[:5]}")
-                    verified = True
-                objs = [o for o in list_objects(client, f"{prefix}/") if f"/{cid}/" in o[0] and o[1] > MiB]
-                bufs = [bytearray(s) for _, s in objs]
-                t_rawdl.append(raw_download(client, objs, bufs, S3_PART, S3_CONC))
-                if not objs:
-                    raise RuntimeError(f"no data objects of {cid} found on S3")
-                del bufs
-                # (c) s3torchconnector DCP writer/reader
-                if not why_tc:
-                    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
-
-                    path = f"s3://{S3_BUCKET}/tc-{kind}/{r}"
-                    w = S3StorageWriter(region="us-east-1", path=path, thread_count=S3_CONC)
-                    w.fs._client = s3tc_client(url)
-                    t0 = now()
-                    dcp.save(sd, storage_writer=w)
-                    t_tcw.append(now() - t0)
-                    zero_state(dest)
-                    rd = S3StorageReader(region="us-east-1", path=path)
-                    rd.fs._client = s3tc_client(url)
-                    t0 = now()
-                    dcp.load(dest, storage_reader=rd)
-                    t_tcr.append(now() - t0)
-                    if r == 0:
-                        bad = compare_state(dest, sd)
-                        if bad:
-                            notes.append(f"{kind}: s3torchconnector load mismatch: {bad[:3]}")
-                log(f"s3 {kind} rep {r}: promote {t_prom[-1]:.2f} raw up {t_up[-1]:.2f} load {t_ld[-1]:.2f} "
-                    f"raw dl {t_rawdl[-1]:.2f}" + (f" tc w {t_tcw[-1]:.2f} r {t_tcr[-1]:.2f}" if t_tcw else ""))
-            writer.close()
-            dsize = sum(s for _, s in objs)
-            up_ratio = med(t_up) / med(t_prom)
-            ld_ratio = med(t_rawdl) / med(t_ld)
-            rows += [
-                row(f"{kind}: raw boto3 multipart upload", t_up, dsize, note="ceiling (no checksums)"),
-                row(f"{kind}: tierckpt promotion (promote_s)", t_prom, dsize, ratio=up_ratio, note="ratio: raw/ours (time)"),
-                row(f"{kind}: tierckpt save->promoted (dcp.save..wait)", t_save, dsize,
-                    note="incl. capture + local durable + commit + promotion"),
-                row(f"{kind}: raw boto3 ranged GETs", t_rawdl, dsize, note="ceiling"),
-                row(f"{kind}: TieredReader from S3 only", t_ld, dsize, ratio=ld_ratio, note="ratio: raw/ours (time)"),
-            ]
-            ratios[f"{kind} promote raw/ours"] = up_ratio
-            ratios[f"{kind} S3 load raw/ours"] = ld_ratio
-            targets[f"{kind} promote raw/ours"] = (">=", 0.9)
-            targets[f"{kind} S3 load raw/ours"] = (">=", 0.9)
-            if t_tcw:
-                rows += [row(f"{kind}: s3torchconnector S3StorageWriter", t_tcw, dsize, ratio=med(t_tcw) / med(t_save),
-                             note="ratio: its save / our save->promoted"),
-                         row(f"{kind}: s3torchconnector S3StorageReader", t_tcr, dsize, ratio=med(t_tcr) / med(t_ld),
-                             note="ratio: its load / our S3 load")]
-            raw_res[kind] = {"upload": t_up, "promote": t_prom, "save": t_save, "load": t_ld, "raw_dl": t_rawdl,
-                             "tc_write": t_tcw, "tc_read": t_tcr}
+            for size in sizes:
+                out = _one_size(kind, url, tmp, size, reps, why_tc, notes)
+                rows += out["rows"]
+                ratios.update(out["ratios"])
+                targets.update(out["targets"])
+                raw_res[f"{kind} {size}"] = out["raw"]
         finally:
             stop()
             rm(tmp)
-    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "raw": raw_res, "state_bytes": nbytes}
-
-
+    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "raw": raw_res}

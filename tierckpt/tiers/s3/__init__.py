@@ -13,13 +13,25 @@ Writes:
   assembled into parts of ``part_size`` bytes (part *n* covers ``[n*ps, (n+1)*ps)``), and each
   part is uploaded, with its CRC32C, in the thread that completes it, as soon as it is complete.
   Objects smaller than one part are buffered and written with one ``PutObject`` at ``close``.
+* :meth:`S3Tier.copy_from` (promotion after a local commit, :mod:`.copy`) is a pipeline: the
+  calling thread reads part ``N+1`` of the source into a reused page-aligned buffer (``O_DIRECT``
+  from the local tier: no page cache, no copy) while up to ``cfg.concurrency`` parts upload on
+  the tier's thread pool, each with its CRC32C computed on the buffer.
 * :meth:`S3Tier.upload_file` uploads a local file with ``cfg.concurrency`` parts in flight on a
   thread pool owned by the tier, reading each part with ``os.pread`` (s3transfer is not used).
+
+Data plane: boto3/botocore for every request (credentials from its chain, its retry modes, any
+``endpoint_url``, path-style addressing). Part bodies go out zero-copy (memoryview slices, 1 MiB
+per ``sendall``), unsigned (``payload_signing_enabled = False``: the CRC32C header each body
+carries is what the server verifies; botocore would SHA-256 every body on http endpoints).
+awscrt's S3 client was measured against it (``tools/bench.py --only s3``) and is not used for
+requests; awscrt's hardware CRC32C is, because it reads any buffer without a copy.
 
 Part size: S3 allows at most 10,000 parts, so for an object larger than ``10000 * part_size`` the
 effective part size is grown to the smallest multiple of 1 MiB that fits (see
 :func:`effective_part_size`). Memory: a sink buffers at most one ``part_size`` per part that has
-been partly written; ``upload_file`` holds at most ``concurrency`` parts.
+been partly written; ``upload_file`` holds at most ``concurrency`` parts; ``copy_from`` at most
+``concurrency + 1`` part buffers per tier, kept for reuse until :meth:`S3Tier.close`.
 
 Retries: botocore's ``standard`` retry mode (``cfg.max_attempts``) retries throttling, 5xx and
 connection errors of every request. On top of it this module retries, with exponential backoff

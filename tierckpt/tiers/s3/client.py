@@ -54,6 +54,8 @@ _BACKOFF_BASE_S = 0.2
 _BACKOFF_MAX_S = 5.0
 _READ_CHUNK = 8 * MiB
 _DELETE_BATCH = 1000
+_SEND_BLOCK = 1 << 20
+"""Bytes urllib3 reads from a request body per ``sendall`` (see :func:`_send_large_blocks`)."""
 
 _T = TypeVar("_T")
 
@@ -133,7 +135,11 @@ def make_client(cfg: S3Config) -> Any:
     """
     if _IMPORT_ERROR is not None:  # pragma: no cover
         raise TierUnavailable(f"the S3 tier needs boto3: {_IMPORT_ERROR}")
-    s3_opts: dict[str, Any] = {}
+    # Every body we send carries a CRC32C that the server verifies, so the SigV4 signature need
+    # not cover a SHA-256 of the payload: botocore skips it on https by itself but computes it on
+    # http endpoints, where it cost 1.2 of the 2.0 client CPU-seconds per GiB uploaded
+    # (SeaweedFS on loopback, 16 MiB parts).
+    s3_opts: dict[str, Any] = {"payload_signing_enabled": False}
     if cfg.endpoint_url:
         s3_opts["addressing_style"] = "path"
     conf = BotoConfig(
@@ -143,7 +149,7 @@ def make_client(cfg: S3Config) -> Any:
         read_timeout=cfg.read_timeout,
         max_pool_connections=max(cfg.concurrency + 4, 10),
         tcp_keepalive=True,
-        s3=s3_opts or None,
+        s3=s3_opts,
         # We send our own CRC32C headers; never let botocore add its default CRC32 (or demand awscrt).
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
@@ -152,13 +158,28 @@ def make_client(cfg: S3Config) -> Any:
     check_endpoint_url(cfg.endpoint_url)
     try:
         session = boto3.session.Session()
-        return session.client("s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region or None, config=conf)
+        client = session.client("s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region or None, config=conf)
     except ValueError as e:  # botocore refuses an endpoint or region our checks let through
         raise ConfigError(f"[s3] endpoint_url/region: botocore refuses {redact_url(cfg.endpoint_url)!r} / "
                           f"{cfg.region!r}: {redact(e)}") from None
     except BotoCoreError as e:
         raise TierUnavailable(f"cannot create the S3 client for {redact_url(cfg.endpoint_url) or 'AWS'}: "
                               f"{type(e).__name__}: {redact(e)}") from None
+    _send_large_blocks(client)
+    return client
+
+
+def _send_large_blocks(client: Any) -> None:
+    """Let urllib3 send a file-like request body (our part views, :class:`~.multipart.ViewReader`)
+    :data:`_SEND_BLOCK` bytes per ``read``/``sendall`` instead of its default 16 KiB: 64x fewer
+    calls per part (measured on a 16 MiB-part promotion to SeaweedFS: 0.8 -> 0.55 client
+    CPU-seconds per GiB). botocore has no setting for it; its pool manager passes
+    ``connection_pool_kw`` to every connection it makes. A botocore without that attribute
+    keeps urllib3's default (logged at debug level)."""
+    try:
+        client._endpoint.http_session._manager.connection_pool_kw["blocksize"] = _SEND_BLOCK
+    except (AttributeError, TypeError) as e:
+        log.debug("S3 client: cannot set urllib3's send block size (%s); using its default", type(e).__name__)
 
 
 class S3Requests(Tier):

@@ -3,6 +3,7 @@ missing byte (with ``If-Match`` on the first response's ETag) when a body breaks
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
@@ -21,6 +22,26 @@ from .client import (
     log,
 )
 from .multipart import byte_view
+
+
+class _Scatter:
+    """Consecutive byte buffers seen as one range: :meth:`window` is the writable piece at a
+    range offset, within one buffer (a response body is read into the pieces in turn)."""
+
+    def __init__(self, views: "list[memoryview]") -> None:
+        self._views = views
+        self._starts: list[int] = []
+        at = 0
+        for v in views:
+            self._starts.append(at)
+            at += len(v)
+
+    def window(self, pos: int, n: int) -> memoryview:
+        """At most ``n`` bytes from range offset ``pos`` on, inside the buffer holding ``pos``."""
+        i = bisect.bisect_right(self._starts, pos) - 1
+        v = self._views[i]
+        off = pos - self._starts[i]
+        return v[off : off + n]
 
 
 class S3Reads(S3Requests):
@@ -51,8 +72,9 @@ class S3Reads(S3Requests):
             total = int(resp["ContentLength"])
         return resp["Body"], int(resp["ContentLength"]), total, resp.get("ETag")
 
-    def _fetch(self, key: str, start: int, end: int | None, dest: memoryview | None) -> bytearray | None:
-        """Read ``[start, end)`` of ``key`` into ``dest`` (or a new bytearray, returned).
+    def _fetch(self, key: str, start: int, end: int | None, dest: "memoryview | list[memoryview] | None") -> bytearray | None:
+        """Read ``[start, end)`` of ``key`` into ``dest`` (or a new bytearray, returned); a list
+        of buffers is filled one after the other (a scatter read: no temporary buffer).
 
         A body that breaks while streaming is resumed from the first missing byte (with
         ``If-Match`` on the first response's ETag), at most ``_OWN_ATTEMPTS`` times in all.
@@ -62,7 +84,7 @@ class S3Reads(S3Requests):
         if start < 0 or (end is not None and end < start):
             raise CorruptCheckpoint(f"{url}: invalid range [{start}, {end})")
         want: int | None = None if end is None else end - start
-        out: memoryview | None = dest
+        out: _Scatter | None = None if dest is None else _Scatter(dest if isinstance(dest, list) else [dest])
         result: bytearray | None = None
         got = 0
         attempt = 0
@@ -89,9 +111,9 @@ class S3Reads(S3Requests):
                     )
                 if out is None:
                     result = bytearray(want)
-                    out = memoryview(result)
+                    out = _Scatter([memoryview(result)])
                 while got < want:
-                    n = body.readinto(out[got : min(want, got + _READ_CHUNK)])
+                    n = body.readinto(out.window(got, min(want - got, _READ_CHUNK)))
                     if not n:
                         raise IncompleteReadError(actual_bytes=got, expected_bytes=want)
                     got += n
@@ -131,6 +153,15 @@ class S3Reads(S3Requests):
             self._full(key)
             return
         self._fetch(key, start, start + len(mv), mv)
+
+    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+        """Fill consecutive ``bufs`` from ``start`` on with one ranged GET streamed into them in
+        turn (no temporary buffer of the whole range, no second copy)."""
+        views = [v for v in (byte_view(b) for b in bufs) if len(v)]
+        if len(views) <= 1:
+            self.read_into(key, start, views[0] if views else memoryview(b""))
+            return
+        self._fetch(key, start, start + sum(len(v) for v in views), views)
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists (HeadObject)."""

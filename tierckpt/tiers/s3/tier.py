@@ -10,8 +10,9 @@ from typing import Any, Iterator
 from ...config import S3Config
 from ...errors import ConfigError, CorruptCheckpoint, TierAccessDenied, TierError
 from ...redact import redact
-from ..base import ObjectInfo, check_key
+from ..base import ObjectInfo, Tier, check_key
 from .client import _DELETE_BATCH, _DENIED, ClientError, _is_not_found, log, make_client
+from .copy import PartBuffers, copy_into
 from .reads import S3Reads
 from .writes import S3Writes
 
@@ -53,7 +54,18 @@ class S3Tier(S3Reads, S3Writes):
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._buffers = PartBuffers(cfg.part_size, cfg.concurrency + 1)
 
+    def copy_from(self, src: Tier, key: str) -> int:
+        """Copy object ``key`` of ``src`` here (promotion after a local commit); return its size.
+
+        A pipeline (:mod:`.copy`): the calling thread reads part ``N+1`` of ``src`` into a reused
+        page-aligned buffer (``O_DIRECT`` from the local tier) while up to ``cfg.concurrency``
+        parts upload on the tier's pool, each with its CRC32C; at most ``cfg.concurrency + 1``
+        part buffers per tier. Blocks until the object is complete; on failure the multipart
+        upload is aborted and nothing is visible under ``key``.
+        """
+        return copy_into(self, self._buffers, src, key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (paginated ListObjectsV2).
@@ -182,6 +194,7 @@ class S3Tier(S3Reads, S3Writes):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        self._buffers.close()
         if self._own_client:
             try:
                 self._client.close()
