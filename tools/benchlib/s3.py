@@ -123,6 +123,16 @@ def default_client(url: str) -> Any:
         s3={"addressing_style": "path"}, max_pool_connections=S3_CONC + 4))
 
 
+def _have_crt() -> bool:
+    """Whether awscrt (a baseline only: ``pip install awscrt``) is installed."""
+    try:
+        import awscrt.s3  # noqa: F401
+        return True
+    except ImportError:
+        log("s3: awscrt not installed: its baseline rows are left out (pip install awscrt)")
+        return False
+
+
 class Crt:
     """awscrt's S3 client (the C data plane boto3's CRT transfer manager and s3torchconnector
     wrap): multipart PUT from a file (``send_filepath``, its own ``direct_io`` reads, CRC32C per
@@ -276,7 +286,7 @@ def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str 
     cfg_s3 = s3_tier_cfg(None, url, prefix, pool)
     client = make_client(cfg.s3)
     dclient = default_client(url)
-    crt = Crt(url)
+    crt = Crt(url) if _have_crt() else None
     writer = TieredWriter(cfg)
     S = {k: _Series() for k in ("save", "up", "up_def", "up_crt", "ld", "dl", "dl_crt", "tcw", "tcr")}
     t_prom: list[float] = []
@@ -296,7 +306,8 @@ def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str 
             # (b) raw uploads of the same data file: tier's client config, boto3 defaults, awscrt
             S["up"].timed(lambda: raw_upload(client, f"raw/{kind}-{r}-t", files[0], S3_PART, S3_CONC))
             S["up_def"].timed(lambda: raw_upload(dclient, f"raw/{kind}-{r}-d", files[0], S3_PART, S3_CONC))
-            S["up_crt"].timed(lambda: crt.upload(f"raw/{kind}-{r}-c", files[0]))
+            if crt is not None:
+                S["up_crt"].timed(lambda: crt.upload(f"raw/{kind}-{r}-c", files[0]))
             _delete_prefix(client, "raw/")
             # (c) load from S3 only, then raw ranged GETs of the same objects (boto3, awscrt)
             zero_state(dest)
@@ -310,7 +321,8 @@ def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str 
                 raise RuntimeError(f"no data objects of {cid} found on S3")
             bufs = [bytearray(s) for _, s in objs]
             S["dl"].timed(lambda: raw_download(client, objs, bufs, S3_PART, S3_CONC))
-            S["dl_crt"].timed(lambda: crt.download(objs, bufs))
+            if crt is not None:
+                S["dl_crt"].timed(lambda: crt.download(objs, bufs))
             del bufs
             # (d) s3torchconnector's DCP writer/reader
             if not why_tc:
@@ -342,20 +354,22 @@ def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str 
         return med(a) / med(b) if a and b else None
 
     n = f"{kind} {gib}"
-    rows = [
+    crt_rows = [
+        row(f"{n}: raw awscrt upload (send_filepath, direct_io)", S["up_crt"].t, dsize,
+            cpu_s_per_gib=S["up_crt"].per_gib(dsize), note="CRC32C per part by the CRT"),
+        row(f"{n}: raw awscrt GETs", S["dl_crt"].t, dsize, cpu_s_per_gib=S["dl_crt"].per_gib(dsize),
+            note="split by the CRT, copied in on_body"),
+    ] if crt is not None else []
+    rows = crt_rows + [
         row(f"{n}: raw boto3 upload, tier's client config", S["up"].t, dsize, cpu_s_per_gib=S["up"].per_gib(dsize),
             note="no checksum; unsigned payload, 1 MiB send blocks"),
         row(f"{n}: raw boto3 upload, boto3 defaults", S["up_def"].t, dsize, cpu_s_per_gib=S["up_def"].per_gib(dsize),
             note="no checksum; payload SHA-256 signed (http)"),
-        row(f"{n}: raw awscrt upload (send_filepath, direct_io)", S["up_crt"].t, dsize,
-            cpu_s_per_gib=S["up_crt"].per_gib(dsize), note="CRC32C per part by the CRT"),
         row(f"{n}: tierckpt promotion (promote_s)", t_prom, dsize, ratio=ratio(S["up"].t, t_prom), cpu_s_per_gib=pg,
             note="ratio: raw (tier config) / ours; CPU: promotion threads"),
         row(f"{n}: tierckpt save->promoted (dcp.save..wait)", S["save"].t, dsize, cpu_s_per_gib=S["save"].per_gib(dsize),
             note="capture + local durable + commit + promotion"),
         row(f"{n}: raw boto3 ranged GETs", S["dl"].t, dsize, cpu_s_per_gib=S["dl"].per_gib(dsize), note="tier's client"),
-        row(f"{n}: raw awscrt GETs", S["dl_crt"].t, dsize, cpu_s_per_gib=S["dl_crt"].per_gib(dsize),
-            note="split by the CRT, copied in on_body"),
         row(f"{n}: TieredReader from S3 only", S["ld"].t, dsize, ratio=ratio(S["dl"].t, S["ld"].t),
             cpu_s_per_gib=S["ld"].per_gib(dsize), note="ratio: raw boto3 / ours; CRC-checked"),
     ]

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from awscrt.checksums import crc32c as _crc32c
+import google_crc32c
+import numpy as np
 
 from ...config import MiB, S3_MAX_PART
 from ...errors import CorruptCheckpoint, TierError
@@ -35,14 +36,14 @@ MAX_PARTS = 10_000
 def crc32c_b64(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     """Base64 of the big-endian CRC32C of ``data``: the value of ``x-amz-checksum-crc32c``.
 
-    Computed by awscrt's hardware-accelerated CRC32C straight on the caller's buffer (any
-    contiguous buffer: no copy; google-crc32c only takes ``bytes``, and copying a 16 MiB part
-    to feed it cost 7x the checksum itself).
+    Computed by google-crc32c's hardware CRC32C straight on the caller's buffer, through a numpy
+    view (any contiguous buffer: no copy; google-crc32c refuses a writable ``memoryview``, and
+    copying a 16 MiB part into ``bytes`` to feed it cost 7x the checksum itself).
     """
     mv = memoryview(data)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
-    return base64.b64encode(_crc32c(mv).to_bytes(4, "big")).decode("ascii")
+    return base64.b64encode(google_crc32c.value(np.frombuffer(mv, dtype=np.uint8)).to_bytes(4, "big")).decode("ascii")
 
 
 def effective_part_size(size: int, part_size: int) -> int:
