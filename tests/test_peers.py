@@ -265,7 +265,11 @@ def test_stale_leftovers_only(tmp_path: Path) -> None:
     old = (d / names[0]).stat().st_mtime - 3600
     for n in names[:-1]:  # the last one stays fresh: someone is writing it
         os.utime(d / n, (old, old))
+    leased = tmp_path / "_00" / "c2" / "rank-00004-e.data.partial"  # data of a leased checkpoint: spared
+    leased.parent.mkdir(parents=True)
+    leased.write_bytes(b"x")
+    os.utime(leased, (old, old))
     tier = LocalTier(tmp_path)
-    assert tier.abort_stale(60.0) == 2
-    assert sorted(p.name for p in d.iterdir()) == sorted(names[2:])
+    assert tier.abort_stale(60.0, spare={"c2"}) == 2
+    assert sorted(p.name for p in d.iterdir()) == sorted(names[2:]) and leased.exists()
     tier.close()

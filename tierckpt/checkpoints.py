@@ -84,16 +84,19 @@ def _tiers(cfg: "Config | str | os.PathLike | None") -> list[Any]:
 
 def latest(cfg: "Config | str | os.PathLike | None" = None) -> str | None:
     """The id ``TieredReader`` loads for ``"latest"`` (what ``tierckpt-restore latest`` prints),
-    or ``None`` when no tier holds a committed checkpoint.
+    or ``None`` when no tier holds a committed checkpoint. With a node-local ``[local]`` path, other
+    nodes' directories readable here count too (:func:`tierckpt.nodes.find_latest_here`), as in
+    a distributed ``dcp.load``.
 
     ``cfg``: a :class:`~tierckpt.config.Config`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
     """
-    from .catalog import find_latest
     from .errors import CheckpointNotFound
+    from .nodes import find_latest_here
 
-    tiers = _tiers(cfg)
+    conf = _config(cfg)
+    tiers = _tiers(conf)
     try:
-        return find_latest(tiers).checkpoint_id
+        return find_latest_here(conf, tiers).checkpoint_id
     except CheckpointNotFound:
         return None
     finally:

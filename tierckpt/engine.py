@@ -40,6 +40,7 @@ from .layout import data_key, metadata_key
 from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce
+from .lease import live_leases
 from .save import RankAssign, RankSave, SaveStats, build_metadata
 from .tiers import Chain
 from .tiers.base import Tier
@@ -233,7 +234,7 @@ class Engine:
         and (unless the disk would fill) ``owed``; then remove the leftovers of interrupted writes
         (:meth:`Tier.abort_stale`: multipart uploads, half-written files of dead processes)."""
         enforce(tier, tier.keep, tier.keep_every, self.in_flight_ids() | protect, owed=owed, need_bytes=need_bytes)
-        aborted = tier.abort_stale(self.cfg.job.commit_timeout)
+        aborted = tier.abort_stale(self.cfg.job.commit_timeout, set(live_leases(tier)) | self.in_flight_ids())
         if aborted:
             log.info("removed %d leftovers of interrupted writes on %s", aborted, tier.url)
 

@@ -9,7 +9,7 @@ In a torchtitan config function (``--module``/``--config``)::
 
 or keep the config and pass ``--checkpoint.tierckpt_config tiers.toml`` on the command line once the
 checkpoint section is a :class:`TierckptCheckpointManager.Config` (see
-``tools/torchtitan/tierckpt_llama3.py``).
+``tools/torchtitan_example/tierckpt_llama3.py``).
 
 What changes against torchtitan's :class:`~torchtitan.components.checkpointer.CheckpointManager`
 (everything else, the trainer included, is unchanged; the trainer calls all of this):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 from ..tiers.base import DataSink, ObjectInfo, Tier
 
@@ -126,8 +126,8 @@ class FaultyTier(Tier):
     def free_bytes(self) -> "int | None":
         return self.inner.free_bytes()
 
-    def abort_stale(self, older_than_s: float) -> int:
-        return self.inner.abort_stale(older_than_s)
+    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
+        return self.inner.abort_stale(older_than_s, spare)
 
     def root_id(self) -> str:
         return self.inner.root_id()

@@ -18,7 +18,7 @@ import errno
 import re
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Collection, Iterator
 
 from ..errors import CorruptCheckpoint, TierError
 
@@ -373,10 +373,12 @@ class Tier(abc.ABC):
             self.delete(key)
         return n
 
-    def abort_stale(self, older_than_s: float) -> int:
+    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
         """Discard leftovers of interrupted writes older than ``older_than_s`` seconds (incomplete
-        multipart uploads, half-written files of a killed process); return how many. Tiers without
-        such leftovers return 0. Called by retention after each commit and by ``gc``."""
+        multipart uploads, half-written files of a killed process), except under the checkpoint
+        ids in ``spare`` (those with a live lease: a fetch or save may still resume them); return
+        how many. Tiers without such leftovers return 0. Called by retention after each commit and
+        by ``gc``."""
         return 0
 
     def free_bytes(self) -> "int | None":

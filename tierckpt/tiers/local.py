@@ -25,7 +25,7 @@ import os
 import threading
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 
@@ -445,12 +445,13 @@ class LocalTier(Tier):
             raise ValueError(f"block must be positive, got {block}")
         return _ResumableFile(self, key, size, block, dict(tag or {}), adopt)
 
-    def abort_stale(self, older_than_s: float) -> int:
+    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
         """Remove what writers that died left behind and nobody touched for ``older_than_s``
         seconds (at least :data:`STALE_FLOOR_S`): ``.partial`` files (a flush or a peer copy whose process was killed mid-file; a
         live writer keeps its file's mtime fresh, and its commit round gives up sooner) and
         ``.tmp-`` files of small puts. A fetch's resumable file (it has a ``.ranges.partial`` record)
-        and its lock stay for the fetch that resumes it. Returns how many files went."""
+        and its lock stay for the fetch that resumes it, and so does everything under a checkpoint
+        id in ``spare`` (leased). Returns how many files went."""
         import time
 
         if not self.root.is_dir():
@@ -458,7 +459,7 @@ class LocalTier(Tier):
         cutoff = time.time() - max(older_than_s, STALE_FLOOR_S)
         n = 0
         for dirpath, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith(TRASH)]
+            dirs[:] = [d for d in dirs if not d.startswith(TRASH) and d not in spare]  # ID/ and _XX/ID/
             names = set(files)
             for fn in files:
                 stale = fn.endswith(PARTIAL) and not fn.endswith(".ranges" + PARTIAL) and \

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ...errors import CommitConflict, TierError
 from ...redact import redact
@@ -275,10 +275,10 @@ class S3Writes(S3Requests):
             raise self._transport_error(e, "list parts of", self._url_of(key)) from e
         return latest
 
-    def abort_stale(self, older_than_s: float) -> int:
-        return self.abort_stale_uploads("", older_than_s=older_than_s)
+    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
+        return self.abort_stale_uploads("", older_than_s=older_than_s, spare=spare)
 
-    def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0) -> int:
+    def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0, spare: "Collection[str]" = ()) -> int:
         """Abort multipart uploads under ``prefix`` idle for at least ``older_than_s`` seconds;
         return how many were aborted.
 
@@ -287,6 +287,7 @@ class S3Writes(S3Requests):
         candidate), so that a long promotion still sending parts is never aborted. With
         ``older_than_s=0`` every upload under the prefix is aborted without ListParts. (moto
         reports a fixed 2010 initiation time, so there only part times protect an upload.)
+        Uploads of the checkpoint ids in ``spare`` (leased) are left alone.
         """
         full_prefix = self._check_prefix(prefix)
         url = self._url_of(full_prefix)
@@ -301,6 +302,8 @@ class S3Writes(S3Requests):
             raise self._transport_error(e, "list multipart uploads under", url) from e
         for page in pages:
             for up in page.get("Uploads", ()) or ():
+                if spare and up["Key"][len(self._root):].split("/", 1)[0] in spare:
+                    continue
                 initiated = up.get("Initiated")
                 age = now - initiated.timestamp() if initiated is not None else float("inf")
                 if age < older_than_s:

@@ -1,8 +1,8 @@
 """Example torchtitan config functions with tierckpt checkpointing (the README's torchtitan recipe).
 
-    PYTHONPATH=tools/torchtitan torchrun --nproc_per_node 8 -m torchtitan.train \
+    PYTHONPATH=tools/torchtitan_example torchrun --nproc_per_node 8 -m torchtitan.train \
         --module tierckpt_llama3 --config llama3_8b_tierckpt \
-        --checkpoint.tierckpt_config tools/torchtitan/tiers.toml
+        --checkpoint.tierckpt_config tools/torchtitan_example/tiers.toml
 
 The one line that matters is ``config.checkpoint = TierckptCheckpointManager.Config(...)``: every
 other field keeps torchtitan's meaning (``interval``, ``async_mode``, ``keep_latest_k``...).
@@ -18,7 +18,7 @@ from torchtitan.trainer import Trainer
 from tierckpt.integrations.torchtitan import TierckptCheckpointManager
 
 
-def with_tierckpt(config: Trainer.Config, tierckpt_config: str = "tools/torchtitan/tiers.toml") -> Trainer.Config:
+def with_tierckpt(config: Trainer.Config, tierckpt_config: str = "tools/torchtitan_example/tiers.toml") -> Trainer.Config:
     """``config`` with its checkpoint section handled by tierckpt (its other fields kept)."""
     fields = {f.name: getattr(config.checkpoint, f.name) for f in dataclasses.fields(config.checkpoint)
               if not f.name.startswith("_")}

@@ -1,7 +1,7 @@
 """Blocked time per save through torchtitan's checkpoint path: tierckpt's manager vs torchtitan's own
 (DCP's FileSystemWriter), side by side in one run, same model, same ranks.
 
-    python tools/torchtitan/bench_blocked.py [--steps 9] [--interval 2] [--json out.json]
+    python tools/torchtitan_example/bench_blocked.py [--steps 9] [--interval 2] [--json out.json]
 
 Runs tests/titan_scenarios.py (llama3 debugmodel, FSDP2, AdamW, 2 gloo ranks on CPU) once per
 (manager, mode), interleaved, and reports per save, on every rank: the time in
