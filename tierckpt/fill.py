@@ -1,0 +1,257 @@
+"""Filling the local tier while a load reads from a slower one (``[local] fill_on_load``).
+
+After a node is lost or replaced its local tier is empty, and ``dcp.load`` reads the state from
+S3 (or another shared tier). The bytes pass through this process anyway: :class:`LoadFill`
+writes them into the local tier as the items arrive, so the next restart on this node (and the
+peer tier, which serves other nodes from local copies) finds the checkpoint local, without a
+separate ``tierckpt-restore fetch`` that would download it a second time.
+
+Contract (driven by :class:`tierckpt.TieredReader` in ``read_data``, on the rank's calling
+thread; nothing here is collective):
+
+* :meth:`LoadFill.plan` picks the data files this rank reads *whole* (its requests cover the file
+  from byte 0 to its end, padding included) from a tier other than the local one; in a
+  distributed job only the files this rank wrote (``rank-0000R-…``) are picked, so that two ranks
+  of a node never write one file. Nothing is picked when the local tier holds another save under
+  the same id, when it has less free space than twice the bytes to write, or when another
+  process is writing the same file (``.partial`` created exclusively).
+* Each verified item (:class:`~tierckpt.readback.Request` ``done``, on a reader thread) is handed
+  to :data:`THREADS` writer threads that ``pwrite`` it, and its padding, at its offset into the
+  file's ``.partial``. The load waits for those writes (they copy into the page cache and never
+  hold the destination tensors after ``read_data`` returns) but not for durability.
+* :meth:`LoadFill.finish` then commits in a background thread (not a daemon: the interpreter
+  waits for it at exit): each complete file is fsync'd and renamed into place, then
+  ``ID/metadata.json`` is written last, byte-identical to the source's copy (same ``committed``
+  time), exactly as ``tierckpt-restore fetch --rank`` leaves a partial local copy: the reader
+  reads what is local from the local tier and the rest from the shared one.
+* A fill never fails a load: any error (disk full, a write refused, a commit raced) is logged
+  as a warning and that file's ``.partial`` removed. A crash leaves at most a ``.partial``, which
+  ``tierckpt-restore gc`` removes. A lease on the local tier keeps retention and gc away meanwhile.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from . import lease as leases
+from .errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
+from .layout import MAX_METADATA_BYTES, data_key, metadata_key, padded, parse_metadata, rank_of_file
+from .readback import Readback, Request
+from .tiers.base import DataSink, Tier
+
+__all__ = ["THREADS", "LoadFill"]
+
+log = logging.getLogger("tierckpt")
+
+THREADS = 2
+"""Writer threads of one fill (buffered ``pwrite``: page-cache copies, not disk waits)."""
+
+
+class _File:
+    def __init__(self, name: str, size: int, sink: DataSink, items: int) -> None:
+        self.name = name
+        self.size = size
+        self.sink = sink
+        self.left = items  # items not yet written
+        self.failed: BaseException | None = None
+
+
+class LoadFill:
+    """One load's fill of the local tier (see the module docstring). Build it with :meth:`plan`."""
+
+    def __init__(self, local: Tier, cid: str, raw_metadata: bytes, lease: leases.Lease) -> None:
+        self.local = local
+        self.cid = cid
+        self._raw = raw_metadata
+        self._lease = lease
+        self._files: dict[str, _File] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="tierckpt-fill")
+        self._pending: list[Future] = []
+        self._t0 = time.perf_counter()
+        self.thread: threading.Thread | None = None
+        self.committed: list[str] = []  # files in place once :attr:`thread` has finished
+
+    # -- choosing the files (calling thread) --------------------------------------------------
+    @classmethod
+    def plan(cls, local: Tier, engine: Readback, requests: list[Request], files: dict[str, int], token: str,
+             rank: int | None) -> "LoadFill | None":
+        """A fill for the files of ``requests`` worth filling (module docstring), or None.
+
+        ``files`` maps data files to their sizes (the manifest), ``token`` is the checkpoint's
+        save token, ``rank`` this process's rank in a distributed job (None: alone). The picked
+        requests' ``done`` callbacks are wrapped; call :meth:`finish` after the reads.
+        """
+        cid = engine.checkpoint_id
+        by_file: dict[str, list[Request]] = {}
+        for r in requests:
+            by_file.setdefault(r.rec.file, []).append(r)
+        picked: dict[str, list[Request]] = {}
+        for file, reqs in by_file.items():
+            if rank is not None and rank_of_file(file) != rank:
+                continue
+            if file not in files or not _covers(reqs, files[file]):
+                continue
+            order = engine.tiers_for(file)
+            if not order or local in order:
+                continue
+            picked[file] = reqs
+        if not picked:
+            return None
+        need = sum(files[f] for f in picked)
+        free = local.free_bytes()
+        if free is not None and free < 2 * need:
+            log.info("checkpoint %s: not filling %s during the load: %d bytes free, %d to write", cid, local.url, free, need)
+            return None
+        try:
+            raw = _source_metadata(engine, local, cid, token)
+            if raw is None:
+                return None
+            lease = leases.acquire(local, cid, kind="fetch", purpose="fill during a load", require_committed=False)
+        except (TierckptError, OSError) as e:
+            log.warning("checkpoint %s: not filling %s during the load: %s", cid, local.url, e)
+            return None
+        fill = cls(local, cid, raw, lease)
+        for file, reqs in picked.items():
+            try:
+                sink = local.open_sink(data_key(cid, file), files[file], exclusive=True)  # type: ignore[call-arg]
+            except (TierckptError, OSError) as e:
+                busy = getattr(e, "errno", None) == errno.EEXIST
+                (log.info if busy else log.warning)("checkpoint %s: not filling %s/%s: %s", cid, local.url,
+                                                    data_key(cid, file), "another process is writing it" if busy else e)
+                continue
+            f = fill._files[file] = _File(file, files[file], sink, len(reqs))
+            for r in reqs:
+                r.done = fill._wrap(f, r.done)
+        if not fill._files:
+            fill._lease.release()
+            fill._pool.shutdown()
+            return None
+        return fill
+
+    def _wrap(self, f: _File, done):  # noqa: ANN001, ANN202 - the Request.done callable
+        def wrapped(r: Request) -> None:
+            buf, pad, pos = r.buf, bytes(r.pad), r.rec.pos  # before done() may release the buffer
+            fut = self._pool.submit(self._write, f, pos, buf, pad)
+            with self._lock:
+                self._pending.append(fut)
+            if done is not None:
+                done(r)
+        return wrapped
+
+    # -- writing (fill threads) ---------------------------------------------------------------
+    def _write(self, f: _File, pos: int, buf: memoryview, pad: bytes) -> None:
+        if f.failed is not None:
+            return
+        try:
+            f.sink.write_at(pos, buf)
+            if pad:
+                f.sink.write_at(pos + len(buf), memoryview(pad))
+        except BaseException as e:  # noqa: BLE001 - a fill never fails the load
+            f.failed = e
+            return
+        with self._lock:
+            f.left -= 1
+
+    # -- the end ------------------------------------------------------------------------------
+    def finish(self, ok: bool) -> None:
+        """Calling thread, after the reads (``ok``: all of them succeeded). Waits for the writes in
+        flight, then commits the complete files and the metadata in :attr:`thread`."""
+        with self._lock:
+            pending = list(self._pending)
+        for fut in pending:
+            fut.exception()
+        self._pool.shutdown(wait=True)
+        done = [f for f in self._files.values() if ok and f.failed is None and f.left == 0]
+        for f in self._files.values():
+            if f not in done:
+                f.sink.abort()
+                if f.failed is not None:
+                    log.warning("checkpoint %s: filling %s/%s failed: %s", self.cid, self.local.url,
+                                data_key(self.cid, f.name), f.failed)
+        if not done:
+            self._lease.release()
+            return
+        self.thread = threading.Thread(target=self._commit, args=(done,), name="tierckpt-fill-commit", daemon=False)
+        self.thread.start()
+
+    def _commit(self, files: list[_File]) -> None:
+        try:
+            for f in files:
+                try:
+                    f.sink.close()  # fsync, rename
+                    self.committed.append(f.name)
+                except (TierckptError, OSError) as e:
+                    log.warning("checkpoint %s: cannot commit %s/%s: %s", self.cid, self.local.url,
+                                data_key(self.cid, f.name), e)
+            if self.committed:
+                self._put_metadata()
+                log.info("checkpoint %s: filled %d file(s) (%d bytes) into %s during the load in %.2f s", self.cid,
+                         len(self.committed), sum(f.size for f in files if f.name in self.committed), self.local.url,
+                         time.perf_counter() - self._t0)
+        except BaseException as e:  # noqa: BLE001 - a fill never fails the load; logged
+            log.warning("checkpoint %s: filling %s failed: %s", self.cid, self.local.url, e)
+        finally:
+            self._lease.release()
+
+    def _put_metadata(self) -> None:
+        key = metadata_key(self.cid)
+        try:
+            self.local.put(key, self._raw, if_absent=True)
+        except CommitConflict:
+            try:
+                same = self.local.get(key) == self._raw
+            except TierckptError:
+                same = False
+            if not same:  # another save's files stay orphans of no checkpoint: gc removes them
+                log.warning("checkpoint %s: %s committed another copy meanwhile; the filled files are left to gc",
+                            self.cid, self.local.url)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the commit thread is done (tests, and callers that want the copy now)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+def _covers(reqs: list[Request], size: int) -> bool:
+    """Whether ``reqs`` (items of one file) cover ``[0, size)`` exactly, padding included."""
+    at = 0
+    for r in sorted(reqs, key=lambda r: r.rec.pos):
+        if r.rec.pos != at:
+            return False
+        at += padded(r.rec.length)
+    return at == size
+
+
+def _source_metadata(engine: Readback, local: Tier, cid: str, token: str) -> bytes | None:
+    """The metadata bytes to commit locally (from the first shared tier holding them, same save),
+    or None when the local tier holds another save of ``cid``."""
+    key = metadata_key(cid)
+    try:
+        mine = parse_metadata(local.get(key), f"{local.url}/{key}").manifest
+    except CheckpointNotFound:
+        mine = None
+    except CorruptCheckpoint as e:
+        log.warning("checkpoint %s: not filling %s during the load: %s", cid, local.url, e)
+        return None
+    if mine is not None and mine.save_token != token:
+        log.info("checkpoint %s: not filling %s: it holds another save under this id", cid, local.url)
+        return None
+    errors = []
+    for tier in engine.tiers:
+        if tier is local:
+            continue
+        try:
+            if tier.size(key) > MAX_METADATA_BYTES:
+                raise CorruptCheckpoint(f"{tier.url}/{key}: larger than {MAX_METADATA_BYTES} bytes")
+            raw = tier.get(key)
+            if parse_metadata(raw, f"{tier.url}/{key}").manifest.save_token != token:
+                raise CorruptCheckpoint(f"{tier.url}/{key}: another save of {cid}")
+            return raw
+        except (TierckptError, OSError) as e:
+            errors.append(f"{tier.url}: {e}")
+    raise CheckpointNotFound(f"checkpoint {cid}: no metadata to copy ({'; '.join(errors) or 'no shared tier'})")
