@@ -11,10 +11,7 @@ Contract of :class:`Readback` (item reads)::
   file there is found by the read itself, at no extra round trip).
 * Items of one file are read in offset order, neighbours (gaps up to :data:`MAX_GAP`) merged
   into one scatter read of at most :data:`RUN_BYTES` (``tier.read_ranges``), runs in parallel on
-  ``threads`` workers (default: the largest ``read_concurrency`` of the tiers serving first). An
-  item larger than ``2 x RUN_BYTES`` is read as parts of about ``RUN_BYTES`` (1 MiB-aligned) in
-  parallel, so that one large tensor is not a single stream (an S3 GET runs at one connection's
-  speed); it is checked once its last part is in.
+  ``threads`` workers (default: the largest ``read_concurrency`` of the tiers serving first).
 * Every item's CRC32C pieces, its padding included, are checked against its record
   (:func:`tierckpt.layout.item_intact`). An item that fails its check, or whose read failed, is
   read again, alone, from each next tier holding its file, fastest first; after a read error
@@ -231,21 +228,15 @@ class Readback:
         if not n:
             first = {id(t): t for run in runs for t in self.tiers_for(run[0].rec.file)[:1]}
             n = max((workers(t, RUN_BYTES) for t in first.values()), default=1)
-        tasks: list[Callable[[], None]] = []
-        for run in runs:
-            if len(run) == 1 and run[0].rec.length > 2 * RUN_BYTES and n > 1:
-                tasks += _Parts(self, run[0]).tasks()
-            else:
-                tasks.append(lambda run=run: self._read_run(run))
-        n = max(1, min(n, len(tasks)))
+        n = max(1, min(n, len(runs)))
         if n == 1:
-            for task in tasks:
-                task()
+            for run in runs:
+                self._read_run(run)
             return
         ex = ThreadPoolExecutor(max_workers=n, thread_name_prefix="tierckpt-read")
         futs: list[Any] = []
         try:
-            futs = [ex.submit(task) for task in tasks]
+            futs = [ex.submit(self._read_run, run) for run in runs]
             wait(futs, return_when=FIRST_EXCEPTION)
             for f in futs:
                 if f.done() and f.exception() is not None:
@@ -297,20 +288,6 @@ class Readback:
     def _ok(self, r: Request) -> bool:
         return item_intact(r.rec, r.buf, memoryview(r.pad), self.chunk_size)
 
-    def _finish(self, r: Request, order: list[Tier], tier: Tier | None, failure: "_Failure | None") -> None:
-        """An item read by parts (:class:`_Parts`): check it, recover it if needed, hand it over."""
-        failures = [] if failure is None else [failure]
-        if failure is None and tier is not None:
-            if self._ok(r):
-                with self._lock:
-                    self.served[r.rec.file] = tier.name
-            else:
-                failures.append(_Failure(tier, "crc"))
-        if failures or tier is None:
-            self._recover(r, data_key(self.checkpoint_id, r.rec.file), order, failures)
-        if r.done is not None:
-            r.done(r)
-
     def _recover(self, r: Request, key: str, order: list[Tier], failures: list[_Failure]) -> None:
         """Serve one item after the merged read of its run failed on ``failures[0].tier``."""
         first = failures[0] if failures else None
@@ -361,52 +338,6 @@ class Readback:
         return CorruptCheckpoint(f"checkpoint {cid}: cannot read {where}: "
                                  + "; ".join(f"{f.tier.url}: {f.error}" for f in reads)
                                  + (f"; absent from {', '.join(absent)}" if absent else ""))
-
-
-class _Parts:
-    """One large item read as parallel parts from the first tier holding its file; the part that
-    finishes last checks the whole item (and recovers it from the next tiers if needed)."""
-
-    ALIGN = 1 << 20
-
-    def __init__(self, rb: Readback, r: Request) -> None:
-        self.rb = rb
-        self.r = r
-        parts = -(-r.rec.length // RUN_BYTES)
-        per = -(-r.rec.length // parts)
-        step = -(-per // self.ALIGN) * self.ALIGN  # rounded up to ALIGN: aligned offsets for direct reads
-        self.spans = [(off, min(step, r.rec.length - off)) for off in range(0, r.rec.length, step)]
-        self.left = len(self.spans)
-        self.failure: _Failure | None = None
-        self.order: list[Tier] = []
-        self.lock = threading.Lock()
-
-    def tasks(self) -> list[Callable[[], None]]:
-        return [lambda i=i: self._read(i) for i in range(len(self.spans))]
-
-    def _read(self, i: int) -> None:
-        r, rb = self.r, self.rb
-        file = r.rec.file
-        order = rb.tiers_for(file)
-        tier = order[0] if order else None
-        off, n = self.spans[i]
-        if tier is not None and self.failure is None:
-            bufs = [r.buf[off:off + n]]
-            if i == len(self.spans) - 1 and r.pad:
-                bufs.append(memoryview(r.pad))
-            try:
-                tier.read_ranges(data_key(rb.checkpoint_id, file), r.rec.pos + off, bufs)
-            except (TierckptError, OSError) as e:
-                absent = isinstance(e, CheckpointNotFound)
-                (log.info if absent else log.error)("checkpoint %s: reading %s from %s failed: %s",
-                                                    rb.checkpoint_id, file, tier.name, e)
-                with self.lock:
-                    self.failure = self.failure or _Failure(tier, "absent" if absent else "read", e)
-        with self.lock:
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            rb._finish(r, order, tier, self.failure)
 
 
 def _committed(tier: Tier, cid: str) -> bool:

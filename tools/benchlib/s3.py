@@ -342,8 +342,8 @@ def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str 
                         notes.append(f"{kind}: s3torchconnector load mismatch: {bad[:3]}")
                 _delete_prefix(client, f"tc-{kind}/")
             log(f"s3 {kind} {gib} rep {r}: save->promoted {S['save'].t[-1]:.2f} (promote {t_prom[-1]:.2f}) raw up "
-                f"{S['up'].t[-1]:.2f}/{S['up_def'].t[-1]:.2f}/crt {S['up_crt'].t[-1]:.2f} load {S['ld'].t[-1]:.2f} raw dl "
-                f"{S['dl'].t[-1]:.2f}/crt {S['dl_crt'].t[-1]:.2f}"
+                f"{S['up'].t[-1]:.2f}/{S['up_def'].t[-1]:.2f}" + (f"/crt {S['up_crt'].t[-1]:.2f}" if S["up_crt"].t else "")
+                + f" load {S['ld'].t[-1]:.2f} raw dl {S['dl'].t[-1]:.2f}" + (f"/crt {S['dl_crt'].t[-1]:.2f}" if S["dl_crt"].t else "")
                 + (f" tc w {S['tcw'].t[-1]:.2f} r {S['tcr'].t[-1]:.2f}" if S["tcw"].t else ""))
     finally:
         writer.close()
