@@ -62,8 +62,10 @@ def load_all(args: dict, rank: int, world: int) -> dict:
     except BaseException as e:  # noqa: BLE001 - the test inspects the message
         return {"error": "\n".join(err_text(x, 4000) for x in errors_in(e))}
     bad = compare(want, got)
+    if reader.fill is not None:  # the worker leaves with os._exit: wait for the local copy's commit
+        reader.fill.wait()
     return {"id": reader.resolved_id, "resolved": resolved, "bad": bad, "from_peers": reader.from_peers, "served": reader.served,
-            "recovered": reader.recovered}
+            "recovered": reader.recovered, "filled": reader.fill.committed if reader.fill is not None else []}
 
 
 def save_partner_dies(args: dict, rank: int, world: int) -> dict:

@@ -115,6 +115,9 @@ def save_promote_lose_node_load(args: dict, rank: int, world: int) -> dict:
                                 {f"r{rank}": target[f"r{rank}"], "w": target["w"].to_local(), "step": target["step"]})
     out["resolved"] = reader.resolved_id
     out["served"] = dict(reader.served)
+    if reader.fill is not None:  # the worker leaves with os._exit: wait for the local copy's commit
+        reader.fill.wait()
+    out["filled"] = reader.fill.committed if reader.fill is not None else []
     return out
 
 

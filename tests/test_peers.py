@@ -147,6 +147,18 @@ def test_node_lost_resumes_newest_from_peer_copies(replicated: Path) -> None:
         assert out["resolved"] == "step-2", out  # resolve() answers for the job, even on the empty node
     assert all(not res[r]["from_peers"] for r in (0, 1)), res  # n0 holds everything itself
     assert all(res[r]["from_peers"] and not res[r]["served"] for r in (2, 3)), res
+    # the replacement node's load refilled its directory ([local] fill_on_load): its ranks' own files,
+    # received from n0, and the metadata, so that it holds what it held before the loss
+    own = {r: [f for f in _files(replicated / "n0", "step-2") if f.startswith(f"rank-{r:05d}-")] for r in (2, 3)}
+    assert all(res[r]["filled"] == own[r] and len(own[r]) == 1 for r in (2, 3)), res
+    assert not res[0]["filled"] and not res[1]["filled"], res
+    assert _files(replicated / "n1", "step-2") == set(own[2] + own[3])
+    assert (replicated / "n1" / "step-2" / "metadata.json").read_bytes() == \
+        (replicated / "n0" / "step-2" / "metadata.json").read_bytes()
+    for f in own[2] + own[3]:
+        [a] = [p for p in (replicated / "n0").rglob(f)]
+        [b] = [p for p in (replicated / "n1").rglob(f)]
+        assert a.read_bytes() == b.read_bytes(), f
 
 
 def test_node_lost_resharded_onto_the_survivor(replicated: Path) -> None:

@@ -108,8 +108,8 @@ class LocalConfig:
             system that refuses it (some tmpfs, FUSE or network file systems) gets buffered I/O,
             with one log line per process. ``true``: ``O_DIRECT`` is required (a refusal is an
             error naming the file). ``false``: always buffered.
-        fill_on_load: when ``dcp.load`` reads data files this rank wrote from a shared tier (S3)
-            because this tier lacks them (a lost or replaced node), write them here as they
+        fill_on_load: when ``dcp.load`` takes data files this rank wrote from a shared tier (S3)
+            or from other nodes because this tier lacks them (a lost or replaced node), write them here as they
             arrive and commit the local copy after the load, so the next restart finds them
             local (:mod:`tierckpt.fill`; never fails a load).
     """

@@ -1,29 +1,32 @@
 """Filling the local tier while a load reads from a slower one (``[local] fill_on_load``).
 
 After a node is lost or replaced its local tier is empty, and ``dcp.load`` reads the state from
-S3 (or another shared tier). The bytes pass through this process anyway: :class:`LoadFill`
-writes them into the local tier as the items arrive, so the next restart on this node (and the
-peer tier, which serves other nodes from local copies) finds the checkpoint local, without a
-separate ``tierckpt-restore fetch`` that would download it a second time.
+S3 (or another shared tier) or receives it from other nodes (:mod:`tierckpt.peers`). The bytes
+pass through this process anyway: :class:`LoadFill` writes them into the local tier as the items
+arrive, so the next restart on this node (and the peer tier, which serves other nodes from local
+copies) finds the checkpoint local, without a separate ``tierckpt-restore fetch`` that would
+download it a second time.
 
 Contract (driven by :class:`tierckpt.TieredReader` in ``read_data``, on the rank's calling
 thread; nothing here is collective):
 
-* :meth:`LoadFill.plan` picks the data files this rank reads *whole* (its requests cover the file
-  from byte 0 to its end, padding included) from a tier other than the local one; in a
-  distributed job only the files this rank wrote (``rank-0000R-…``) are picked, so that two ranks
-  of a node never write one file. Nothing is picked when the local tier holds another save under
-  the same id, when it has less free space than twice the bytes to write, or when another
-  process is writing the same file (``.partial`` created exclusively).
-* Each verified item (:class:`~tierckpt.readback.Request` ``done``, on a reader thread) is handed
-  to :data:`THREADS` writer threads that ``pwrite`` it, and its padding, at its offset into the
-  file's ``.partial``. The load waits for those writes (they copy into the page cache and never
-  hold the destination tensors after ``read_data`` returns) but not for durability.
+* :meth:`LoadFill.plan` picks the data files this rank reads *whole* (the items it reads and
+  those other nodes send it cover the file from byte 0 to its end, padding included) from
+  somewhere other than the local tier; in a distributed job only the files this rank wrote
+  (``rank-0000R-…``) are picked, so that two ranks of a node never write one file. Nothing is
+  picked when the local tier holds another save under the same id, when it has less free space
+  than twice the bytes to write, or when another process is writing the same file (``.partial``
+  created exclusively).
+* Each verified item (:class:`~tierckpt.readback.Request` ``done`` on a reader thread, or
+  :meth:`LoadFill.received` for an item another node sent) is handed to :data:`THREADS` writer
+  threads that ``pwrite`` it, and its padding, at its offset into the file's ``.partial``. The
+  load waits for those writes (they copy into the page cache and never hold the destination
+  tensors after ``read_data`` returns) but not for durability.
 * :meth:`LoadFill.finish` then commits in a background thread (not a daemon: the interpreter
   waits for it at exit): each complete file is fsync'd and renamed into place, then
-  ``ID/metadata.json`` is written last, byte-identical to the source's copy (same ``committed``
-  time), exactly as ``tierckpt-restore fetch --rank`` leaves a partial local copy: the reader
-  reads what is local from the local tier and the rest from the shared one.
+  ``ID/metadata.json`` is written last (unless already there), byte-identical to the source's
+  copy (same ``committed`` time), exactly as ``tierckpt-restore fetch --rank`` leaves a partial
+  local copy: the reader reads what is local from the local tier and the rest from elsewhere.
 * A fill never fails a load: any error (disk full, a write refused, a commit raced) is logged
   as a warning and that file's ``.partial`` removed. A crash leaves at most a ``.partial``, which
   ``tierckpt-restore gc`` removes. A lease on the local tier keeps retention and gc away meanwhile.
@@ -35,12 +38,13 @@ import errno
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import lease as leases
 from .errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
-from .layout import MAX_METADATA_BYTES, data_key, metadata_key, padded, parse_metadata, rank_of_file
-from .readback import Readback, Request
+from .layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file
+from .readback import Request
 from .tiers.base import DataSink, Tier
 
 __all__ = ["THREADS", "LoadFill"]
@@ -78,28 +82,24 @@ class LoadFill:
 
     # -- choosing the files (calling thread) --------------------------------------------------
     @classmethod
-    def plan(cls, local: Tier, engine: Readback, requests: list[Request], files: dict[str, int], token: str,
-             rank: int | None) -> "LoadFill | None":
-        """A fill for the files of ``requests`` worth filling (module docstring), or None.
+    def plan(cls, local: Tier, cid: str, requests: list[Request], received: list[ItemRecord], files: dict[str, int],
+             token: str, rank: int | None, lacks: Callable[[str], bool], shared: list[Tier],
+             raw: bytes | None = None) -> "LoadFill | None":
+        """A fill for the files worth filling (module docstring), or None.
 
-        ``files`` maps data files to their sizes (the manifest), ``token`` is the checkpoint's
-        save token, ``rank`` this process's rank in a distributed job (None: alone). The picked
-        requests' ``done`` callbacks are wrapped; call :meth:`finish` after the reads.
+        ``requests`` are the items read from the tiers (their ``done`` callbacks are wrapped),
+        ``received`` those other nodes send (hand each to :meth:`received` once verified);
+        ``files`` maps data files to their sizes (the manifest), ``token`` is the checkpoint's save
+        token, ``rank`` this process's rank in a distributed job (None: alone); ``lacks(file)``
+        tells whether this read takes ``file`` from somewhere else than ``local``; the metadata
+        committed locally is ``raw`` (as other nodes sent it) or the first ``shared`` tier's copy.
+        Call :meth:`finish` after the reads.
         """
-        cid = engine.checkpoint_id
-        by_file: dict[str, list[Request]] = {}
-        for r in requests:
-            by_file.setdefault(r.rec.file, []).append(r)
-        picked: dict[str, list[Request]] = {}
-        for file, reqs in by_file.items():
-            if rank is not None and rank_of_file(file) != rank:
-                continue
-            if file not in files or not _covers(reqs, files[file]):
-                continue
-            order = engine.tiers_for(file)
-            if not order or local in order:
-                continue
-            picked[file] = reqs
+        by_file: dict[str, list[ItemRecord]] = {}
+        for rec in [r.rec for r in requests] + list(received):
+            by_file.setdefault(rec.file, []).append(rec)
+        picked = [f for f, recs in by_file.items()
+                  if (rank is None or rank_of_file(f) == rank) and f in files and _covers(recs, files[f]) and lacks(f)]
         if not picked:
             return None
         need = sum(files[f] for f in picked)
@@ -108,15 +108,15 @@ class LoadFill:
             log.info("checkpoint %s: not filling %s during the load: %d bytes free, %d to write", cid, local.url, free, need)
             return None
         try:
-            raw = _source_metadata(engine, local, cid, token)
-            if raw is None:
+            meta = _metadata_to_commit(local, cid, token, shared, raw)
+            if meta is None:
                 return None
             lease = leases.acquire(local, cid, kind="fetch", purpose="fill during a load", require_committed=False)
         except (TierckptError, OSError) as e:
             log.warning("checkpoint %s: not filling %s during the load: %s", cid, local.url, e)
             return None
-        fill = cls(local, cid, raw, lease)
-        for file, reqs in picked.items():
+        fill = cls(local, cid, meta, lease)
+        for file in picked:
             try:
                 sink = local.open_sink(data_key(cid, file), files[file], exclusive=True)  # type: ignore[call-arg]
             except (TierckptError, OSError) as e:
@@ -124,8 +124,10 @@ class LoadFill:
                 (log.info if busy else log.warning)("checkpoint %s: not filling %s/%s: %s", cid, local.url,
                                                     data_key(cid, file), "another process is writing it" if busy else e)
                 continue
-            f = fill._files[file] = _File(file, files[file], sink, len(reqs))
-            for r in reqs:
+            fill._files[file] = _File(file, files[file], sink, len(by_file[file]))
+        for r in requests:
+            f = fill._files.get(r.rec.file)
+            if f is not None:
                 r.done = fill._wrap(f, r.done)
         if not fill._files:
             fill._lease.release()
@@ -133,12 +135,20 @@ class LoadFill:
             return None
         return fill
 
+    def received(self, rec: ItemRecord, buf: memoryview) -> None:
+        """An item another node sent, verified (its padding is zeros, as every writer leaves it)."""
+        f = self._files.get(rec.file)
+        if f is not None:
+            self._submit(f, rec.pos, buf, bytes(padded(rec.length) - rec.length))
+
+    def _submit(self, f: _File, pos: int, buf: memoryview, pad: bytes) -> None:
+        fut = self._pool.submit(self._write, f, pos, buf, pad)
+        with self._lock:
+            self._pending.append(fut)
+
     def _wrap(self, f: _File, done):  # noqa: ANN001, ANN202 - the Request.done callable
         def wrapped(r: Request) -> None:
-            buf, pad, pos = r.buf, bytes(r.pad), r.rec.pos  # before done() may release the buffer
-            fut = self._pool.submit(self._write, f, pos, buf, pad)
-            with self._lock:
-                self._pending.append(fut)
+            self._submit(f, r.rec.pos, r.buf, bytes(r.pad))  # before done() may release the buffer
             if done is not None:
                 done(r)
         return wrapped
@@ -217,41 +227,44 @@ class LoadFill:
             self.thread.join(timeout)
 
 
-def _covers(reqs: list[Request], size: int) -> bool:
-    """Whether ``reqs`` (items of one file) cover ``[0, size)`` exactly, padding included."""
+def _covers(recs: list[ItemRecord], size: int) -> bool:
+    """Whether ``recs`` (items of one file) cover ``[0, size)`` exactly, padding included."""
     at = 0
-    for r in sorted(reqs, key=lambda r: r.rec.pos):
-        if r.rec.pos != at:
+    for rec in sorted((r for r in recs if r.length), key=lambda r: r.pos):  # empty items hold no bytes
+        if rec.pos != at:
             return False
-        at += padded(r.rec.length)
+        at += padded(rec.length)
     return at == size
 
 
-def _source_metadata(engine: Readback, local: Tier, cid: str, token: str) -> bytes | None:
-    """The metadata bytes to commit locally (from the first shared tier holding them, same save),
-    or None when the local tier holds another save of ``cid``."""
+def _metadata_to_commit(local: Tier, cid: str, token: str, shared: list[Tier], raw: bytes | None) -> bytes | None:
+    """The metadata bytes to commit locally: the local copy's (same save), ``raw`` (other nodes'),
+    or the first shared tier's; None when the local tier holds another save of ``cid``."""
     key = metadata_key(cid)
     try:
-        mine = parse_metadata(local.get(key), f"{local.url}/{key}").manifest
+        mine_raw = local.get(key)
+        mine = parse_metadata(mine_raw, f"{local.url}/{key}").manifest
     except CheckpointNotFound:
         mine = None
     except CorruptCheckpoint as e:
         log.warning("checkpoint %s: not filling %s during the load: %s", cid, local.url, e)
         return None
-    if mine is not None and mine.save_token != token:
-        log.info("checkpoint %s: not filling %s: it holds another save under this id", cid, local.url)
-        return None
+    if mine is not None:
+        if mine.save_token != token:
+            log.info("checkpoint %s: not filling %s: it holds another save under this id", cid, local.url)
+            return None
+        return mine_raw
+    if raw is not None and parse_metadata(raw, f"metadata of {cid} from another node").manifest.save_token == token:
+        return raw
     errors = []
-    for tier in engine.tiers:
-        if tier is local:
-            continue
+    for tier in shared:
         try:
             if tier.size(key) > MAX_METADATA_BYTES:
                 raise CorruptCheckpoint(f"{tier.url}/{key}: larger than {MAX_METADATA_BYTES} bytes")
-            raw = tier.get(key)
-            if parse_metadata(raw, f"{tier.url}/{key}").manifest.save_token != token:
+            got = tier.get(key)
+            if parse_metadata(got, f"{tier.url}/{key}").manifest.save_token != token:
                 raise CorruptCheckpoint(f"{tier.url}/{key}: another save of {cid}")
-            return raw
+            return got
         except (TierckptError, OSError) as e:
             errors.append(f"{tier.url}: {e}")
     raise CheckpointNotFound(f"checkpoint {cid}: no metadata to copy ({'; '.join(errors) or 'no shared tier'})")

@@ -92,6 +92,7 @@ class TieredReader(StorageReader):
         self.from_peers: dict[str, int] = {}  # file -> bytes received from other nodes (last read)
         self.fill: LoadFill | None = None  # the last load's fill of the local tier ([local] fill_on_load)
         self._manifest: Any = None
+        self._raw_md: bytes | None = None  # metadata.json as other nodes sent it (peers)
         self._peers: peers.PeerGroup | None = None
         self._choice: peers.Choice | None = None
         self._roots: list[str] = []
@@ -107,6 +108,7 @@ class TieredReader(StorageReader):
         self.resolved_id = None
         self.metadata = None
         self._choice = None  # agreed again by the next resolve()/read_metadata
+        self._raw_md = None
         self.release()
 
     def release(self) -> None:
@@ -161,6 +163,7 @@ class TieredReader(StorageReader):
     def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
         choice = self._agree(group)
         raw = peers.metadata_from(self.tiers[0], group, choice)
+        self._raw_md = raw
         if raw is None:
             return self._finish_metadata(choice.checkpoint_id, self._read_local_metadata(choice.checkpoint_id))
         md, man = metadata_from_json(raw, f"metadata of {choice.checkpoint_id} from rank {choice.md_rank}")
@@ -267,22 +270,23 @@ class TieredReader(StorageReader):
                 continue
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
             requests.append(Request(it.rec, self._buffer(it), what, done=lambda r, it=it: self._done(it, r)))
+        self.fill = None
+        ok = False
         try:
+            engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads) if requests else None
+            self.fill = self._plan_fill(engine, requests, [storage[i] for i in incoming])
             if route.get("recv") or route.get("send"):  # first: the other nodes wait for this rank's part
                 self._exchange(storage, groups, recv_from, {int(p): idx for p, idx in route.get("send", [])})
-            if requests:
-                engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
-                self.fill = self._plan_fill(engine, requests)
-                ok = False
+            if engine is not None:
                 try:
                     engine.read(requests)
-                    ok = True
                 finally:
-                    if self.fill is not None:
-                        self.fill.finish(ok)
                     self.served.update(engine.served)
                     self.recovered.update(engine.recovered)
+            ok = True
         finally:
+            if self.fill is not None:
+                self.fill.finish(ok)
             self.release()
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
@@ -295,8 +299,9 @@ class TieredReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _plan_fill(self, engine: Readback, requests: list[Request]) -> "LoadFill | None":
-        """The fill of the local tier for this read (:mod:`tierckpt.fill`), or None."""
+    def _plan_fill(self, engine: Readback | None, requests: list[Request], received: list[ItemRecord]) -> "LoadFill | None":
+        """The fill of the local tier for this read (:mod:`tierckpt.fill`), or None: the items read
+        from the tiers (``requests``) and those other nodes send (``received``)."""
         local = self.tiers[0] if self.tiers else None
         man = self._manifest
         if (local is None or self.cfg.local is None or not self.cfg.local.fill_on_load or man is None
@@ -305,7 +310,13 @@ class TieredReader(StorageReader):
         rank = None
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             rank = torch.distributed.get_rank()
-        return LoadFill.plan(local, engine, requests, dict(man.files), man.save_token, rank)
+
+        def lacks(file: str) -> bool:  # this read takes the file from elsewhere than the local tier
+            return engine is None or local not in engine.tiers_for(file)
+
+        shared = [t for t in self._holding if t is not local]
+        return LoadFill.plan(local, self.resolved_id, requests, received, dict(man.files), man.save_token, rank,
+                             lacks, shared, self._raw_md)
 
     def _exchange(self, storage: dict, groups: dict, recv_from: dict[int, list], send_to: dict[int, list]) -> None:
         """Serve and receive items between nodes (see :mod:`tierckpt.peers`): what this rank serves
@@ -342,6 +353,8 @@ class TieredReader(StorageReader):
                 dst = self._buffer(it)
                 dst[:] = data
                 if item_intact(rec, dst, b"\0" * (_padded(rec.length) - rec.length), self.chunk_size):
+                    if self.fill is not None:
+                        self.fill.received(rec, dst)
                     self._deliver(it)
                     self.from_peers[rec.file] = self.from_peers.get(rec.file, 0) + rec.length
                     continue
