@@ -15,8 +15,9 @@ maps them to messages and exit statuses). The names are imported on first use: t
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tierckpt.lazyexports import lazy_exports
 
 if TYPE_CHECKING:
     from .catalog import Latest, Listing, find_latest, list_all, open_tiers
@@ -59,15 +60,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module defining public ``name`` on first use (so ``import restore.cli`` stays torch-free)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -15,8 +15,9 @@ name is one line in :data:`_LAZY` (``__all__`` is its keys).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazyexports import lazy_exports
 
 if TYPE_CHECKING:
     from .config import Config, HostConfig, JobConfig, LocalConfig, PeerConfig, S3Config, TierConfig, load_config, parse_size
@@ -78,15 +79,4 @@ _LAZY: dict[str, str] = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module defining public ``name`` on first use and cache the name here."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

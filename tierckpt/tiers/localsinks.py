@@ -109,21 +109,7 @@ class _FileSink(DataSink):
             offset += n
 
     def _pwrite_direct(self, mv: memoryview, offset: int) -> int:
-        """Write aligned ``mv`` through the direct descriptor; return the bytes written (the rest,
-        after a refusal or an unaligned short write, is left to the buffered descriptor)."""
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.pwrite(self._dfd, mv[done:], offset + done)
-            except OSError as e:
-                if e.errno not in _REFUSED or done % DIO_ALIGN:
-                    raise
-                self._tier._direct_refused(self._partial, e)  # raises with direct_io = true
-                return done
-            done += n
-            if n <= 0 or n % DIO_ALIGN:
-                break
-        return done
+        return _pwrite_direct(self._tier, self._dfd, self._partial, mv, offset)
 
     def _close_fd(self) -> None:
         # Only once no write is in flight: a descriptor closed under a concurrent pwrite could be
@@ -337,21 +323,7 @@ class _ResumableFile(ResumableSink):
                 raise _tier_error(err, f"cannot make {self._partial} durable") from err
 
     def _pwrite_direct(self, mv: memoryview, offset: int) -> int:
-        """Write aligned ``mv`` through the direct descriptor; return the bytes written (the rest,
-        after a refusal or a short write, is left to the buffered descriptor)."""
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.pwrite(self._dfd, mv[done:], offset + done)
-            except OSError as e:
-                if e.errno not in _REFUSED or done % DIO_ALIGN:
-                    raise
-                self._tier._direct_refused(self._partial, e)  # raises with direct_io = true
-                return done
-            done += n
-            if n <= 0 or n % DIO_ALIGN:
-                break
-        return done
+        return _pwrite_direct(self._tier, self._dfd, self._partial, mv, offset)
 
     def close(self) -> None:
         missing = self.blocks() - len(self.recorded)
@@ -410,3 +382,23 @@ class _ResumableFile(ResumableSink):
             self._lock_fd = -1
 
     # ==== end of the resumable-write block ===================================================
+
+
+def _pwrite_direct(tier: "LocalTier", dfd: int, path, mv: memoryview, offset: int) -> int:  # noqa: ANN001
+    """Write aligned ``mv`` at ``offset`` through the direct descriptor ``dfd`` of ``path``; return
+    the bytes written (the rest, after a refusal or an unaligned short write, is left to the
+    caller's buffered descriptor). A refusal is reported to ``tier`` (which raises with
+    ``direct_io = true``)."""
+    done = 0
+    while done < len(mv):
+        try:
+            n = os.pwrite(dfd, mv[done:], offset + done)
+        except OSError as e:
+            if e.errno not in _REFUSED or done % DIO_ALIGN:
+                raise
+            tier._direct_refused(path, e)
+            return done
+        done += n
+        if n <= 0 or n % DIO_ALIGN:
+            break
+    return done
