@@ -19,9 +19,12 @@ thread; nothing here is collective):
   created exclusively).
 * Each verified item (:class:`~tierckpt.readback.Request` ``done`` on a reader thread, or
   :meth:`LoadFill.received` for an item another node sent) is handed to :data:`THREADS` writer
-  threads that ``pwrite`` it, and its padding, at its offset into the file's ``.partial``. The
-  load waits for those writes (they copy into the page cache and never hold the destination
-  tensors after ``read_data`` returns) but not for durability.
+  threads that write it, and its padding, at its offset into the file's ``.partial``. Where the
+  local tier writes with ``O_DIRECT`` (``[local] direct_io``), a thread copies the item piece by
+  piece into its own page-aligned staging buffer (:data:`STAGE_BYTES`, reused) at the file
+  offset's alignment, so that whole pages go to the device without the page cache and only the
+  edges of an item are buffered; otherwise its writes are buffered. The load waits for those
+  writes (so they never read the destination tensors after ``read_data`` returns).
 * :meth:`LoadFill.finish` then commits in a background thread (not a daemon: the interpreter
   waits for it at exit): each complete file is fsync'd and renamed into place, then
   ``ID/metadata.json`` is written last (unless already there), byte-identical to the source's
@@ -35,6 +38,7 @@ thread; nothing here is collective):
 from __future__ import annotations
 
 import errno
+import mmap
 import logging
 import threading
 import time
@@ -46,13 +50,16 @@ from .errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, Tierc
 from .layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file
 from .readback import Request
 from .tiers.base import DataSink, Tier
+from .tiers.localfs import DIO_ALIGN
 
 __all__ = ["THREADS", "LoadFill"]
 
 log = logging.getLogger("tierckpt")
 
 THREADS = 2
-"""Writer threads of one fill (buffered ``pwrite``: page-cache copies, not disk waits)."""
+"""Writer threads of one fill (each with its own staging buffer)."""
+STAGE_BYTES = 8 << 20
+"""Bytes per staged write: a thread's page-aligned staging buffer, reused for every item it writes."""
 
 
 class _File:
@@ -74,6 +81,7 @@ class LoadFill:
         self._lease = lease
         self._files: dict[str, _File] = {}
         self._lock = threading.Lock()
+        self._stage = threading.local()
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="tierckpt-fill")
         self._pending: list[Future] = []
         self._t0 = time.perf_counter()
@@ -158,19 +166,41 @@ class LoadFill:
         if f.failed is not None:
             return
         try:
-            f.sink.write_at(pos, buf)
-            if pad:
-                f.sink.write_at(pos + len(buf), memoryview(pad))
+            if getattr(f.sink, "direct", False) and len(buf) + len(pad) >= 2 * DIO_ALIGN:
+                self._write_staged(f, pos, buf, pad)
+            else:
+                f.sink.write_at(pos, buf)
+                if pad:
+                    f.sink.write_at(pos + len(buf), memoryview(pad))
         except BaseException as e:  # noqa: BLE001 - a fill never fails the load
             f.failed = e
             return
         with self._lock:
             f.left -= 1
 
+    def _write_staged(self, f: _File, pos: int, buf: memoryview, pad: bytes) -> None:
+        """Copy into this thread's page-aligned staging buffer at the file offset's alignment, so
+        that the sink writes the whole pages with ``O_DIRECT`` (no page cache), the edges buffered."""
+        stage = getattr(self._stage, "mv", None)
+        if stage is None:
+            stage = self._stage.mv = memoryview(mmap.mmap(-1, STAGE_BYTES + DIO_ALIGN))
+        src = memoryview(buf).cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        end = len(src) + len(pad)
+        done = 0
+        while done < end:
+            at = (pos + done) % DIO_ALIGN
+            n = min(STAGE_BYTES, end - done)
+            k = max(0, min(n, len(src) - done))
+            stage[at : at + k] = src[done : done + k]
+            if k < n:
+                stage[at + k : at + n] = pad[done + k - len(src) : done + n - len(src)]
+            f.sink.write_at(pos + done, stage[at : at + n])
+            done += n
+
     # -- the end ------------------------------------------------------------------------------
     def finish(self, ok: bool) -> None:
         """Calling thread, after the reads (``ok``: all of them succeeded). Waits for the writes in
-        flight, then commits the complete files and the metadata in :attr:`thread`."""
+        flight, then commits the complete files (fsync, rename) and the metadata in :attr:`thread`."""
         with self._lock:
             pending = list(self._pending)
         for fut in pending:
