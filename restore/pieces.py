@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import google_crc32c
 import numpy as np
 
+from tierckpt.checksum import crc32c
 from tierckpt.layout import CheckpointDoc, ItemRecord, padded, piece_bounds
 
 if TYPE_CHECKING:
@@ -43,10 +43,8 @@ def item_pieces(rec: ItemRecord, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def crc_of(view: memoryview | bytes | bytearray) -> int:
-    """CRC32C of any byte buffer (google-crc32c wants a read-only buffer: numpy gives it one)."""
-    if isinstance(view, bytes):
-        return google_crc32c.value(view)
-    return google_crc32c.value(np.frombuffer(view, dtype=np.uint8))
+    """CRC32C of any byte buffer."""
+    return crc32c(view)
 
 
 def aligned_range_size(chunk_size: int, want: int) -> int:
@@ -135,7 +133,7 @@ class FileCheck:
             i += 1
             if p.end > end:
                 raise ValueError(f"{self.file}: piece [{p.start}, {p.end}) crosses the range end {end}")
-            if google_crc32c.value(arr[p.start - start : p.end - start]) != p.crc:
+            if crc32c(arr[p.start - start : p.end - start]) != p.crc:
                 idx, _rec = self.items[p.item]
                 bad.append(BadPiece(self.file, idx.fqn, None if idx.offset is None else tuple(idx.offset), p.start, p.end))
         return bad

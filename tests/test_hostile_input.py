@@ -23,13 +23,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-import google_crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from tierckpt import CheckpointNotFound, CorruptCheckpoint, HostConfig, LocalConfig, TierConfig, TieredWriter
 from tierckpt import safejson
+from tierckpt.checksum import crc32c
 from tierckpt.layout import FORMAT, MAX_METADATA_BYTES, metadata_from_json, metadata_key
 from tierckpt.reader import read_checkpoint_metadata
 from tierckpt.tiers.local import LocalTier
@@ -48,7 +48,7 @@ MAX_MESSAGE = 1000
 
 def seal(body: bytes) -> bytes:
     """``body`` behind a header line whose format, length and CRC32C are all correct."""
-    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": google_crc32c.value(body)}).encode()
+    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": crc32c(body)}).encode()
     return header + b"\n" + body
 
 
@@ -156,12 +156,13 @@ def test_deep_nesting_with_a_high_recursion_limit_does_not_crash(tmp_path):
     """With ``sys.setrecursionlimit(10**6)`` the stdlib decoder would recurse 200k levels deep
     in C and overflow the stack (CPython 3.11); the nesting is refused before decoding."""
     code = (
-        "import sys, json, google_crc32c\n"
+        "import sys, json\n"
+        "from tierckpt.checksum import crc32c\n"
         "from tierckpt.layout import metadata_from_json, FORMAT\n"
         "from tierckpt.errors import CorruptCheckpoint\n"
         "sys.setrecursionlimit(10**6)\n"
         "body = b'[' * 2_000_000\n"
-        "raw = json.dumps({'format': FORMAT, 'length': len(body), 'crc32c': google_crc32c.value(body)}).encode() + b'\\n' + body\n"
+        "raw = json.dumps({'format': FORMAT, 'length': len(body), 'crc32c': crc32c(body)}).encode() + b'\\n' + body\n"
         "try:\n"
         "    metadata_from_json(raw, 'X')\n"
         "except CorruptCheckpoint as e:\n"

@@ -170,7 +170,7 @@ def test_latest_skips_hostile_newest_metadata(tmp_path):
     """A newest metadata.json with a valid header and a hostile body (deeply nested, valid CRC)."""
     import json
 
-    import google_crc32c
+    from tierckpt.checksum import crc32c
 
     cfg = cfg_local(tmp_path)
     save(cfg, 1)
@@ -178,7 +178,7 @@ def test_latest_skips_hostile_newest_metadata(tmp_path):
     md = cfg.local.resolved_path() / "step-2" / "metadata.json"
     head = json.loads(md.read_bytes().split(b"\n", 1)[0])
     body = b"[" * 200_000 + b"]" * 200_000
-    head.update(length=len(body), crc32c=google_crc32c.value(body))
+    head.update(length=len(body), crc32c=crc32c(body))
     md.write_bytes(json.dumps(head).encode() + b"\n" + body)
     assert find_latest([LocalTier(cfg.local.resolved_path())]).checkpoint_id == "step-1"
     assert load(cfg)["step"] == 1

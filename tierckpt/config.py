@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import socket
 import tomllib
 from dataclasses import dataclass, field

@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
-import google_crc32c
 
 from . import safejson
+from .checksum import crc32c
 from .errors import CorruptCheckpoint
 from .jsonvalues import (
     DTYPE_SIZES,
@@ -220,11 +220,11 @@ def item_intact(rec: "ItemRecord", data, pad, chunk_size: int) -> bool:
     for (s, e), crc in zip(piece_bounds(rec.pos, padded(rec.length), chunk_size), rec.crcs):
         a, b = s - rec.pos, e - rec.pos
         if b <= n:
-            got = google_crc32c.value(d[a:b])
+            got = crc32c(d[a:b])
         elif a >= n:
-            got = google_crc32c.value(p[a - n : b - n])
+            got = crc32c(p[a - n : b - n])
         else:
-            got = google_crc32c.extend(google_crc32c.value(d[a:n]), p[: b - n])
+            got = crc32c(p[: b - n], crc32c(d[a:n]))
         if got != crc:
             return False
     return True
@@ -317,7 +317,7 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
         "items": items,
     }
     body = json.dumps(doc, separators=(",", ":")).encode()
-    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": google_crc32c.value(body),
+    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": crc32c(body),
                          "seq": manifest.seq, "step": manifest.step, "committed": manifest.committed}).encode()
     return header + b"\n" + body
 
@@ -440,7 +440,7 @@ def parse_metadata(raw: bytes, where: str) -> CheckpointDoc:
         header = safejson.loads(head) if sep and len(head) <= MAX_HEADER_BYTES else None
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ValueError("no tierckpt header line")
-        if header.get("length") != len(body) or header.get("crc32c") != google_crc32c.value(body):
+        if header.get("length") != len(body) or header.get("crc32c") != crc32c(body):
             raise CorruptCheckpoint(f"{where}: metadata failed its CRC32C/length check (corrupted or truncated)")
         try:
             doc = safejson.loads(body)

@@ -29,10 +29,10 @@ import logging
 from collections import defaultdict
 from typing import Any, Callable
 
-import google_crc32c
 import torch
 
 from . import lease as leases
+from .checksum import crc32c
 from .commit import Round, run_commit
 from .errors import ChecksumMismatch, TierckptError
 from .layout import PEERS, data_key, metadata_from_json, padded, piece_bounds, rank_of_file
@@ -189,6 +189,6 @@ def _check_piece(recs: list, off: int, view: Any, chunk_size: int) -> str | None
     end = off + len(view)
     for rec in recs:
         for (s, e), crc in zip(piece_bounds(rec.pos, padded(rec.length), chunk_size), rec.crcs):
-            if off <= s and e <= end and google_crc32c.value(view[s - off:e - off]) != crc:
+            if off <= s and e <= end and crc32c(view[s - off:e - off]) != crc:
                 return f"the item at offset {rec.pos}, CRC piece [{s}, {e})"
     return None

@@ -21,10 +21,10 @@ import threading
 import time
 from typing import Callable
 
-import google_crc32c
 import torch
 
 from .. import lease as leases
+from ..checksum import crc32c
 from ..config import Config
 from ..errors import TornCaptureError
 from ..layout import data_key
@@ -175,7 +175,7 @@ class CaptureStream:
             c1 = time.thread_time()
             crcs = job.crcs
             for item, j, off, n in job.crc_pieces[k]:
-                crcs[item][j] = google_crc32c.value(arr[off : off + n])
+                crcs[item][j] = crc32c(arr[off : off + n])
             crc = time.thread_time() - c1
             assert job.sink is not None
             job.sink.write_at(k * self.chunk_size, memoryview(arr))

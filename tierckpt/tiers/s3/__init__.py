@@ -26,7 +26,7 @@ per ``sendall``), unsigned (``payload_signing_enabled = False``: the CRC32C head
 carries is what the server verifies; botocore would SHA-256 every body on http endpoints).
 awscrt's S3 client was measured against it (``tools/bench.py --only s3``) and is not used for
 requests (it spent more CPU per GiB uploaded than this tier and was not faster on these servers).
-CRC32C of parts: google-crc32c on a numpy view of the part buffer (no copy).
+CRC32C of parts: :func:`tierckpt.checksum.crc32c` on the part buffer (no copy, GIL released).
 
 Part size: S3 allows at most 10,000 parts, so for an object larger than ``10000 * part_size`` the
 effective part size is grown to the smallest multiple of 1 MiB that fits (see
