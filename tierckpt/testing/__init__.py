@@ -19,30 +19,17 @@ attribute of this package, which would shadow the function.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazyexports import lazy_exports
 
 _WHERE = {
-    "bits": "state", "placeholder": "state", "clone_state": "state",
-    "raw": "bitexact", "compare": "bitexact",
-    "errors_in": "errors", "find_error": "errors", "err_text": "errors",
-    "free_port": "launch", "rank_env": "launch", "launch_ranks": "launch", "run_world": "launch", "serve": "launch",
-    "can_hide_paths": "launch", "hide_paths": "launch",
-    "FaultyTier": "faults",
+    "bits": ".state", "placeholder": ".state", "clone_state": ".state",
+    "raw": ".bitexact", "compare": ".bitexact",
+    "errors_in": ".errors", "find_error": ".errors", "err_text": ".errors",
+    "free_port": ".launch", "rank_env": ".launch", "launch_ranks": ".launch", "run_world": ".launch", "serve": ".launch",
+    "can_hide_paths": ".launch", "hide_paths": ".launch",
+    "FaultyTier": ".faults",
 }
 
 __all__ = sorted(_WHERE)
 
-
-def __getattr__(name: str) -> Any:
-    """Load ``name`` from its module on first use (``import tierckpt.testing`` stays free)."""
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)  # each name loaded from its module on first use
