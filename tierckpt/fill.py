@@ -183,13 +183,13 @@ class LoadFill:
         that the sink writes the whole pages with ``O_DIRECT`` (no page cache), the edges buffered."""
         stage = getattr(self._stage, "mv", None)
         if stage is None:
-            stage = self._stage.mv = memoryview(mmap.mmap(-1, STAGE_BYTES + DIO_ALIGN))
+            stage = self._stage.mv = memoryview(mmap.mmap(-1, STAGE_BYTES))
         src = memoryview(buf).cast("B") if buf.format != "B" or buf.ndim != 1 else buf
         end = len(src) + len(pad)
         done = 0
         while done < end:
             at = (pos + done) % DIO_ALIGN
-            n = min(STAGE_BYTES, end - done)
+            n = min(STAGE_BYTES - at, end - done)  # every piece after the first starts on a page
             k = max(0, min(n, len(src) - done))
             stage[at : at + k] = src[done : done + k]
             if k < n:
