@@ -45,6 +45,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from . import lease as leases
 from .errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
 from .layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file
@@ -184,14 +186,15 @@ class LoadFill:
         stage = getattr(self._stage, "mv", None)
         if stage is None:
             stage = self._stage.mv = memoryview(mmap.mmap(-1, STAGE_BYTES))
-        src = memoryview(buf).cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        src = np.frombuffer(buf, dtype=np.uint8) if len(buf) else np.zeros(0, np.uint8)
+        dst = np.frombuffer(stage, dtype=np.uint8)
         end = len(src) + len(pad)
         done = 0
         while done < end:
             at = (pos + done) % DIO_ALIGN
             n = min(STAGE_BYTES - at, end - done)  # every piece after the first starts on a page
             k = max(0, min(n, len(src) - done))
-            stage[at : at + k] = src[done : done + k]
+            np.copyto(dst[at : at + k], src[done : done + k])  # numpy copies without the GIL
             if k < n:
                 stage[at + k : at + n] = pad[done + k - len(src) : done + n - len(src)]
             f.sink.write_at(pos + done, stage[at : at + n])
