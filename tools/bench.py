@@ -3,6 +3,7 @@
 
     python tools/bench.py [--size-gib 2] [--cpu-gib 0.75] [--out bench-out/bench.json]
                           [--only local,cpu,lazy,e2e,rss] [--dir DIR] [--repeats 3] [--quick] [--nice N]
+                          [--s3-gib 0.5] [--s3-data DIR]   (sections s3, restore, peer: --only s3,restore)
 
 Sections (each a function returning a dict; ratios are computed within the run). Every section
 counts CPU seconds (this process's user+system time, all threads) next to wall time where it
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
                     help=f"comma-separated sections of {SECTION_NAMES} (default: {','.join(DEFAULT_SECTIONS)})")
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="a temp dir is created (and removed) under it")
+    ap.add_argument("--s3-data", default=None,
+                    help="where SeaweedFS keeps its data (default: under --dir, the local tier's disk; /dev/shm "
+                         "models an object store on other machines, whose disks this node does not share)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats in section local (default 3; 1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 repeat (development, < 2 minutes)")
     ap.add_argument("--nice", type=int, default=0,
@@ -108,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--_rss-child", dest="rss_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_consolidate-child", dest="cons_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.s3_data:
+        import benchlib.s3
+
+        benchlib.s3.S3_DATA = Path(args.s3_data)
 
     if args.cons_child:
         print(json.dumps(consolidate_child(json.loads(args.cons_child))))

@@ -39,14 +39,30 @@ _MOTO_CHILD = ("import sys, logging\n"
                "sys.stdin.read()\n")
 
 
+S3_DATA: Path | None = None
+"""Where SeaweedFS keeps its data (``--s3-data``); None: under the section's temp dir, on the disk
+the local tier uses."""
+
+
 def start_s3_server(kind: str, tmp: Path) -> tuple[str, Callable[[], None], str]:
-    """(endpoint, stop, note). moto runs in a child process (its own GIL), SeaweedFS as ``weed mini``."""
+    """(endpoint, stop, note). moto runs in a child process (its own GIL), SeaweedFS as ``weed mini``
+    with its data under ``tmp`` (or a temp dir under :data:`S3_DATA`, removed by ``stop``)."""
+    import shutil
+    import tempfile
+
     from tools.s3servers import ensure_dummy_credentials, make_bucket, start_seaweedfs
 
     ensure_dummy_credentials()
     if kind == "seaweedfs":
-        url, stop = start_seaweedfs(tmp)
-        note = f"SeaweedFS weed mini (separate process), ready after {start_seaweedfs.last_startup_s:.1f} s"
+        data = Path(tempfile.mkdtemp(prefix="bench-weed-", dir=S3_DATA)) if S3_DATA is not None else tmp
+        url, stop_weed = start_seaweedfs(data)
+        where = f"data in {S3_DATA}" if S3_DATA is not None else "data on the local tier's disk"
+        note = f"SeaweedFS weed mini (separate process, {where}), ready after {start_seaweedfs.last_startup_s:.1f} s"
+
+        def stop() -> None:
+            stop_weed()
+            if S3_DATA is not None:
+                shutil.rmtree(data, ignore_errors=True)
     else:
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-c", _MOTO_CHILD, str(port)], stdin=subprocess.PIPE,
