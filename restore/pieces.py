@@ -29,7 +29,6 @@ __all__ = [
     "FileCheck",
     "Piece",
     "aligned_range_size",
-    "crc_of",
     "files_items",
     "item_pieces",
 ]
@@ -40,11 +39,6 @@ MiB = 1 << 20
 def item_pieces(rec: ItemRecord, chunk_size: int) -> list[tuple[int, int]]:
     """File offsets ``(start, end)`` of the CRC pieces of one item (its padding included)."""
     return piece_bounds(rec.pos, padded(rec.length), chunk_size)
-
-
-def crc_of(view: memoryview | bytes | bytearray) -> int:
-    """CRC32C of any byte buffer."""
-    return crc32c(view)
 
 
 def aligned_range_size(chunk_size: int, want: int) -> int:

@@ -38,8 +38,8 @@ thread; nothing here is collective):
 from __future__ import annotations
 
 import errno
-import mmap
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable

@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
-
 from . import safejson
 from .checksum import crc32c
 from .errors import CorruptCheckpoint

@@ -18,8 +18,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-import numpy as np
-
 from ...checksum import crc32c
 from ...config import MiB, S3_MAX_PART
 from ...errors import CorruptCheckpoint, TierError
@@ -39,10 +37,7 @@ def crc32c_b64(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     Computed straight on the caller's buffer (no copy), the GIL released
     (:func:`tierckpt.checksum.crc32c`).
     """
-    mv = memoryview(data)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return base64.b64encode(crc32c(mv).to_bytes(4, "big")).decode("ascii")
+    return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode("ascii")
 
 
 def effective_part_size(size: int, part_size: int) -> int:
