@@ -221,6 +221,30 @@ def test_listing_then_delete_spares_a_save_that_started_in_between(tmp_path):
     assert not stale.exists() and new.exists()
 
 
+def test_retention_spares_a_partial_that_committed_after_the_listing(tmp_path):
+    """Retention lists step-6 while its save is between its data and its metadata (no lease seen
+    after the save released it); the save commits; the planned "partial" deletion must not touch
+    the committed checkpoint (seen once in CI: a committed, unpromoted checkpoint lost)."""
+    from tierckpt.retention import apply_retention
+
+    root = tmp_path / "ckpt"
+    tier = LocalTier(root)
+    cfg = cfg_local(tmp_path)
+    save(cfg, 5)
+    save(cfg, 6)
+    close_all()
+    md = root / metadata_key("step-6")
+    aside = md.with_name("aside")
+    md.rename(aside)  # the listing sees step-6 before its commit
+    infos = list_checkpoints(tier)
+    plan = plan_retention(infos, keep=0, protect=set())
+    assert [d for d, _ in plan.delete] == ["step-6"]
+    aside.rename(md)  # the save commits (and its lease is gone) before retention deletes
+    assert apply_retention(tier, plan, infos) == []
+    drain_deletions()
+    assert load(cfg, "step-6")["step"] == 6
+
+
 def test_save_does_not_commit_a_vanished_file(tmp_path):
     """If the data file disappears between the flush and the commit, the save fails loudly and
     nothing is committed (``latest`` stays loadable)."""

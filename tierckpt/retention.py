@@ -102,11 +102,31 @@ def apply_retention(tier: Tier, plan: RetentionPlan, infos: list[CheckpointInfo]
     by_id = {c.checkpoint_id: c for c in infos or []}
     done = []
     for cid, why in plan.delete:
-        objects = by_id[cid].objects if cid in by_id else None
-        if guarded_delete(tier, cid, lambda: delete_checkpoint(tier, cid, objects), reason=f"retention: {why}"):
+        info = by_id.get(cid)
+        objects = info.objects if info is not None else None
+        partial = info is not None and not info.committed
+
+        def delete(cid: str = cid, objects: dict | None = objects, partial: bool = partial) -> None:
+            if partial:  # listed before its save committed (and released its lease): never a committed one
+                if tier.exists(metadata_key(cid)):
+                    raise _CommittedMeanwhile
+                tier.delete_many([o.key for name, o in (objects or {}).items() if name != METADATA])
+            else:
+                delete_checkpoint(tier, cid, objects)
+
+        try:
+            deleted = guarded_delete(tier, cid, delete, reason=f"retention: {why}")
+        except _CommittedMeanwhile:
+            log.info("retention on %s: not deleting %s: it was committed after the listing", tier.url, cid)
+            continue
+        if deleted:
             log.info("retention on %s: deleted %s (%s)", tier.url, cid, why)
             done.append(cid)
     return done
+
+
+class _CommittedMeanwhile(Exception):
+    """A checkpoint listed as partial has its metadata now: its save committed after the listing."""
 
 
 def enforce(tier: Tier, keep: int, keep_every: int = 0, protect: set[str] | frozenset[str] = frozenset(),
