@@ -29,7 +29,8 @@ from .layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointDoc, Ch
 from .tiers.base import ObjectInfo, Tier
 
 __all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
-           "is_committed", "read_checkpoint_metadata", "read_checkpoint_doc", "commit_header", "max_seq", "servable"]
+           "is_committed", "read_checkpoint_metadata", "read_checkpoint_doc", "read_checkpoint_raw",
+           "parse_checkpoint_doc", "committed_headers", "commit_header", "max_seq", "servable"]
 
 log = logging.getLogger("tierckpt.catalog")
 
@@ -172,6 +173,56 @@ def read_checkpoint_metadata(tier: Tier, checkpoint_id: str) -> tuple[Any, Check
     return doc.to_metadata(), doc.manifest
 
 
+def committed_headers(tier: Tier) -> dict[str, tuple[CommitHeader, int]]:
+    """Every committed checkpoint of ``tier`` with a readable header: id -> (header, metadata size).
+
+    A tier with cheap listings is listed whole (:func:`committed_in_order`). Any other (an object
+    store) costs one listing of the top-level names (:meth:`Tier.list_tops`) and one small ranged
+    read per checkpoint id (:meth:`Tier.read_head`), whatever the number of data files: the
+    ``metadata.json`` of checkpoint ``ID`` is the only object under ``ID/``.
+    """
+    if tier.cheap_listing:
+        return {c.checkpoint_id: (c.header, c.objects[METADATA].size)  # type: ignore[misc]
+                for c in committed_in_order(tier)}
+    out: dict[str, tuple[CommitHeader, int]] = {}
+    for name in tier.list_tops():
+        try:
+            check_checkpoint_id(name)
+        except CorruptCheckpoint:
+            continue
+        try:
+            head, size, mtime = tier.read_head(metadata_key(name), HEADER_MAX)
+        except CheckpointNotFound:
+            continue
+        except (CorruptCheckpoint, OSError) as e:
+            log.warning("cannot read the commit header of %s on %s: %s", name, tier.url, e)
+            continue
+        header = read_header(head)
+        if header is None:
+            log.warning("checkpoint %s on %s: its metadata header is unreadable; it is never 'latest'", name, tier.url)
+            continue
+        out[name] = (header, size)
+    return out
+
+
+def read_checkpoint_raw(tier: Tier, checkpoint_id: str) -> tuple[bytes, CheckpointDoc]:
+    """:func:`read_checkpoint_doc` that also returns the raw ``metadata.json`` bytes."""
+    key = metadata_key(check_checkpoint_id(checkpoint_id))
+    size = tier.size(key)
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
+    raw = tier.get(key, 0, size)
+    return raw, parse_checkpoint_doc(raw, f"{tier.url}/{key}", checkpoint_id)
+
+
+def parse_checkpoint_doc(raw: bytes, where: str, checkpoint_id: str) -> CheckpointDoc:
+    """Parse ``metadata.json`` bytes read from ``where`` and check they name ``checkpoint_id``."""
+    doc = parse_metadata(raw, where)
+    if doc.manifest.checkpoint_id != checkpoint_id:
+        raise CorruptCheckpoint(f"{where}: metadata names checkpoint {doc.manifest.checkpoint_id!r}")
+    return doc
+
+
 def read_checkpoint_doc(tier: Tier, checkpoint_id: str) -> CheckpointDoc:
     """Read and validate ``ID/metadata.json`` from ``tier`` without torch (:func:`~tierckpt.layout.parse_metadata`).
 
@@ -179,15 +230,7 @@ def read_checkpoint_doc(tier: Tier, checkpoint_id: str) -> CheckpointDoc:
     (naming the file) or :class:`CheckpointNotFound`; tier failures raise the tier's errors.
     A file larger than :data:`~tierckpt.layout.MAX_METADATA_BYTES` is refused before it is read.
     """
-    key = metadata_key(check_checkpoint_id(checkpoint_id))
-    size = tier.size(key)
-    if size > MAX_METADATA_BYTES:
-        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata of {size} bytes is larger than {MAX_METADATA_BYTES} bytes")
-    raw = tier.get(key, 0, size)
-    doc = parse_metadata(raw, f"{tier.url}/{key}")
-    if doc.manifest.checkpoint_id != checkpoint_id:
-        raise CorruptCheckpoint(f"{tier.url}/{key}: metadata names checkpoint {doc.manifest.checkpoint_id!r}")
-    return doc
+    return read_checkpoint_raw(tier, checkpoint_id)[1]
 
 
 def servable(tier: Tier, info: CheckpointInfo, manifest: CheckpointManifest) -> str | None:

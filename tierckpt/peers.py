@@ -10,10 +10,10 @@ of all ranks therefore agree on what to load and who serves what, inside ``dcp.l
 * :meth:`PeerGroup.get` creates, once per process and on the thread running ``dcp.load`` (every
   rank does it at the same point), a dedicated gloo process group: never the training group,
   and only this module and only that thread use it.
-* ``read_metadata`` (every rank): each rank describes what its node holds (:func:`node_view`);
-  the views are gathered, every rank picks the same checkpoint (:func:`choose`: the newest whose
-  every data file some node or a shared tier holds) and the rank holding its metadata broadcasts
-  it, so a node with an empty disk loads too.
+* ``read_metadata`` (every rank): the ranks agree on the checkpoint and share its metadata
+  (:mod:`tierckpt.agreement`: views gathered to the coordinator, one verdict broadcast, the
+  metadata read from the rank's own node, sent by another node, or read from a shared tier), so a
+  node with an empty disk loads too.
 * ``prepare_global_plan`` (coordinator): :func:`schedule` assigns each item a rank cannot read
   from its own node to a rank whose node holds the file, spreading the bytes over the holders.
 * ``read_data`` (every rank): :func:`exchange` posts the receives, reads and verifies what it
@@ -28,20 +28,15 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
 from typing import Any
 
-from .catalog import committed_in_order, read_checkpoint_metadata
-from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import is_data_file, metadata_key
+from .errors import CheckpointNotFound, TierckptError
 from .tiers.base import Tier
 
-__all__ = ["PeerGroup", "node_view", "choose", "Choice", "schedule"]
+__all__ = ["PeerGroup", "schedule"]
 
 log = logging.getLogger("tierckpt.peers")
 
-CANDIDATES = 3
-"""How many of its newest committed checkpoints each node reports for ``latest``."""
 TAG = 7141
 
 
@@ -102,6 +97,37 @@ class PeerGroup:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_to(self, obj: Any, dst: int = 0) -> "list[Any] | None":
+        """Every rank's ``obj`` on rank ``dst`` (in rank order; None elsewhere): O(N) bytes in all."""
+        import torch.distributed as dist
+
+        out: "list[Any] | None" = [None] * self.world if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
+
+    def send_bytes(self, data: bytes, dsts: "list[int]") -> None:
+        """Send ``data`` to each rank of ``dsts`` (each receives it with :meth:`recv_bytes`, knowing its size)."""
+        import torch
+        import torch.distributed as dist
+
+        if not dsts or not data:
+            return
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        works = [dist.isend(buf, dst=d, group=self.group, tag=TAG + 1) for d in dsts]
+        for w in works:
+            w.wait()
+
+    def recv_bytes(self, src: int, size: int) -> bytes:
+        """``size`` bytes sent by rank ``src`` with :meth:`send_bytes`."""
+        import torch
+        import torch.distributed as dist
+
+        if size <= 0:
+            return b""
+        buf = torch.empty(size, dtype=torch.uint8)
+        dist.recv(buf, src=src, group=self.group, tag=TAG + 1)
+        return buf.numpy().tobytes()
+
     def broadcast(self, obj: Any, src: int) -> Any:
         import torch.distributed as dist
 
@@ -149,107 +175,30 @@ def _lower_priority(tids: set[int], nice: int) -> None:
             log.debug("cannot lower the priority of thread %d: %s", tid, e)
 
 
-def node_view(first: Tier, others: "list[Tier]", checkpoint_id: str) -> dict:
-    """What this rank can read, for :func:`choose`: the newest committed checkpoints on its node's
-    tier (``checkpoint_id`` only, unless it is ``latest``) with their data files and the files
-    their metadata needs, and which of them a shared tier (S3) holds committed."""
-    have: dict[str, dict] = {}
-    try:
-        done = committed_in_order(first)
-    except TierckptError as e:
-        log.warning("cannot list %s: %s", first.url, e)
-        done = []
-    if checkpoint_id != "latest":
-        done = [c for c in done if c.checkpoint_id == checkpoint_id]
-    for c in reversed(done[-CANDIDATES:] if checkpoint_id == "latest" else done):
-        try:
-            _md, man = read_checkpoint_metadata(first, c.checkpoint_id)
-        except (CheckpointNotFound, CorruptCheckpoint) as e:
-            log.error("skipping %s on %s: %s", c.checkpoint_id, first.url, e)
-            continue
-        files = {n: o.size for n, o in c.objects.items() if is_data_file(n)}
-        have[c.checkpoint_id] = {"seq": man.seq, "files": files, "needs": {f: s for f, s in man.files.items() if s}}
-    shared: dict[str, int] = {}
-    for tier in others:
-        if tier.node_local:
-            continue
-        try:
-            listed = committed_in_order(tier)
-        except TierckptError as e:
-            log.warning("cannot list %s: %s", tier.url, e)
-            continue
-        for c in listed:
-            if checkpoint_id in ("latest", c.checkpoint_id) and c.header is not None:
-                shared[c.checkpoint_id] = c.header.seq
-    return {"root": first.root_id(), "have": have, "shared": shared}
-
-
-@dataclass
-class Choice:
-    """What every rank agreed to load: the id, the rank whose node holds its metadata (-1: read it
-    from a shared tier), which ranks' nodes hold each data file, and whether a shared tier holds it."""
-
-    checkpoint_id: str
-    md_rank: int
-    holders: dict[str, list[int]]
-    shared: bool
-
-
-def choose(views: list[dict], checkpoint_id: str) -> Choice:
-    """The checkpoint to load, the same on every rank (a pure function of the gathered views): the
-    newest (by commit seq) whose data files are all held by some node, or committed on a shared tier."""
-    seqs: dict[str, int] = {}
-    for v in views:
-        for cid, h in v["have"].items():
-            seqs[cid] = max(seqs.get(cid, 0), h["seq"])
-        for cid, seq in v["shared"].items():
-            seqs[cid] = max(seqs.get(cid, 0), seq)
-    if checkpoint_id != "latest":
-        seqs = {c: s for c, s in seqs.items() if c == checkpoint_id}
-    why: list[str] = []
-    for cid in sorted(seqs, key=lambda c: (seqs[c], c), reverse=True):
-        holders: dict[str, list[int]] = {}
-        needs: dict[str, int] = {}
-        md_rank = -1
-        for r, v in enumerate(views):
-            h = v["have"].get(cid)
-            if h is None:
-                continue
-            if md_rank < 0:
-                md_rank = r
-            needs.update(h["needs"])
-            for f, size in h["files"].items():
-                if h["needs"].get(f) == size:
-                    holders.setdefault(f, []).append(r)
-        shared = any(cid in v["shared"] for v in views)
-        missing = sorted(f for f in needs if f not in holders)
-        if shared or (md_rank >= 0 and not missing):
-            return Choice(cid, md_rank, holders, shared)
-        why.append(f"{cid}: data file {missing[0]} is on no node of this job ({len(missing)} missing) and on no shared tier")
-    nodes = sorted({v["root"] for v in views})
-    raise CheckpointNotFound(f"checkpoint {checkpoint_id}: no committed checkpoint this job can read in full "
-                             f"(nodes: {', '.join(nodes)}){': ' + '; '.join(why[:3]) if why else ''}")
-
-
-def schedule(files_of_rank: list[dict[Any, tuple[str, int]]], choice: Choice, root_of: list[str]) -> list[dict]:
+def schedule(files_of_rank: list[dict[Any, tuple[str, int]]], holders: dict[str, list[int]], shared: bool,
+             root_of: list[str], checkpoint_id: str) -> list[dict]:
     """Coordinator: who serves what. ``files_of_rank[r]`` maps each item rank ``r`` reads (its
-    storage index) to (data file, bytes). An item whose file ``r``'s node lacks is served by a rank
-    whose node holds it (the least loaded, in bytes); items only a shared tier holds are left to
-    the reader's fallback. Returns per rank ``{"recv": [[peer, [index...]]], "send": [[peer, [index...]]]}``
-    (the same index order on both ends)."""
+    storage index) to (data file, bytes); ``holders`` maps each data file to the ranks whose node
+    holds it whole (:meth:`tierckpt.agreement.Decision.holders_by_file`). An item whose file ``r``'s
+    node lacks is served by a rank whose node holds it (the least loaded, in bytes); items only a
+    shared tier holds (``shared``) are left to the reader's fallback. Returns per rank
+    ``{"recv": [[peer, [index...]]], "send": [[peer, [index...]]]}`` (the same index order on both
+    ends). Cost: O(items + holders) on the coordinator."""
     world = len(files_of_rank)
-    node_has = [set(f for f, rs in choice.holders.items() if any(root_of[q] == root_of[r] for q in rs)) for r in range(world)]
+    node_of: dict[str, int] = {}
+    node = [node_of.setdefault(root, len(node_of)) for root in root_of]
+    held_on: dict[str, set[int]] = {f: {node[q] for q in rs} for f, rs in holders.items()}
     load = [0] * world
     pairs: dict[tuple[int, int], list[Any]] = {}
     for r, items in enumerate(files_of_rank):
         for index, (file, nbytes) in items.items():
-            if file in node_has[r]:
+            if node[r] in held_on.get(file, ()):
                 continue
-            servers = choice.holders.get(file, [])
+            servers = holders.get(file, [])
             if not servers:
-                if choice.shared:
+                if shared:
                     continue
-                raise CheckpointNotFound(f"checkpoint {choice.checkpoint_id}: rank {r} needs data file {file}, "
+                raise CheckpointNotFound(f"checkpoint {checkpoint_id}: rank {r} needs data file {file}, "
                                          "which no node of this job holds and no shared tier has")
             s = min(servers, key=lambda q: (load[q], q))
             load[s] += nbytes
@@ -259,12 +208,3 @@ def schedule(files_of_rank: list[dict[Any, tuple[str, int]]], choice: Choice, ro
         out[r]["recv"].append([s, idx])
         out[s]["send"].append([r, idx])
     return out
-
-
-def metadata_from(first: Tier, group: PeerGroup, choice: Choice) -> bytes | None:
-    """The raw metadata of the chosen checkpoint on every rank: broadcast by the lowest rank whose
-    node holds it; None when no node does (then every rank reads it from the shared tier)."""
-    if choice.md_rank < 0:
-        return None
-    raw = first.get(metadata_key(choice.checkpoint_id)) if group.rank == choice.md_rank else None
-    return group.broadcast(raw, choice.md_rank)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +32,16 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from . import agreement
 from . import lease as leases
 from . import peers
-from .catalog import find_latest, read_checkpoint_metadata
+from .catalog import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
+from .commit import default_channel
 from .checkpoints import checkpoint_id_of
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .fill import LoadFill
-from .layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, metadata_from_json, padded as _padded
+from .layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, padded as _padded
 from .readback import Readback, Request, hold
 from .tiers import make_tiers
 from .tiers.base import Tier
@@ -92,10 +95,12 @@ class TieredReader(StorageReader):
         self.from_peers: dict[str, int] = {}  # file -> bytes received from other nodes (last read)
         self.fill: LoadFill | None = None  # the last load's fill of the local tier ([local] fill_on_load)
         self._manifest: Any = None
-        self._raw_md: bytes | None = None  # metadata.json as other nodes sent it (peers)
+        self._raw_md: bytes | None = None  # metadata.json of the agreed checkpoint (peers)
         self._peers: peers.PeerGroup | None = None
-        self._choice: peers.Choice | None = None
-        self._roots: list[str] = []
+        self._docs: dict[str, tuple] = {}  # what this rank's node holds: id -> (raw, doc) (agreement phase 1)
+        self._verdict: agreement.Verdict | None = None  # what every rank agreed to load
+        self._decision: agreement.Decision | None = None  # the coordinator's: who holds what, the job's leases
+        self._roots: list[str] = []  # the coordinator's: each rank's node
 
     # -- DCP StorageReader ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -107,15 +112,19 @@ class TieredReader(StorageReader):
         self.checkpoint_id = cid
         self.resolved_id = None
         self.metadata = None
-        self._choice = None  # agreed again by the next resolve()/read_metadata
-        self._raw_md = None
         self.release()
+        self._verdict = None  # agreed again by the next resolve()/read_metadata
+        self._decision = None
+        self._docs = {}
+        self._raw_md = None
 
     def release(self) -> None:
         """Give up the leases this reader holds (done at the end of ``read_data``; idempotent)."""
         for lease in self._leases:
             lease.release()
         self._leases = []
+        if self._decision is not None:
+            self._decision.release()
 
     def resolve(self) -> str:
         """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers,
@@ -123,8 +132,8 @@ class TieredReader(StorageReader):
         that fails is logged and skipped; see :func:`tierckpt.catalog.find_latest`).
 
         In a distributed job with a node-local first tier the answer is the job's, not this
-        node's (:func:`tierckpt.peers.choose`): then this is a collective of the reader's own group,
-        called by every rank, and raises the same :class:`CheckpointNotFound` on every rank."""
+        node's (:func:`tierckpt.agreement.decide`): then this is a collective of the reader's own
+        group, called by every rank, and raises the same :class:`CheckpointNotFound` on every rank."""
         group = self._peer_group()
         if group is not None:
             return self._agree(group).checkpoint_id
@@ -137,23 +146,33 @@ class TieredReader(StorageReader):
             self._peers = peers.PeerGroup.get(self.tiers[0], self.cfg.job.commit_timeout)
         return self._peers
 
-    def _agree(self, group: "peers.PeerGroup") -> "peers.Choice":
-        """Every rank: gather what each node holds and pick the same checkpoint (once per load)."""
-        if self._choice is not None:
-            return self._choice
-        try:
-            view: Any = peers.node_view(self.tiers[0], self.tiers[1:], self.checkpoint_id)
-        except TierckptError as e:  # still take part in the exchange, then fail on every rank
-            view = {"root": self.tiers[0].root_id(), "have": {}, "shared": {}, "error": str(e)}
-        views = group.gather(view)
-        self._roots = [v["root"] for v in views]
-        self._choice = peers.choose(views, self.checkpoint_id)
-        return self._choice
+    def _agree(self, group: "peers.PeerGroup") -> "agreement.Verdict":
+        """Every rank: agree on the checkpoint (once per load; :mod:`tierckpt.agreement`): this
+        rank's view to the coordinator, the coordinator's verdict to every rank. Raises the same
+        :class:`CheckpointNotFound` on every rank when nothing can be loaded."""
+        if self._verdict is None:
+            try:
+                view, self._docs = agreement.local_view(self.tiers[0], self.checkpoint_id)
+            except Exception as e:  # noqa: BLE001 - still take part in the exchange; the error travels
+                view = agreement.NodeView(self.tiers[0].root_id(), error=f"{type(e).__name__}: {e}")
+            wires = group.gather_to(agreement.view_to_wire(view))
+            wire = None
+            if wires is not None:
+                views = [agreement.view_from_wire(w) for w in wires]
+                self._roots = [v.root for v in views]
+                shared = [t for t in self.tiers[1:] if not t.node_local]
+                names = {cid: agreement.data_files(doc.manifest.files) for cid, (_raw, doc) in self._docs.items()}
+                self._decision = agreement.decide(views, shared, self.checkpoint_id, names=names)
+                wire = agreement.verdict_to_wire(self._decision.verdict)
+            self._verdict = agreement.verdict_from_wire(group.broadcast(wire, 0))
+        if self._verdict.error:
+            raise CheckpointNotFound(self._verdict.error)
+        return self._verdict
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
-        agree here on the checkpoint and share its metadata (see :mod:`tierckpt.peers`): this is
-        then a collective of the reader's own group, so every rank must load together."""
+        agree here on the checkpoint and share its metadata (see :mod:`tierckpt.agreement`): this
+        is then a collective of the reader's own group, so every rank must load together."""
         group = self._peer_group()
         if group is not None:
             return self._read_metadata_with_peers(group)
@@ -161,13 +180,24 @@ class TieredReader(StorageReader):
         return self._finish_metadata(cid, self._read_local_metadata(cid))
 
     def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
-        choice = self._agree(group)
-        raw = peers.metadata_from(self.tiers[0], group, choice)
+        v = self._agree(group)
+        cid = v.checkpoint_id
+        mine = cid in self._docs and self._docs[cid][1].manifest.seq == v.seq
+        if mine and group.rank == v.md_rank and v.md_send:
+            group.send_bytes(self._docs[cid][0], agreement.expand(v.md_send))
+        source = agreement.metadata_source(v, group.rank, mine)
+        if source == "local":
+            raw, doc = self._docs[cid]
+        else:
+            if source == "peer":
+                raw, where = group.recv_bytes(v.md_rank, v.md_size), f"metadata of {cid} from rank {v.md_rank}"
+            else:
+                raw, where = agreement.read_shared_metadata(self.tiers, v), f"metadata of {cid} on {', '.join(v.shared)}"
+            doc = parse_checkpoint_doc(raw, where, cid)
+            if doc.manifest.seq != v.seq:
+                raise CorruptCheckpoint(f"{where}: commit seq {doc.manifest.seq}, the job agreed on {v.seq}")
         self._raw_md = raw
-        if raw is None:
-            return self._finish_metadata(choice.checkpoint_id, self._read_local_metadata(choice.checkpoint_id))
-        md, man = metadata_from_json(raw, f"metadata of {choice.checkpoint_id} from rank {choice.md_rank}")
-        return self._finish_metadata(choice.checkpoint_id, (md, man))
+        return self._finish_metadata(cid, (doc.to_metadata(), doc.manifest))
 
     def _finish_metadata(self, cid: str, got: tuple) -> Metadata:
         md, man = got
@@ -203,15 +233,26 @@ class TieredReader(StorageReader):
         self.resolved_id = str(sm.checkpoint_id)
         recs = list((metadata.storage_data or {}).values())
         self.chunk_size = getattr(recs[0], "chunk_size", 0) if recs else 0
-        self.release()
+        for lease in self._leases:
+            lease.release()
+        self._leases = []
+        v = self._verdict
+        if v is not None and v.checkpoint_id == self.resolved_id:
+            # Agreed by the job: this rank leases its node's copy; the coordinator holds the job's
+            # one lease on each shared tier the load reads from (released once every rank read).
+            self._holding = []
+            if v.checkpoint_id in self._docs:
+                try:
+                    self._holding, self._leases = hold(self.tiers[:1], self.resolved_id, "load")
+                except CheckpointNotFound as e:
+                    log.warning("checkpoint %s: this node's copy is gone (%s); reading from elsewhere", self.resolved_id, e)
+            self._holding += [t for t in self.tiers[1:] if t.name in v.shared]
+            return
         # A lease on every tier holding a committed copy keeps retention and gc (in any process)
         # away until read_data is done.
         try:
             self._holding, self._leases = hold(self.tiers, self.resolved_id, "load")
         except CheckpointNotFound as e:
-            if self._choice is not None and self._choice.checkpoint_id == self.resolved_id:
-                self._holding = []  # other nodes serve every item this rank reads
-                return
             raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a "
                                      f"committed copy ({e})") from None
 
@@ -229,13 +270,15 @@ class TieredReader(StorageReader):
             raise TierckptError("ranks resolved different checkpoints: "
                                 + "; ".join(f"{i} on ranks {rs}" for i, rs in by_id.items())
                                 + " (a commit raced the load, or a node's local tier is behind S3): pass an explicit checkpoint_id")
-        if self._choice is None or len(plans) != len(self._roots):
+        d = self._decision
+        if d is None or d.verdict.checkpoint_id != ids[0] or len(plans) != len(self._roots) or self._manifest is None:
             return plans
         assert self.metadata is not None
         storage = self.metadata.storage_data
         wanted = [{ri.storage_index: (storage[ri.storage_index].file, storage[ri.storage_index].length)
                    for ri in p.items if ri.storage_index in storage} for p in plans]
-        routes = peers.schedule(wanted, self._choice, self._roots)
+        routes = peers.schedule(wanted, d.holders_by_file(self._manifest.files), bool(d.verdict.shared), self._roots,
+                                d.verdict.checkpoint_id)
         return [dataclasses.replace(p, storage_data={"id": p.storage_data, **route}) for p, route in zip(plans, routes)]
 
     @classmethod
@@ -287,6 +330,7 @@ class TieredReader(StorageReader):
         finally:
             if self.fill is not None:
                 self.fill.finish(ok)
+            self._reads_done()
             self.release()
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
@@ -298,6 +342,34 @@ class TieredReader(StorageReader):
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+    def _reads_done(self) -> None:
+        """End of ``read_data``, every rank: when the coordinator holds the job's leases on shared
+        tiers, count this rank done on the store; the coordinator waits (up to ``[job]
+        commit_timeout``: DCP's own collective after ``read_data`` waits for every rank anyway)
+        until every rank is, then :meth:`release` gives the leases up."""
+        v = self._verdict
+        if v is None or not v.leased or self._peers is None:
+            return
+        ch = default_channel(True)
+        key = agreement.done_key(v)
+        try:
+            ch.add(key, 1)
+            if self._decision is None:
+                return
+            deadline = time.monotonic() + self.cfg.job.commit_timeout
+            delay = 0.002
+            while (n := ch.add(key, 0)) < self._peers.world:
+                if time.monotonic() > deadline:
+                    log.error("checkpoint %s: %d of %d ranks finished reading within %.0f s; releasing the job's "
+                              "leases on %s", v.checkpoint_id, n, self._peers.world, self.cfg.job.commit_timeout,
+                              ", ".join(v.leased))
+                    return
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.05)
+            ch.delete(key)
+        except Exception as e:  # noqa: BLE001 - a store gone: the leases expire on their own
+            log.warning("checkpoint %s: cannot count the ranks done reading: %s", v.checkpoint_id, e)
 
     def _plan_fill(self, engine: Readback | None, requests: list[Request], received: list[ItemRecord]) -> "LoadFill | None":
         """The fill of the local tier for this read (:mod:`tierckpt.fill`), or None: the items read

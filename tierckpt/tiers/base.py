@@ -356,6 +356,19 @@ class Tier(abc.ABC):
         """The first path components of all keys (checkpoint ids), sorted."""
         return sorted({info.key.split("/", 1)[0] for info in self.list("") if "/" in info.key})
 
+    def list_tops(self) -> list[str]:
+        """The first path components of all keys, sorted; may include a name with nothing under it
+        any more. A tier with a delimited listing answers with one request per 1,000 names,
+        whatever the number of objects (the default lists every key)."""
+        return self.list_dirs()
+
+    def read_head(self, key: str, n: int) -> tuple[bytes, int, float]:
+        """The first ``min(n, size)`` bytes of ``key``, its size and its modification time
+        (:class:`~tierckpt.errors.CheckpointNotFound` if absent). Object stores answer with one
+        ranged GET; the default asks for the size first."""
+        size = self.size(key)
+        return self.get(key, 0, min(n, size)), size, 0.0
+
     # -- deletes --------------------------------------------------------------------------
     @abc.abstractmethod
     def delete(self, key: str) -> None:

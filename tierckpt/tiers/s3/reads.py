@@ -146,6 +146,29 @@ class S3Reads(S3Requests):
         data = self._fetch(key, start, end, None)
         return bytes(data) if data is not None else b""
 
+    def read_head(self, key: str, n: int) -> tuple[bytes, int, float]:
+        """The first ``min(n, size)`` bytes of ``key``, its size and modification time, with one
+        ranged GET (S3 answers a range past the end with what there is)."""
+        full = self._full(key)
+        url = self._url_of(full)
+        kwargs = {"Bucket": self.bucket, "Key": full, "Range": f"bytes=0-{max(0, n - 1)}"}
+        try:
+            resp = self._retrying(lambda: self._client.get_object(**kwargs), "get", url, own_retry=False)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "InvalidRange":  # an empty object
+                return b"", 0, 0.0
+            raise self._client_error(e, "get", url) from e
+        try:
+            data = resp["Body"].read()
+        finally:
+            resp["Body"].close()
+        total = len(data)
+        cr = resp.get("ContentRange")
+        if cr and "/" in cr and not cr.endswith("/*"):
+            total = int(cr.rsplit("/", 1)[1])
+        modified = resp.get("LastModified")
+        return bytes(data[:n]), total, modified.timestamp() if modified is not None else 0.0
+
     def read_into(self, key: str, start: int, buf: memoryview) -> None:
         """Fill ``buf`` with bytes ``[start, start+len(buf))`` of ``key``, streamed straight into it."""
         mv = byte_view(buf)

@@ -95,7 +95,15 @@ class S3Tier(S3Reads, S3Writes):
 
         A common prefix with no object under it (SeaweedFS keeps empty directories) is left out.
         """
-        names: list[str] = []
+        return [name for name, prefix in self._tops() if self._has_objects(prefix)]
+
+    def list_tops(self) -> list[str]:
+        """The first path components of all keys, sorted: one delimited ListObjectsV2 per 1,000
+        names, whatever the number of objects (a name may have nothing under it any more)."""
+        return [name for name, _prefix in self._tops()]
+
+    def _tops(self) -> list[tuple[str, str]]:
+        found: dict[str, str] = {}
         n = len(self._root)
         for page in self._list_raw(self._root, Delimiter="/"):
             for cp in page.get("CommonPrefixes", ()):
@@ -105,9 +113,9 @@ class S3Tier(S3Reads, S3Writes):
                     check_key(name)
                 except CorruptCheckpoint:
                     continue
-                if "/" not in name and self._has_objects(p):
-                    names.append(name)
-        return sorted(set(names))
+                if "/" not in name:
+                    found[name] = p
+        return sorted(found.items())
 
     # -- deletes --------------------------------------------------------------------------
     def delete(self, key: str) -> None:
