@@ -83,6 +83,11 @@ def data_files(files: dict[str, int]) -> list[str]:
     return sorted(f for f, s in files.items() if s > 0)
 
 
+def file_index(files: dict[str, int]) -> dict[str, int]:
+    """Each data file's index into :func:`data_files`."""
+    return {f: i for i, f in enumerate(data_files(files))}
+
+
 @dataclass(frozen=True)
 class Held:
     """One checkpoint as a node holds it: its commit ``seq``, how many data files its metadata
@@ -185,10 +190,10 @@ def local_view(first: Tier, checkpoint_id: str) -> tuple[NodeView, dict[str, tup
         except TierckptError as e:
             log.error("skipping %s on %s: %s", c.checkpoint_id, first.url, e)
             continue
-        names = data_files(doc.manifest.files)
         need = doc.manifest.files
-        held = [i for i, f in enumerate(names) if (o := c.objects.get(f)) is not None and o.size == need[f]]
-        view.have[c.checkpoint_id] = Held(doc.manifest.seq, len(names), ranges_of(held), len(raw))
+        index = file_index(need)
+        held = [index[f] for f, o in c.objects.items() if f in index and o.size == need[f]]
+        view.have[c.checkpoint_id] = Held(doc.manifest.seq, len(index), ranges_of(held), len(raw))
         docs[c.checkpoint_id] = (raw, doc)
     return view, docs
 
