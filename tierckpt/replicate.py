@@ -47,7 +47,7 @@ from typing import Any, Callable, Protocol
 
 from . import lease as leases
 from .background import lower_priority
-from .catalog import committed_in_order
+from .catalog import committed_headers, committed_in_order
 from .commit import Channel, LocalChannel, Round, run_commit
 from .config import Config
 from .errors import CommitConflict, TierckptError
@@ -307,9 +307,9 @@ class Replicator:
     def _plan_backlog(self, have: list[dict], world: int) -> dict:
         """Coordinator: union the ranks' holdings, compare with ``dst``, assign every file to one rank."""
         dst = self.dst
-        on_dst = committed_in_order(dst)
-        dst_ids = {c.checkpoint_id for c in on_dst}
-        dst_newest = on_dst[-1].header.seq if on_dst else 0  # type: ignore[union-attr]
+        on_dst = committed_headers(dst)  # an object store: one listing + one header read per checkpoint
+        dst_ids = set(on_dst)
+        dst_newest = max((h.seq for h, _size in on_dst.values()), default=0)
         every = dst.keep_every
         info: dict[str, dict] = {}
         for h in have:
