@@ -182,3 +182,58 @@ def error_report(args: dict, rank: int, world: int) -> dict:
 SCENARIOS = {f.__name__: f for f in [save_load_exact, generated_ids, dtensor_save, dtensor_load, commit_then_die,
                                      error_report]}
 
+
+
+# -- many ranks: waits are bounded and name who is missing --------------------------------------
+
+def _small_state(rank: int, seed: int) -> dict:
+    return {f"r{rank}": {"w": bits((64, 4), torch.float32, seed * 100 + rank)}, "rep": shared_state(seed)["rep"], "step": seed}
+
+
+def staggered_load(args: dict, rank: int, world: int) -> dict:
+    """Save ``step-1``, then enter ``dcp.load`` ``rank * stagger`` seconds after rank 0."""
+    import time
+
+    cfg = cfg_of(args)
+    w = TieredWriter(cfg)
+    dcp.save(_small_state(rank, 1), checkpoint_id="step-1", storage_writer=w)
+    w.wait()
+    time.sleep(rank * args.get("stagger", 0.3))
+    expected = _small_state(rank, 1)
+    target = placeholder(expected)
+    target["step"] = 0
+    r = TieredReader(cfg)
+    dcp.load(target, checkpoint_id="latest", storage_reader=r)
+    return {"mismatches": compare(expected, target), "resolved": r.resolved_id}
+
+
+def die_in_phase(args: dict, rank: int, world: int) -> dict:
+    """Commit ``step-1``; then rank ``victim`` dies in ``phase``: ``save`` (right after ``dcp.save``
+    of ``step-2`` returns, before its commit) or ``load`` (instead of entering ``dcp.load``). The
+    other ranks report the error they got and how long it took."""
+    import time
+
+    cfg = cfg_of(args)
+    victim, phase = args["victim"], args["phase"]
+    w = TieredWriter(cfg)
+    dcp.save(_small_state(rank, 1), checkpoint_id="step-1", storage_writer=w)
+    w.wait()
+    t0 = time.monotonic()
+    try:
+        if phase == "save":
+            dcp.save(_small_state(rank, 2), checkpoint_id="step-2", storage_writer=w)
+            if rank == victim:
+                os._exit(9)
+            t0 = time.monotonic()
+            w.wait()
+        elif phase == "load":
+            if rank == victim:
+                os._exit(9)
+            target = placeholder(_small_state(rank, 1))
+            dcp.load(target, checkpoint_id="latest", storage_reader=TieredReader(cfg))
+        return {"error": None, "seconds": time.monotonic() - t0}
+    except BaseException as e:  # noqa: BLE001 - the error is the result
+        return {"error": _err(e), "seconds": time.monotonic() - t0}
+
+
+SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase]})

@@ -195,7 +195,14 @@ def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, wh
     reports: list[dict] = []
     for r in range(world):
         left = max(0.0, deadline - time.monotonic())
-        raw = channel.wait_get(f"{prefix}/rank{r}", left, f"{what}: report of rank {r}", cancelled)
+        try:
+            raw = channel.wait_get(f"{prefix}/rank{r}", left, f"{what}: report of rank {r}", cancelled)
+        except CommitError:
+            if cancelled():
+                raise
+            missing = [q for q in range(r, world) if channel.try_get(f"{prefix}/rank{q}") is None]
+            raise CommitError(f"{what}: no report from {_ranks(missing)} within {timeout:.0f} s "
+                              "(dead or hung; every other rank reported)") from None
         channel.delete(f"{prefix}/rank{r}")
         rep = decode_report(raw, f"{what} rank {r}")
         if not rep["ok"]:
@@ -203,6 +210,13 @@ def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, wh
         reports.append(rep)
     return reports
 
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``"rank 3"``, ``"ranks 3, 7"``, at most 20 named."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:20])) + (f" and {len(ranks) - 20} more" if len(ranks) > 20 else "")
 
 
 # -- one run of the protocol -----------------------------------------------------------------
@@ -274,7 +288,7 @@ class Round:
     def outcome(self) -> bytes | None:
         """Step 2, every rank: the metadata published by the coordinator (None for ``O``); raises
         :class:`CommitError` when it failed."""
-        out = self.get_shared("outcome", "commit outcome")
+        out = self.get_shared("outcome", "commit outcome from the coordinator (rank 0: dead or hung?)")
         self._saw_outcome = True
         if out[:1] == b"E":
             raise CommitError(f"{self.what} was not committed: {out[1:].decode(errors='replace')}")

@@ -50,6 +50,8 @@ class PeerGroup:
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
+        self._round = 0  # collectives run through :meth:`collective` (the same count on every rank)
+        self._uid = f"g{_groups_made()}"  # the same on every rank: groups are made collectively, in order
         self.nodes: list[str] = []  # node name of every rank (the save-side group only)
 
     @classmethod
@@ -140,16 +142,57 @@ class PeerGroup:
         all posted at once, then waited for. Raises when a transfer fails (a peer died)."""
         import torch.distributed as dist
 
-        works = [dist.irecv(buf, src=peer, group=self.group, tag=TAG) for peer, buf in sorted(recvs.items())]
-        works += [dist.isend(buf, dst=peer, group=self.group, tag=TAG) for peer, buf in sorted(sends.items())]
+        works = [("from", peer, dist.irecv(buf, src=peer, group=self.group, tag=TAG)) for peer, buf in sorted(recvs.items())]
+        works += [("to", peer, dist.isend(buf, dst=peer, group=self.group, tag=TAG)) for peer, buf in sorted(sends.items())]
         errors = []
-        for w in works:
+        for way, peer, w in works:
             try:
                 w.wait()
             except Exception as e:  # noqa: BLE001 - reported once all are settled
-                errors.append(e)
+                errors.append((way, peer, e))
         if errors:
-            raise TierckptError(f"serving checkpoint files between nodes failed: {errors[0]}")
+            way, peer, e = errors[0]
+            failed = ", ".join(f"{w} rank {p}" for w, p, _e in errors[:20])
+            raise TierckptError(f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or "
+                                f"hung?): {e}")
+
+    def collective(self, what: str, fn: "Any") -> Any:
+        """Run ``fn()`` (a collective of this group) and turn its failure (a rank that died, or that
+        did not take part within the group's timeout) into a :class:`TierckptError` naming the
+        ranks that never arrived (each rank marks its arrival on the job's store first)."""
+        from .commit import default_channel
+
+        self._round += 1
+        ch = default_channel(True)
+        key = f"tierckpt/peers/{self._uid}/{self._round}"
+        try:
+            ch.publish(f"{key}/in{self.rank}", b"1")
+        except Exception as e:  # noqa: BLE001 - a store gone: the collective tells
+            log.debug("cannot mark arrival on the store: %s", e)
+        try:
+            out = fn()
+        except Exception as e:
+            try:
+                absent = [r for r in range(self.world) if ch.try_get(f"{key}/in{r}") is None]
+            except Exception:  # noqa: BLE001
+                absent = []
+            who = (("rank " if len(absent) == 1 else "ranks ") + ", ".join(map(str, absent[:20]))) if absent else "a rank"
+            raise TierckptError(f"{what}: {who} did not take part (dead, hung, or not loading): {type(e).__name__}: {e}") from e
+        try:
+            ch.delete(f"{key}/in{self.rank}")
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+
+_made = 0
+
+
+def _groups_made() -> int:
+    """How many groups this process made (every rank makes them in the same order)."""
+    global _made
+    _made += 1
+    return _made
 
 
 def _threads() -> set[int]:

@@ -155,7 +155,8 @@ class TieredReader(StorageReader):
                 view, self._docs = agreement.local_view(self.tiers[0], self.checkpoint_id)
             except Exception as e:  # noqa: BLE001 - still take part in the exchange; the error travels
                 view = agreement.NodeView(self.tiers[0].root_id(), error=f"{type(e).__name__}: {e}")
-            wires = group.gather_to(agreement.view_to_wire(view))
+            wires = group.collective("agreeing on the checkpoint to load (gathering what each node holds)",
+                                     lambda: group.gather_to(agreement.view_to_wire(view)))
             wire = None
             if wires is not None:
                 views = [agreement.view_from_wire(w) for w in wires]
@@ -164,7 +165,8 @@ class TieredReader(StorageReader):
                 names = {cid: agreement.data_files(doc.manifest.files) for cid, (_raw, doc) in self._docs.items()}
                 self._decision = agreement.decide(views, shared, self.checkpoint_id, names=names)
                 wire = agreement.verdict_to_wire(self._decision.verdict)
-            self._verdict = agreement.verdict_from_wire(group.broadcast(wire, 0))
+            self._verdict = agreement.verdict_from_wire(group.collective(
+                "agreeing on the checkpoint to load (the coordinator's verdict)", lambda: group.broadcast(wire, 0)))
         if self._verdict.error:
             raise CheckpointNotFound(self._verdict.error)
         return self._verdict
