@@ -213,8 +213,18 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
     other ranks report the error they got and how long it took."""
     import time
 
+    import logging
+
     cfg = cfg_of(args)
     victim, phase = args["victim"], args["phase"]
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                logged.append(record.getMessage())
+
+    logging.getLogger("tierckpt").addHandler(Keep())
     w = TieredWriter(cfg)
     dcp.save(_small_state(rank, 1), checkpoint_id="step-1", storage_writer=w)
     w.wait()
@@ -231,9 +241,9 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
                 os._exit(9)
             target = placeholder(_small_state(rank, 1))
             dcp.load(target, checkpoint_id="latest", storage_reader=TieredReader(cfg))
-        return {"error": None, "seconds": time.monotonic() - t0}
+        return {"error": None, "seconds": time.monotonic() - t0, "logged": logged}
     except BaseException as e:  # noqa: BLE001 - the error is the result
-        return {"error": _err(e), "seconds": time.monotonic() - t0}
+        return {"error": _err(e), "seconds": time.monotonic() - t0, "logged": logged}
 
 
 SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase]})

@@ -88,8 +88,10 @@ class PeerGroup:
             return None
         default = dist.group.WORLD
         if cls._cached is None or cls._cached_for is not default:
-            g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-            cls._cached, cls._cached_for = cls(g, dist.get_rank(), dist.get_world_size()), default
+            rank, world = dist.get_rank(), dist.get_world_size()
+            g = _named("creating the group that serves files between nodes for dcp.load", f"new{_made + 1}", rank, world,
+                       lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+            cls._cached, cls._cached_for = cls(g, rank, world), default
         return cls._cached
 
     def gather(self, obj: Any) -> list[Any]:
@@ -159,30 +161,42 @@ class PeerGroup:
     def collective(self, what: str, fn: "Any") -> Any:
         """Run ``fn()`` (a collective of this group) and turn its failure (a rank that died, or that
         did not take part within the group's timeout) into a :class:`TierckptError` naming the
-        ranks that never arrived (each rank marks its arrival on the job's store first)."""
-        from .commit import default_channel
-
+        ranks that never arrived (:func:`_named`)."""
         self._round += 1
-        ch = default_channel(True)
-        key = f"tierckpt/peers/{self._uid}/{self._round}"
+        return _named(what, f"{self._uid}/{self._round}", self.rank, self.world, fn)
+
+
+def _named(what: str, key: str, rank: int, world: int, fn: "Any") -> Any:
+    """``fn()``, every rank marking its arrival under ``key`` on the job's store first; when it
+    fails, a :class:`TierckptError` naming the ranks whose mark is missing. Costs two store
+    operations per rank (the mark and its deletion); the failure path reads every rank's mark."""
+    from .commit import default_channel
+
+    ch = default_channel(True)
+    key = f"tierckpt/peers/{key}"
+    try:
+        ch.publish(f"{key}/in{rank}", b"1")
+    except Exception as e:  # noqa: BLE001 - a store gone: the collective tells
+        log.debug("cannot mark arrival on the store: %s", e)
+    try:
+        out = fn()
+    except Exception as e:
         try:
-            ch.publish(f"{key}/in{self.rank}", b"1")
-        except Exception as e:  # noqa: BLE001 - a store gone: the collective tells
-            log.debug("cannot mark arrival on the store: %s", e)
-        try:
-            out = fn()
-        except Exception as e:
-            try:
-                absent = [r for r in range(self.world) if ch.try_get(f"{key}/in{r}") is None]
-            except Exception:  # noqa: BLE001
-                absent = []
-            who = (("rank " if len(absent) == 1 else "ranks ") + ", ".join(map(str, absent[:20]))) if absent else "a rank"
-            raise TierckptError(f"{what}: {who} did not take part (dead, hung, or not loading): {type(e).__name__}: {e}") from e
-        try:
-            ch.delete(f"{key}/in{self.rank}")
+            absent = [r for r in range(world) if ch.try_get(f"{key}/in{r}") is None]
         except Exception:  # noqa: BLE001
-            pass
-        return out
+            absent = []
+        who = (("rank " if len(absent) == 1 else "ranks ") + ", ".join(map(str, absent[:20]))) if absent else "a rank"
+        err = TierckptError(f"{what}: {who} did not take part (dead, hung, or not loading): {type(e).__name__}: "
+                            f"{str(e)[:300]}")
+        # Logged too: inside dcp.load, DCP's own collective that follows fails on the same dead rank
+        # and its error (naming no rank) is the one raised.
+        log.error("rank %d: %s", rank, err)
+        raise err from e
+    try:
+        ch.delete(f"{key}/in{rank}")
+    except Exception:  # noqa: BLE001
+        pass
+    return out
 
 
 _made = 0

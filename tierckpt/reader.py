@@ -101,6 +101,7 @@ class TieredReader(StorageReader):
         self._verdict: agreement.Verdict | None = None  # what every rank agreed to load
         self._decision: agreement.Decision | None = None  # the coordinator's: who holds what, the job's leases
         self._roots: list[str] = []  # the coordinator's: each rank's node
+        self._failed: BaseException | None = None  # why the last read_metadata failed
 
     # -- DCP StorageReader ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -113,6 +114,7 @@ class TieredReader(StorageReader):
         self.resolved_id = None
         self.metadata = None
         self.release()
+        self._failed = None
         self._verdict = None  # agreed again by the next resolve()/read_metadata
         self._decision = None
         self._docs = {}
@@ -175,11 +177,19 @@ class TieredReader(StorageReader):
         """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
         agree here on the checkpoint and share its metadata (see :mod:`tierckpt.agreement`): this
         is then a collective of the reader's own group, so every rank must load together."""
-        group = self._peer_group()
-        if group is not None:
-            return self._read_metadata_with_peers(group)
-        cid = self.resolve()
-        return self._finish_metadata(cid, self._read_local_metadata(cid))
+        if kwargs.get("rank") is not None and self._failed is not None:
+            # DCP's second try ("rank local metadata") after our first failed: the same answer,
+            # without another collective that some ranks would not join
+            raise self._failed
+        try:
+            group = self._peer_group()
+            if group is not None:
+                return self._read_metadata_with_peers(group)
+            cid = self.resolve()
+            return self._finish_metadata(cid, self._read_local_metadata(cid))
+        except BaseException as e:
+            self._failed = e
+            raise
 
     def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
         v = self._agree(group)
