@@ -153,6 +153,7 @@ class Engine:
         def work() -> dict:
             job.durable.result(timeout=None)
             self._check_file(job)
+            self._check_lease(job)
             return {"size": job.size, "crcs": job.crcs, "seq": self._floor(a.rank)}
 
         def merge(reports: list[dict]) -> bytes:
@@ -164,7 +165,7 @@ class Engine:
             job.reported_ok = True
 
         job.metadata_json = run_commit(rnd, tier, metadata_key(a.checkpoint_id), work=work, writer=a.meta_writer_rank,
-                                       merge=merge, on_reported=reported)
+                                       merge=merge, on_reported=reported, before_put=lambda: self._check_lease(job))
         self._note_seq(job.seq)
         job.release_lease()
         if a.meta_writer_rank == a.rank:
@@ -184,6 +185,16 @@ class Engine:
         if size != job.size:
             raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
                               f"has {size} bytes, {job.size} were written")
+
+    def _check_lease(self, job: RankSave) -> None:
+        """A save never commits after its lease may have looked dead to a deletion elsewhere (its
+        renewals stalled for most of the lease's lifetime): that deletion may remove its file
+        (see :mod:`tierckpt.lease`). Called before the report and by the metadata writer before
+        the metadata put."""
+        if job.lease is not None and job.lease.lapsed:
+            raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its lease on {self.first_tier.url} "
+                              "lapsed (not renewed in time: the process stalled?); a deletion elsewhere may have "
+                              "judged the save dead, so it is not committed")
 
     def _floor(self, rank: int) -> int:
         """The highest commit seq this rank can see: its first tier (when listing it is cheap) and,
