@@ -45,7 +45,7 @@ from .save import RankAssign, RankSave, SaveStats, build_metadata
 from .tiers import Chain
 from .tiers.base import Tier
 
-__all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine", "register_engine", "close_all"]
+__all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine", "register_engine", "close_all", "live_engines"]
 
 log = logging.getLogger("tierckpt")
 
@@ -253,6 +253,7 @@ class Engine:
         """A hop thread is done with ``job``: retention on the first tier (it may have waited for
         this copy), then the next hop, or the job is settled."""
         self.retain_first_tier(job)  # committed on the first tier, even if this hop failed
+        job.hop_done(hop.name).set()
         i = self.hops.index(hop)
         if i + 1 < len(self.hops):
             self.hops[i + 1].submit(job)
@@ -296,6 +297,10 @@ class Engine:
         job.release_lease()
 
     # -- waiting (training thread) ----------------------------------------------------------
+    def pending(self) -> list[RankSave]:
+        """The checkpoints in flight (submitted, not yet done with every hop), oldest first."""
+        return self._pending()
+
     def _pending(self) -> list[RankSave]:
         with self._jobs_lock:
             return list(self._jobs)
@@ -394,6 +399,12 @@ def get_engine(cfg: Config) -> Engine:
         if eng is None or eng._closed:
             eng = _engines[key] = Engine(cfg)
         return eng
+
+
+def live_engines() -> list[Engine]:
+    """Every engine of this process not closed yet (a preemption drain walks them)."""
+    with _engines_lock:
+        return [e for e in _engines.values() if not e._closed]
 
 
 def close_all() -> None:

@@ -173,9 +173,12 @@ def case_deleterace(env: Env, trials: int, seed: int) -> CaseResult:
             close_writer(writer)
             close_all()
         for cid, why in outcome.items():
-            res.note("saved" if why == "ok" else "save failed: lease lapsed" if "lapsed" in why or "vanished" in why
+            # after a lapse the deleter may take the file at any stage: before the commit's check
+            # ("vanished"), or the .partial before its rename ("cannot commit"): failed, not lost
+            lapse = "lapsed" in why or (setup == "lapse" and ("vanished" in why or "cannot commit" in why))
+            res.note("saved" if why == "ok" else "save failed: lease lapsed" if lapse
                      else "save failed: deletion under way" if "being deleted" in why else "save failed: other")
-            if why != "ok" and not any(w in why for w in ("lapsed", "vanished", "being deleted")):
+            if why != "ok" and not lapse and "being deleted" not in why:
                 res.note(f"other failure: {why[:80]}")
         try:
             com = committed(cfg)
