@@ -249,3 +249,38 @@ def test_drain_from_any_thread_reports_what_it_committed(tmp_path):
     assert rep.committed == ["step-000003"] and rep.lost == [] and not rep.timed_out
     assert rep.checkpoints[0].line() == "step-000003 committed on local (rank 0)"
     assert tierckpt.latest(cfg) == "step-000003"
+
+
+def test_drain_waits_for_the_peer_hop_and_names_later_tiers(tmp_path):
+    """With [peer] replicas the drain also waits for the peer hop (in one process it has no
+    partner: done at once); a later tier it does not wait for is named."""
+    from archive_tier import ArchiveTier
+    from tierckpt.engine import Engine, register_engine
+    from tierckpt.tiers.local import LocalTier
+
+    d = config(tmp_path)
+    d["local"]["path"] = str(tmp_path / "local" / "{node}")
+    d["peer"] = {"replicas": 1}
+    cfg = config_from_dict(d)
+    go = threading.Event()
+
+    class Slow(ArchiveTier):  # the archive hop waits: the drain must not
+        def copy_from(self, src, key):
+            go.wait(WAIT)
+            return super().copy_from(src, key)
+
+    local = LocalTier(cfg.local.resolved_path(), fsync=False, node_local=True)
+    register_engine(Engine(cfg, tiers=[local, Slow(tmp_path / "archive", fsync=False)]))
+    w = TieredWriter(cfg)
+    try:
+        dcp.save({"w": expected(4), "step": 4}, checkpoint_id="step-000004", storage_writer=w, no_dist=True)
+        rep = tierckpt.drain(30)
+    finally:
+        go.set()
+    assert rep.committed == ["step-000004"]
+    c = rep.checkpoints[0]
+    assert c.peer == "done" and c.later == ["archive"]
+    assert c.line() == ("step-000004 committed on local (rank 0); peer copies: done; "
+                        "not on archive yet: the next job promotes it")
+    w.wait()
+

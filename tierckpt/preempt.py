@@ -77,7 +77,7 @@ class DrainedCheckpoint:
     committed: bool  # on the first tier
     stage: str = ""  # where it stopped when not committed: capture, flush, commit (or "failed")
     error: str = ""  # its failure, if it failed
-    peer: str = ""  # the peer hop: "committed", "failed", "not within the drain timeout", "" (none)
+    peer: str = ""  # the peer hop: "done", "failed", "not within the drain timeout", "" (none configured)
     later: list[str] = field(default_factory=list)  # hops after those, not done (the next job's backlog)
 
     def line(self) -> str:
@@ -140,7 +140,7 @@ def drain(timeout: float | None = None) -> DrainReport:
                 d.stage, d.error = "failed", str(e)
             if d.committed and peer is not None:
                 if job.hop_done(peer.name).wait(max(0.0, deadline - time.monotonic())):
-                    d.peer = "failed" if job.failed else "committed"
+                    d.peer = "failed" if job.failed else "done"
                 else:
                     d.peer = "not within the drain timeout"
             if d.committed and not job.replicated.done():
