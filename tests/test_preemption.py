@@ -182,6 +182,23 @@ def test_sigkill_is_unchanged_nothing_half_written_is_visible(tmp_path):
     assert load_step(cfgd)["step"] == 1
 
 
+def test_a_second_sigterm_cuts_the_drain_short(tmp_path):
+    """The flush stays stopped; the drain waits; a second SIGTERM hands over at once: the process
+    ends without step-000002 (uncommitted, invisible), step-000001 stays latest."""
+    cfgd = config(tmp_path)
+    job = Job(tmp_path, cfgd, "flush")
+    try:
+        job.wait_line(job.out, "PAUSED flush")
+        job.proc.send_signal(signal.SIGTERM)
+        job.wait_line(job.err, "draining")
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.finish() == -signal.SIGTERM
+    finally:
+        job.kill()
+    assert "SIGTERM again while draining: handing over now" in job.log
+    assert tierckpt.latest(config_from_dict(cfgd)) == "step-000001"
+
+
 def test_the_jobs_own_handler_runs_after_the_drain(tmp_path):
     cfgd = config(tmp_path)
     rc, job = preempt_at(tmp_path, cfgd, "flush", "--handler", "exit7")

@@ -64,6 +64,7 @@ _previous: dict[int, Any] = {}  # signal -> the handler that was installed befor
 _timeout = 0.0  # the largest [job] drain_timeout of the writers that installed the handler
 _writers: "weakref.WeakSet[TieredWriter]" = weakref.WeakSet()  # their dcp.async_save tickets are drained
 _busy = threading.Event()  # a handler is draining
+_cut = threading.Event()  # a second signal handed over while the first was draining
 _said_off_main = False
 
 
@@ -191,9 +192,11 @@ def _handler(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
     if _busy.is_set():  # a second signal while draining: no more waiting
         log.warning("%s again while draining: handing over now", name)
+        _cut.set()
         _hand_over(signum, frame)
         return
     _busy.set()
+    _cut.clear()
     try:
         timeout = _timeout or 20.0
         engines = live_engines()
@@ -202,7 +205,11 @@ def _handler(signum: int, frame: Any) -> None:
         box: list[DrainReport] = []
         t = threading.Thread(target=lambda: box.append(drain(timeout)), name="tierckpt-drain", daemon=True)
         t.start()
-        t.join(timeout + 1.0)
+        end = time.monotonic() + timeout + 1.0
+        while t.is_alive() and not _cut.is_set() and time.monotonic() < end:
+            t.join(min(0.05, max(0.0, end - time.monotonic())))
+        if _cut.is_set():
+            return  # the second signal already handed over (and its handler returned)
         if not box:
             log.warning("%s: the drain did not finish within %.0f s (the interrupted code may hold a lock it "
                         "needs): what was in flight may not be committed", name, timeout)
