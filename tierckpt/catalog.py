@@ -333,9 +333,14 @@ def order_of(tiers: list[Tier], checkpoint_id: str) -> tuple:
     keys = []
     for tier in tiers:
         try:
-            keys += [c.header.order_key() for c in committed_in_order(tier) if c.checkpoint_id == checkpoint_id]  # type: ignore[union-attr]
+            header = commit_header(tier, check_checkpoint_id(checkpoint_id))  # one size and one small read
+        except CheckpointNotFound:
+            continue
         except TierckptError as e:
-            log.warning("cannot list %s: %s", tier.url, e)
+            log.warning("cannot read the commit header of %s on %s: %s", checkpoint_id, tier.url, e)
+            continue
+        if header is not None:
+            keys.append(header.order_key())
     if not keys:
         raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed (with a readable header) on any tier: "
                                  + ", ".join(t.url for t in tiers))
