@@ -5,7 +5,8 @@ when every failure it reports is explained by an entry of ``chaos.KNOWN_BUGS`` (
 two bugs the harness found are reproduced deterministically below, as regression tests.
 
 The cases of ``tools/chaos_loss.py`` (no committed checkpoint is ever lost: file-time changes,
-the unpromoted backlog, gc racing loads, the kill loop) run here too, a few trials each.
+the unpromoted backlog, gc racing loads, the kill loop, deletions racing saves) run here too, a
+few trials each.
 
 Larger runs: ``CHAOS_TRIALS=50 python -m pytest tests/test_chaos.py -k large`` (every case with
 that many trials; ``-k "large and (filetimes or backlog or gcload or killloop)"`` for the new
@@ -112,10 +113,18 @@ def test_killloop(env):
     assert res.lost == 0
 
 
+def test_deleterace(env):
+    # one trial of each set-up: a promotion, a save whose lease lapses, a re-save of the same id,
+    # each racing a deleter in another process stopped between its metadata check and its deletion
+    res = chaos.CASE_FUNCS["deleterace"](env, 3, SEED)
+    check(res, 3)
+    assert res.lost == 0
+
+
 def test_new_cases_are_registered():
-    for name in ("filetimes", "backlog", "gcload", "killloop"):
+    for name in ("filetimes", "backlog", "gcload", "killloop", "deleterace"):
         assert name in chaos.CASES and name in chaos.CASE_FUNCS
-    assert {"loss-loader", "loss-digests"} <= set(chaos.CHILDREN)
+    assert {"loss-loader", "loss-digests", "race-deleter"} <= set(chaos.CHILDREN)
 
 
 def test_resource_checks_tell_a_leak_from_noise():

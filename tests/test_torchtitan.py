@@ -93,3 +93,36 @@ def test_s3_only_initial_load_and_keep_latest_k(tmp_path, reference, moto_endpoi
     kept = list_checkpoints(str(toml))
     assert [c.id for c in kept] == [f"step-{STEPS}", f"step-{STEPS + 2}"], kept
     assert all(c.tiers == ("s3",) for c in kept), kept
+
+
+def test_resume_skips_a_newest_checkpoint_bad_on_every_tier(tmp_path, reference):
+    """step-4 (the newest) has a flipped byte on the only tier: the manager logs it and resumes
+    from step-2, bit-exact; step 4 is saved again as step-04 and training ends as the
+    uninterrupted run does."""
+    from tierckpt.checkpoints import latest, list_checkpoints
+
+    tiers = _tiers(tmp_path)
+    base = {"tiers": tiers, "dump": str(tmp_path / "dump"), "mode": "disabled", "steps": STEPS, "interval": INTERVAL}
+    _run(2, base | {"crash_after": CRASH}, tmp_path / "crashed")
+    assert latest(tiers) == "step-4"
+    (f,) = sorted((tmp_path / "tiers").rglob("step-4/rank-00000-*.data"))
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    f.write_bytes(bytes(b))
+    res = _run(2, base | {"check": reference["record"], "final": str(tmp_path / "final.pt")}, tmp_path / "resumed")
+    for r in res:
+        assert r["resumed_from"] == 2 and r["check"] == [], r
+        assert any("RESUME: checkpoint step-4 cannot be loaded" in ln and "ChecksumMismatch" in ln
+                   and "resuming from the next older committed checkpoint, step-2" in ln for ln in r["log"]), r["log"]
+        for step, loss in r["losses"].items():
+            assert loss == reference["losses"][step], (step, loss, reference["losses"][step])
+    import torch
+
+    from tierckpt.testing.bitexact import compare
+
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert compare(torch.load(reference["final"], weights_only=True), final) == []
+    ids = [c.id for c in list_checkpoints(tiers)]
+    assert ids[-2:] == ["step-04", f"step-{STEPS}"] and "step-4" in ids, ids
+    assert latest(tiers) == f"step-{STEPS}"
+

@@ -10,6 +10,7 @@ before the optimizer step, ``save(step)`` after it; ``close`` at the end).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -115,7 +116,14 @@ def train(args: dict, rank: int, world: int) -> dict:
         conf,
         dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds, states={"train_state": ts},
         sd_adapter=None, base_folder=args["dump"])
-    out: dict = {"losses": {}, "blocked": [], "staging_wait": []}
+    out: dict = {"losses": {}, "blocked": [], "staging_wait": [], "log": []}
+
+    class _Keep(logging.Handler):  # tierckpt's warnings and errors, for the test to read
+        def emit(self, record: logging.LogRecord) -> None:
+            out["log"].append(f"{record.levelname} {record.getMessage()}")
+
+    keep = _Keep(logging.WARNING)
+    logging.getLogger("tierckpt").addHandler(keep)
     ckpt.load(step=args.get("load_step", -1))
     out["resumed_from"] = ts.step
     if args.get("check"):

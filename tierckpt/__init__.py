@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         TornCaptureError,
     )
     from .checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
+    from .preempt import DrainReport, drain
     from .reader import TieredReader
     from .save import SaveStats
     from .writer import TieredWriter
@@ -74,6 +75,8 @@ _LAZY: dict[str, str] = {
     "list_checkpoints": ".checkpoints",
     "Checkpoint": ".checkpoints",
     "checkpoint_id_of": ".checkpoints",
+    "drain": ".preempt",
+    "DrainReport": ".preempt",
 }
 
 __all__ = list(_LAZY)

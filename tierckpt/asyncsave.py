@@ -104,6 +104,12 @@ class AsyncTickets:
         for t in ended:
             t.end()
 
+    def pending(self) -> list[Future]:
+        """The futures of the open tickets (each completes once its save's capture is enqueued or
+        the save ended): a preemption drain waits for them."""
+        with self._lock:
+            return [t.future for t in self._open]
+
     def bound_here(self) -> bool:
         """Whether a ticket (a ``stage`` call of this writer) is bound to the calling thread's save."""
         me = threading.current_thread()

@@ -282,13 +282,14 @@ class Latest:
                 "committed": self.committed, "tiers": self.tiers}
 
 
-def find_latest(tiers: list[Tier]) -> Latest:
+def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
     """The newest committed checkpoint over ``tiers`` that is valid and servable.
 
     Ordered by commit header (seq, commit time, step); the first candidate whose metadata parses
-    on some tier and whose files that tier can serve wins. Unreachable tiers are logged and
-    skipped; when nothing qualifies, the first unreachable tier's error is raised, else
-    :class:`CheckpointNotFound` naming the tiers.
+    on some tier and whose files that tier can serve wins. ``below``: only candidates committed
+    before that order key (:func:`order_of`: the next candidate after a checkpoint that failed).
+    Unreachable tiers are logged and skipped; when nothing qualifies, the first unreachable
+    tier's error is raised, else :class:`CheckpointNotFound` naming the tiers.
     """
     listed: dict[str, list[tuple[Tier, CheckpointInfo]]] = {}
     unreachable: list[TierckptError] = []
@@ -300,7 +301,8 @@ def find_latest(tiers: list[Tier]) -> Latest:
             continue
         for c in done:
             listed.setdefault(c.checkpoint_id, []).append((tier, c))
-    order = sorted(listed, key=lambda cid: max(c.header.order_key() for _t, c in listed[cid]), reverse=True)  # type: ignore[union-attr]
+    key = {cid: max(c.header.order_key() for _t, c in found) for cid, found in listed.items()}  # type: ignore[union-attr]
+    order = sorted((cid for cid in listed if below is None or key[cid] < below), key=key.__getitem__, reverse=True)
     for cid in order:
         holding: list[tuple[Tier, CheckpointInfo]] = listed[cid]
         for tier, info in holding:
@@ -321,4 +323,25 @@ def find_latest(tiers: list[Tier]) -> Latest:
                           tiers=[t.name for t in ok], holding=ok, manifest=man, doc=doc)
     if unreachable:
         raise unreachable[0]  # nothing found where we could look: the outage is the answer
-    raise CheckpointNotFound("no committed checkpoint on any tier: " + ", ".join(t.url for t in tiers))
+    older = " older than the one given" if below is not None else ""
+    raise CheckpointNotFound(f"no committed checkpoint{older} on any tier: " + ", ".join(t.url for t in tiers))
+
+
+def order_of(tiers: list[Tier], checkpoint_id: str) -> tuple:
+    """The commit order key of ``checkpoint_id`` (its newest readable commit header over
+    ``tiers``); :class:`CheckpointNotFound` when no tier holds it committed with a readable header."""
+    keys = []
+    for tier in tiers:
+        try:
+            header = commit_header(tier, check_checkpoint_id(checkpoint_id))  # one size and one small read
+        except CheckpointNotFound:
+            continue
+        except TierckptError as e:
+            log.warning("cannot read the commit header of %s on %s: %s", checkpoint_id, tier.url, e)
+            continue
+        if header is not None:
+            keys.append(header.order_key())
+    if not keys:
+        raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed (with a readable header) on any tier: "
+                                 + ", ".join(t.url for t in tiers))
+    return max(keys)

@@ -82,25 +82,35 @@ def _tiers(cfg: "Config | str | os.PathLike | None") -> list[Any]:
     return make_tiers(_config(cfg))
 
 
-def latest(cfg: "Config | str | os.PathLike | None" = None) -> str | None:
+def latest(cfg: "Config | str | os.PathLike | None" = None, *, before: str | None = None) -> str | None:
     """The id ``TieredReader`` loads for ``"latest"`` (what ``tierckpt-restore latest`` prints),
     or ``None`` when no tier holds a committed checkpoint. With a node-local ``[local]`` path, other
     nodes' directories readable here count too (:func:`tierckpt.nodes.find_latest_here`), as in
     a distributed ``dcp.load``.
 
+    ``before``: the next candidate after that checkpoint (one that failed to load): the newest
+    committed before it, in commit order, by the same rules; ``None`` when there is none. Raises
+    :class:`~tierckpt.errors.CheckpointNotFound` when ``before`` itself is committed on no tier
+    (there is no order to go below).
+
     ``cfg``: a :class:`~tierckpt.config.Config`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
     """
+    from .catalog import order_of
     from .errors import CheckpointNotFound
-    from .nodes import find_latest_here
+    from .nodes import find_latest_here, open_peer_nodes
 
     conf = _config(cfg)
     tiers = _tiers(conf)
+    peers = []
     try:
-        return find_latest_here(conf, tiers).checkpoint_id
-    except CheckpointNotFound:
-        return None
+        peers = open_peer_nodes(conf, tiers)
+        below = order_of(tiers + [p.tier for p in peers], checkpoint_id_of(before)) if before is not None else None
+        try:
+            return find_latest_here(conf, tiers, peers, below).checkpoint_id
+        except CheckpointNotFound:
+            return None
     finally:
-        for t in tiers:
+        for t in tiers + [p.tier for p in peers]:
             t.close()
 
 

@@ -327,15 +327,16 @@ class Round:
 
 
 def run_commit(rnd: Round, tier, key: str, *, work, writer: int, merge=None, metadata: bytes | None = None,
-               on_reported=None, same_ok: bool = False) -> bytes:
+               on_reported=None, same_ok: bool = False, before_put=None) -> bytes:
     """Run the whole protocol on this rank and return the committed metadata JSON.
 
     ``work()`` is this rank's part (make its file durable and checked, or copy it); it returns the
     report's fields (size, crcs, seq) or raises. ``on_reported()`` runs right after an OK report
     (from then on the coordinator may commit the checkpoint). The coordinator builds the
     metadata with ``merge(reports)``, or uses ``metadata`` (a later hop). Rank ``writer`` writes
-    it at ``key`` on ``tier`` with create-if-absent; ``same_ok``: an identical object already
-    there counts as committed (a hop retried after a crash). Blocks for up to twice the commit
+    it at ``key`` on ``tier`` with create-if-absent, after ``before_put()`` (if given) did not
+    raise (the writer's last check that nothing was deleted under it: its lease never lapsed);
+    ``same_ok``: an identical object already there counts as committed (a hop retried after a crash). Blocks for up to twice the commit
     timeout; raises :class:`CommitError` (or the tier's error) when the checkpoint was not
     committed. Every key is cleaned up (:meth:`Round.finish`).
     """
@@ -364,6 +365,8 @@ def run_commit(rnd: Round, tier, key: str, *, work, writer: int, merge=None, met
             raise CommitError(f"{rnd.what}: no metadata to commit")
         if writer == rnd.rank:
             try:
+                if before_put is not None:
+                    before_put()
                 try:
                     tier.put(key, md, if_absent=True)
                 except CommitConflict:

@@ -243,11 +243,19 @@ class JobConfig:
         background_nice: niceness added to the flush, promotion and cleanup threads (Linux), so
             that they use the cycles training leaves idle; the capture thread, which training
             may wait for, keeps the process's priority. 0 turns it off.
+        on_sigterm: ``"drain"`` (default): on SIGTERM (and SIGINT where the job has no handler of
+            its own) the checkpoints in flight are committed to the first tier, and to the peer
+            tier when that fits in ``drain_timeout``, before the previous handler or the default
+            action runs (:mod:`tierckpt.preempt`). ``"ignore"``: tierckpt installs no handler.
+        drain_timeout: seconds such a drain may take at most (keep it under the grace period
+            between SIGTERM and SIGKILL, typically 30 s).
     """
 
     commit_timeout: float = 600.0
     log_level: str = ""
     background_nice: int = 10
+    on_sigterm: str = "drain"
+    drain_timeout: float = 20.0
 
     def validate(self, where: str = "[job]") -> None:
         if not 0 < self.commit_timeout <= MAX_TIMEOUT_S:
@@ -258,6 +266,12 @@ class JobConfig:
             raise ConfigError(f"{where} background_nice: must be between 0 and 19, got {self.background_nice}")
         if self.log_level and self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"{where} log_level: one of DEBUG, INFO, WARNING, ERROR, got {self.log_level!r}")
+        if self.on_sigterm not in ("drain", "ignore"):
+            raise ConfigError(f"{where} on_sigterm: one of \"drain\", \"ignore\", got {self.on_sigterm!r}")
+        if not 0 < self.drain_timeout <= MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"{where} drain_timeout: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {self.drain_timeout}"
+            )
 
 
 @dataclass

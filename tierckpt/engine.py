@@ -45,7 +45,7 @@ from .save import RankAssign, RankSave, SaveStats, build_metadata
 from .tiers import Chain
 from .tiers.base import Tier
 
-__all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine", "register_engine", "close_all"]
+__all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine", "register_engine", "close_all", "live_engines"]
 
 log = logging.getLogger("tierckpt")
 
@@ -153,6 +153,7 @@ class Engine:
         def work() -> dict:
             job.durable.result(timeout=None)
             self._check_file(job)
+            self._check_lease(job)
             return {"size": job.size, "crcs": job.crcs, "seq": self._floor(a.rank)}
 
         def merge(reports: list[dict]) -> bytes:
@@ -164,7 +165,7 @@ class Engine:
             job.reported_ok = True
 
         job.metadata_json = run_commit(rnd, tier, metadata_key(a.checkpoint_id), work=work, writer=a.meta_writer_rank,
-                                       merge=merge, on_reported=reported)
+                                       merge=merge, on_reported=reported, before_put=lambda: self._check_lease(job))
         self._note_seq(job.seq)
         job.release_lease()
         if a.meta_writer_rank == a.rank:
@@ -184,6 +185,16 @@ class Engine:
         if size != job.size:
             raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
                               f"has {size} bytes, {job.size} were written")
+
+    def _check_lease(self, job: RankSave) -> None:
+        """A save never commits after its lease may have looked dead to a deletion elsewhere (its
+        renewals stalled for most of the lease's lifetime): that deletion may remove its file
+        (see :mod:`tierckpt.lease`). Called before the report and by the metadata writer before
+        the metadata put."""
+        if job.lease is not None and job.lease.lapsed:
+            raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its lease on {self.first_tier.url} "
+                              "lapsed (not renewed in time: the process stalled?); a deletion elsewhere may have "
+                              "judged the save dead, so it is not committed")
 
     def _floor(self, rank: int) -> int:
         """The highest commit seq this rank can see: its first tier (when listing it is cheap) and,
@@ -242,6 +253,7 @@ class Engine:
         """A hop thread is done with ``job``: retention on the first tier (it may have waited for
         this copy), then the next hop, or the job is settled."""
         self.retain_first_tier(job)  # committed on the first tier, even if this hop failed
+        job.hop_done(hop.name).set()
         i = self.hops.index(hop)
         if i + 1 < len(self.hops):
             self.hops[i + 1].submit(job)
@@ -285,6 +297,10 @@ class Engine:
         job.release_lease()
 
     # -- waiting (training thread) ----------------------------------------------------------
+    def pending(self) -> list[RankSave]:
+        """The checkpoints in flight (submitted, not yet done with every hop), oldest first."""
+        return self._pending()
+
     def _pending(self) -> list[RankSave]:
         with self._jobs_lock:
             return list(self._jobs)
@@ -383,6 +399,12 @@ def get_engine(cfg: Config) -> Engine:
         if eng is None or eng._closed:
             eng = _engines[key] = Engine(cfg)
         return eng
+
+
+def live_engines() -> list[Engine]:
+    """Every engine of this process not closed yet (a preemption drain walks them)."""
+    with _engines_lock:
+        return [e for e in _engines.values() if not e._closed]
 
 
 def close_all() -> None:

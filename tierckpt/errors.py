@@ -23,6 +23,7 @@ __all__ = [
     "TierError",
     "TierUnavailable",
     "TierAccessDenied",
+    "find_error",
 ]
 
 
@@ -89,3 +90,23 @@ class TierAccessDenied(TierError, PermissionError):
     the operation and the ``s3://`` url (bucket and key) and never any part of a credential.
     Also a :class:`PermissionError`.
     """
+
+
+def find_error(exc: BaseException, cls: "type | tuple[type, ...]" = TierckptError) -> BaseException | None:
+    """``exc`` itself, or the first ``cls`` inside it: DCP wraps what a storage reader or writer
+    raises in its ``CheckpointException`` (``failures``: per rank), and errors chain through
+    ``__cause__``/``__context__``. None if there is none. For callers of ``dcp.load``/``dcp.save``
+    that must tell a damaged checkpoint (:class:`CorruptCheckpoint`) from an outage."""
+    seen: list[BaseException] = []
+    todo: list = [exc]
+    while todo:
+        e = todo.pop(0)
+        if not isinstance(e, BaseException) or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, cls):
+            return e
+        for v in (getattr(e, "failures", None) or {}).values():
+            todo.append(v[0] if isinstance(v, tuple) else v)
+        todo += [e.__cause__, e.__context__]
+    return None

@@ -19,9 +19,19 @@ it listed the checkpoint's objects:
 A reader does the mirror image: write its lease, then check for a live tombstone (and that the
 checkpoint is still committed). Both sides write before they look, so at least one of them sees
 the other (local file systems and S3 are read-after-write consistent): either the reader backs
-off before reading a byte, or the deleter leaves the checkpoint alone. A writer's lease is taken
-before its first file is created; a deletion only removes objects it listed, so a save that
-starts after the listing is never touched.
+off before reading a byte, or the deleter leaves the checkpoint alone.
+
+A *writer* (a save into its first tier, a hop copying into the next tier) does the same with
+:func:`acquire_for_write`, before its first object of the checkpoint on that tier, and holds the
+lease until the checkpoint is committed there. If it finds a live tombstone, the deletion may
+not have seen its lease and may still remove what it listed, so the writer waits until the
+tombstone is gone (that deletion is over, before the writer's first object) or gives up. So a
+commit and a deletion of the same id never both go ahead: the deleter skips a checkpoint whose
+writer's lease it sees, and a writer whose lease a deletion might have missed starts only once
+that deletion is done. The lease must also stay visible: a lease whose renewal came too late
+(:attr:`Lease.lapsed`: its holder stalled for most of :data:`LEASE_TTL`) may have been judged
+dead, so the save checks it before it reports its file good and before its metadata is written,
+and fails cleanly if it lapsed.
 
 Lease expiry uses the holder's wall clock, compared with the deleter's: keep clocks within a
 fraction of :data:`LEASE_TTL` (NTP does). A lease whose holder ran on the same host and no longer
@@ -45,8 +55,8 @@ from .errors import CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, Tie
 from .layout import check_checkpoint_id, metadata_key
 from .tiers.base import Tier
 
-__all__ = ["LEASE_PREFIX", "LEASE_TTL", "Lease", "LeaseInfo", "live_leases", "acquire", "guarded_delete",
-           "CheckpointBeingDeleted"]
+__all__ = ["LEASE_PREFIX", "LEASE_TTL", "Lease", "LeaseInfo", "live_leases", "acquire", "acquire_for_write",
+           "guarded_delete", "CheckpointBeingDeleted"]
 
 log = logging.getLogger("tierckpt.lease")
 
@@ -54,6 +64,7 @@ LEASE_PREFIX = "_leases"
 LEASE_TTL = 60.0  # seconds a lease lives without renewal
 RENEW_EVERY = LEASE_TTL / 4
 TOMB_TTL = 600.0  # a deletion that takes longer than this without finishing is considered dead
+TOMB_WAIT = 60.0  # how long a writer waits at most for a deletion of the same id to finish
 
 _MAX_LEASE_BYTES = 4096
 
@@ -99,8 +110,9 @@ def _key(checkpoint_id: str, kind: str, lid: str) -> str:
     return f"{LEASE_PREFIX}/{check_checkpoint_id(checkpoint_id)}/{kind}-{lid}.json"
 
 
-def _body(kind: str, purpose: str, ttl: float) -> bytes:
-    return json.dumps({"owner": _owner(), "kind": kind, "purpose": purpose, "expires": time.time() + ttl}).encode()
+def _body(kind: str, purpose: str, ttl: float, expires: float | None = None) -> bytes:
+    expires = time.time() + ttl if expires is None else expires
+    return json.dumps({"owner": _owner(), "kind": kind, "purpose": purpose, "expires": expires}).encode()
 
 
 def _parse(tier: Tier, key: str, size: int, mtime: float) -> LeaseInfo | None:
@@ -155,8 +167,17 @@ def live_leases(tier: Tier, checkpoint_id: str | None = None, *, exclude: Iterab
 
 
 def _live_tombs(tier: Tier, checkpoint_id: str, exclude: str = "") -> list[LeaseInfo]:
+    """Live tombstones of ``checkpoint_id``: one listing, and a read of each tombstone only (not of
+    every lease: many ranks may hold one)."""
     now = time.time()
-    return [li for li in list_leases(tier, checkpoint_id) if li.kind == "tomb" and li.key != exclude and li.live(now)]
+    out = []
+    for info in list(tier.list(f"{LEASE_PREFIX}/{check_checkpoint_id(checkpoint_id)}/")):
+        if info.key == exclude or not info.key.rsplit("/", 1)[-1].startswith("tomb-"):
+            continue
+        li = _parse(tier, info.key, info.size, info.mtime)
+        if li is not None and li.kind == "tomb" and li.live(now):
+            out.append(li)
+    return out
 
 
 def _forget(tier: Tier, key: str) -> None:
@@ -169,8 +190,10 @@ def _forget(tier: Tier, key: str) -> None:
 class Lease:
     """A held lease on one checkpoint on one tier. Release it (or use ``with``).
 
-    Created by :func:`acquire`; renewed by the process's renewal thread until released. A
-    renewal that fails is logged (the lease then expires after :data:`LEASE_TTL`).
+    Created by :func:`acquire` or :func:`acquire_for_write`; renewed by the process's renewal
+    thread until released. A renewal that fails is logged (the lease then expires after
+    :data:`LEASE_TTL`). :attr:`lapsed` tells whether the lease may have looked dead to another
+    process at some moment since it was taken.
     """
 
     def __init__(self, tier: Tier, checkpoint_id: str, kind: str, purpose: str) -> None:
@@ -180,9 +203,23 @@ class Lease:
         self.purpose = purpose
         self.key = _key(checkpoint_id, kind, uuid.uuid4().hex[:16])
         self.released = False
+        self.valid_until = 0.0  # the expiry written by the last successful put (this host's clock)
+        self._late = False  # a renewal landed after (or just before) the previous expiry
 
     def _put(self) -> None:
-        self.tier.put_volatile(self.key, _body(self.kind, self.purpose, LEASE_TTL))
+        ttl = LEASE_TTL
+        expires = time.time() + ttl
+        self.tier.put_volatile(self.key, _body(self.kind, self.purpose, ttl, expires))
+        if self.valid_until and time.time() > self.valid_until - ttl / 12:
+            self._late = True
+        self.valid_until = expires
+
+    @property
+    def lapsed(self) -> bool:
+        """Whether a deleter may have judged this lease dead since it was taken: a renewal came
+        too late, or the last one is (nearly) expired now. A writer whose lease lapsed must not
+        commit (a deletion may have removed its objects meanwhile)."""
+        return self._late or time.time() > self.valid_until - LEASE_TTL / 12
 
     def renew(self) -> None:
         if not self.released:
@@ -209,9 +246,8 @@ def acquire(tier: Tier, checkpoint_id: str, *, kind: str = "read", purpose: str 
 
     Raises :class:`CheckpointBeingDeleted` if a live tombstone exists (the lease is released),
     and :class:`CheckpointNotFound` if ``require_committed`` and the checkpoint is not (or no
-    longer) committed there. Saves (``kind="save"``) and fetches into a tier pass
-    ``require_committed=False``; a save also passes ``check_tombs=False``: its files are new, and
-    a deletion only removes objects it listed before it looked for leases.
+    longer) committed there. Fetches into a tier pass ``require_committed=False``; saves and
+    hops use :func:`acquire_for_write` (which waits for a deletion of the same id instead).
     """
     lease = Lease(tier, checkpoint_id, kind, purpose)
     try:
@@ -245,6 +281,44 @@ def _warn_once(tier: Tier, msg: str) -> None:
     if tier.url not in _warned:
         _warned.add(tier.url)
         log.warning("%s", msg)
+
+
+def acquire_for_write(tier: Tier, checkpoint_id: str, *, purpose: str, wait: float | None = None) -> Lease:
+    """A writer's lease (kind ``save``) on ``checkpoint_id`` on ``tier``: call it before writing
+    the checkpoint's first object there, release it once the checkpoint is committed there (or
+    the write failed).
+
+    Written before it looks (the mirror image of :func:`guarded_delete`): when a live tombstone
+    of the id exists, a deletion may not have seen this lease and may still remove objects it
+    listed, so this waits (up to ``wait`` seconds, default :data:`TOMB_WAIT`) until no live
+    tombstone is left. Raises :class:`CheckpointBeingDeleted` (the lease released) when one is
+    still there, and the tier's error when the lease cannot be written. Blocks the calling
+    thread (a capture or hop thread) only while a deletion of the same id runs.
+    """
+    wait = TOMB_WAIT if wait is None else wait
+    lease = Lease(tier, checkpoint_id, "save", purpose)
+    lease._put()
+    _renewer.add(lease)
+    try:
+        deadline = time.monotonic() + wait
+        delay, said = 0.01, False
+        while True:
+            tombs = _live_tombs(tier, checkpoint_id)
+            if not tombs:
+                return lease
+            if time.monotonic() >= deadline:
+                raise CheckpointBeingDeleted(
+                    f"checkpoint {checkpoint_id} is being deleted on {tier.url} ({tombs[0].describe()}) and the "
+                    f"deletion did not finish within {wait:.0f} s: it cannot be {purpose or 'written'}")
+            if not said:
+                said = True
+                log.info("%s on %s waits for a deletion of the same id to finish (%s)", purpose or "a write",
+                         tier.url, tombs[0].describe())
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    except BaseException:
+        lease.release()
+        raise
 
 
 def guarded_delete(tier: Tier, checkpoint_id: str, delete, *, reason: str = "") -> bool:

@@ -119,23 +119,25 @@ def _order(latest: Latest) -> tuple:
     return (latest.seq, latest.committed, -1 if latest.step is None else latest.step)
 
 
-def find_latest_here(cfg: Config, tiers: list[Tier], peers: list[PeerNode] | None = None) -> Latest:
+def find_latest_here(cfg: Config, tiers: list[Tier], peers: list[PeerNode] | None = None,
+                     below: tuple | None = None) -> Latest:
     """``latest`` as this node's ``dcp.load`` would resolve it: with readable peer nodes (a
     node-local first tier), the newest committed checkpoint whose every data file this node, the
     other nodes (their own files and peer copies) or a shared tier holds (the rule of
-    :func:`tierckpt.peers.choose`); without, :func:`tierckpt.catalog.find_latest`.
+    :func:`tierckpt.peers.choose`); without, :func:`tierckpt.catalog.find_latest`. ``below``:
+    only checkpoints committed before that order key.
 
     ``Latest.tiers`` names the holders (tier names, ``node NAME`` for other nodes).
     """
     if peers is None:
         peers = open_peer_nodes(cfg, tiers)
         try:
-            return find_latest_here(cfg, tiers, peers)
+            return find_latest_here(cfg, tiers, peers, below)
         finally:
             for p in peers:
                 p.tier.close()
     if not peers:
-        return find_latest(tiers)
+        return find_latest(tiers, below)
     first, shared = tiers[0], [t for t in tiers[1:] if not t.node_local]
     holders: list[tuple[str, Tier, list[CheckpointInfo]]] = []
     try:
@@ -145,12 +147,13 @@ def find_latest_here(cfg: Config, tiers: list[Tier], peers: list[PeerNode] | Non
     holders += [(p.label, p.tier, p.committed) for p in peers]
     order: dict[str, tuple] = {}
     for _label, _tier, listed in holders:
-        for c in listed[-PEER_CANDIDATES:]:
+        older = [c for c in listed if below is None or c.header.order_key() < below]  # type: ignore[union-attr]
+        for c in older[-PEER_CANDIDATES:]:
             order[c.checkpoint_id] = max(order.get(c.checkpoint_id, ()), c.header.order_key())  # type: ignore[union-attr]
     shared_latest: Latest | None = None
     if shared:
         try:
-            shared_latest = find_latest(shared)
+            shared_latest = find_latest(shared, below)
         except CheckpointNotFound:
             pass
         except TierckptError as e:

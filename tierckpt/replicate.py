@@ -4,7 +4,10 @@ committed there.
 A :class:`Replicator` ``(src, dst)`` runs one background thread per engine (per process), fed in
 commit order. For each checkpoint, on every rank: copy this rank's data file from ``src`` to
 ``dst`` (:meth:`Tier.copy_from`: parallel ranged reads into ranged writes, CRC32C per part where
-``dst`` checks it) while holding a read lease on it in ``src``, then run the commit protocol
+``dst`` checks it) while holding a read lease on it in ``src`` and a writer's lease on it in
+``dst`` (taken before the copy, held until committed there: a deletion on ``dst`` by another
+process, such as ``tierckpt-restore gc``, never removes a copy about to be committed; see
+:func:`tierckpt.lease.acquire_for_write`), then run the commit protocol
 (:func:`tierckpt.commit.run_commit`) for ``dst``: rank reports, the coordinator's outcome, then
 the metadata writer of ``dst`` (rank 0 for a shared tier) writes ``ID/metadata.json`` with
 create-if-absent. ``latest`` on ``dst`` therefore moves only after every rank's copy completed.
@@ -168,15 +171,29 @@ class Replicator:
         rnd = Round(self.owner.channel(job), a.token, self.hop, a.rank, a.world, self.owner.cfg.job.commit_timeout,
                     f"checkpoint {a.checkpoint_id} ({self.name})")
 
+        held: list[leases.Lease] = []
+
+        def check() -> None:
+            if any(lease.lapsed for lease in held):
+                raise TierckptError(f"checkpoint {a.checkpoint_id}: rank {a.rank}: its lease on {dst.url} lapsed (not "
+                                    "renewed in time); a deletion there may have removed the copy: not committed")
+
         def work() -> dict:
             if job.size:
+                held.append(leases.acquire_for_write(dst, a.checkpoint_id,
+                                                     purpose=f"replication to {self.name} by rank {a.rank}"))
                 with leases.acquire(src, a.checkpoint_id, purpose=f"replication to {self.name} by rank {a.rank}"):
                     dst.copy_from(src, data_key(a.checkpoint_id, a.file))
+                check()
             return {"size": job.size}
 
         writer = self._writer(job)
-        run_commit(rnd, dst, metadata_key(a.checkpoint_id), work=work, writer=writer,
-                   metadata=job.metadata_json, same_ok=True)
+        try:
+            run_commit(rnd, dst, metadata_key(a.checkpoint_id), work=work, writer=writer,
+                       metadata=job.metadata_json, same_ok=True, before_put=check)
+        finally:
+            for lease in held:
+                lease.release()
         if writer == a.rank:
             try:
                 self.owner.retain(dst, {job.id})
@@ -270,27 +287,37 @@ class Replicator:
             return
         log.info("%s: %d checkpoint(s) committed on %s are missing on %s: %s", rnd.what, len(needed), src.url,
                  dst.url, ", ".join(needed))
-        # 3. copies of the files assigned to this rank; the metadata from its designated rank
+        # 3. copies of the files assigned to this rank (each under a writer's lease on dst, held
+        #    until the coordinator committed: see tierckpt.lease); the metadata from its designated rank
         results: dict[str, str] = {}
-        for cid in needed:
-            p = plan["plan"][cid]
-            try:
-                todo = [f for f, (r, _size) in p["files"].items() if r == rank]
-                if todo or p["md_rank"] == rank:
-                    with leases.acquire(src, cid, purpose=f"backlog replication to {self.name} by rank {rank}"):
-                        for f in todo:
-                            dst.copy_from(src, data_key(cid, f))
-                        if p["md_rank"] == rank:
-                            rnd.ch.publish(rnd.key(f"md/{cid}"), self._checked_metadata(cid, p["files"]))
-                results[cid] = "ok"
-            except BaseException as e:  # noqa: BLE001 - reported to the coordinator
-                results[cid] = f"rank {rank}: {type(e).__name__}: {e}"
-        rnd.put_mine(f"done{rank}", json.dumps(results).encode())
-        # 4. commits, oldest first, by the coordinator
-        if rank == 0:
-            outcome = self._commit_backlog(rnd, needed)
-            rnd.put_shared("outcome", b"M" + json.dumps(outcome).encode())
-        out = rnd.outcome()
+        held: list[leases.Lease] = []
+        try:
+            for cid in needed:
+                p = plan["plan"][cid]
+                try:
+                    todo = [f for f, (r, _size) in p["files"].items() if r == rank]
+                    if todo:
+                        held.append(leases.acquire_for_write(dst, cid, purpose=f"backlog replication to {self.name} "
+                                                                              f"by rank {rank}"))
+                    if todo or p["md_rank"] == rank:
+                        with leases.acquire(src, cid, purpose=f"backlog replication to {self.name} by rank {rank}"):
+                            for f in todo:
+                                dst.copy_from(src, data_key(cid, f))
+                            if p["md_rank"] == rank:
+                                rnd.ch.publish(rnd.key(f"md/{cid}"), self._checked_metadata(cid, p["files"]))
+                    lapsed = [lease.checkpoint_id for lease in held if lease.checkpoint_id == cid and lease.lapsed]
+                    results[cid] = f"rank {rank}: its lease on {dst.url} lapsed" if lapsed else "ok"
+                except BaseException as e:  # noqa: BLE001 - reported to the coordinator
+                    results[cid] = f"rank {rank}: {type(e).__name__}: {e}"
+            rnd.put_mine(f"done{rank}", json.dumps(results).encode())
+            # 4. commits, oldest first, by the coordinator
+            if rank == 0:
+                outcome = self._commit_backlog(rnd, needed)
+                rnd.put_shared("outcome", b"M" + json.dumps(outcome).encode())
+            out = rnd.outcome()
+        finally:
+            for lease in held:
+                lease.release()
         assert out is not None
         outcome = json.loads(out)
         with self._lock:

@@ -138,6 +138,7 @@ class RankSave:
         self.reported_ok = False  # this rank told the coordinator its file is good: it may commit from now on
         self.metadata_json: bytes | None = None
         self._lock = threading.Lock()
+        self._hops_left: dict[str, threading.Event] = {}  # hop name -> set once the hop is done with it
         self._landed = 0
         self._flushed = 0
         self._failed: BaseException | None = None
@@ -189,6 +190,12 @@ class RankSave:
             self.sink.abort()  # safe while flush workers still write: sinks refuse late writes
         self.sources = []
         self.inputs = None
+
+    def hop_done(self, name: str) -> threading.Event:
+        """The event the engine sets once the hop ``name`` is done with this checkpoint (copied
+        and committed there, or failed: see :attr:`failed`); a preemption drain waits on it."""
+        with self._lock:
+            return self._hops_left.setdefault(name, threading.Event())
 
     def release_lease(self) -> None:
         if self.lease is not None:

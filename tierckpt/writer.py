@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import plancache
+from . import plancache, preempt
 from .asyncsave import AsyncTickets, LiveState
 from .checkpoints import checkpoint_id_of
 from .catalog import is_committed
@@ -158,6 +158,10 @@ class TieredWriter(StorageWriter):
     **Checkpoint ids** may be paths, as frameworks pass them (``<dump>/checkpoint/step-100``,
     ``os.PathLike``): the last component is the id (:func:`tierckpt.checkpoints.checkpoint_id_of`).
 
+    **Preemption.** Created on the main thread, the first writer installs tierckpt's SIGTERM
+    handler (``[job] on_sigterm``): a SIGTERM commits what is in flight before the process goes
+    (see :mod:`tierckpt.preempt`).
+
     **Other processes.** A writer pickles as its configuration (DCP's
     ``AsyncCheckpointerType.PROCESS`` sends it to its checkpoint process). The copy is *detached*:
     nobody will call its ``wait()``, so each of its saves starts the capture at once and
@@ -190,6 +194,7 @@ class TieredWriter(StorageWriter):
         self._tls = threading.local()
         self._last: RankSave | None = None
         self._tickets = AsyncTickets()  # dcp.async_save saves not planned yet (see asyncsave)
+        preempt.install(self.cfg, self)  # SIGTERM drains what is in flight ([job] on_sigterm; main thread only)
 
     def __reduce__(self) -> tuple:
         """Pickled as its configuration; the copy is detached (see the class docstring)."""

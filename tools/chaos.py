@@ -1,7 +1,7 @@
 """Chaos harness for tierckpt: kills, faults, corruption, races, leaks and a flaky S3, over many trials.
 
     python tools/chaos.py --trials N [--cases crash,faults,corrupt,concurrency,resources,s3faults,
-                                              filetimes,backlog,gcload,killloop]
+                                              filetimes,backlog,gcload,killloop,deleterace]
                           [--s3 moto|seaweedfs|none] [--json out.json] [--seed S] [--keep]
 
 Prints one row per case (case | trials | failures | lost | seconds | notes) and exits non-zero on
@@ -44,10 +44,12 @@ s3faults
     Promotions through a proxy failing 10% of S3 requests (5% 500/503 answers, 5% dropped
     connections): each promotion completes or fails with a tierckpt error; every checkpoint
     committed on S3 loads bit-exact from S3 alone; every reported success is committed on S3.
-filetimes, backlog, gcload, killloop
+filetimes, backlog, gcload, killloop, deleterace
     No committed checkpoint is ever lost: file-time changes, a restart with an unpromoted
-    backlog, gc racing loads, and a trainer SIGKILLed and restarted from latest + 1 in a loop
-    (``tools/chaos_loss.py``, registered below with :func:`register_cases`).
+    backlog, gc racing loads, a trainer SIGKILLed and restarted from latest + 1 in a loop, and
+    a deleter in another process racing saves, promotions and re-saves of the same id, paused
+    between its metadata check and its data deletion (``tools/chaos_loss.py``, registered below
+    with :func:`register_cases`).
 
 Trainer runs are forked from a preloaded zygote process (torch imported once), so a crash trial
 costs about two short training runs plus a handful of loads.

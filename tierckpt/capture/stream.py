@@ -113,9 +113,9 @@ class CaptureStream:
         tier = self._first()
         if job.size:
             # The lease comes before the first file: a deletion that listed the checkpoint before
-            # the file existed leaves the file alone, one that lists it after sees the lease.
-            job.lease = leases.acquire(tier, job.id, kind="save", purpose=f"save by rank {job.assign.rank}",
-                                       require_committed=False, check_tombs=False)
+            # the file existed leaves the file alone, one that lists it after sees the lease, and
+            # one under way (a tombstone) is waited for (see tierckpt.lease).
+            job.lease = leases.acquire_for_write(tier, job.id, purpose=f"save by rank {job.assign.rank}")
             job.sink = tier.open_sink(data_key(job.id, job.assign.file), job.size)
         if not job.chunks:
             self._capture_done(job)

@@ -29,6 +29,20 @@ What changes against torchtitan's :class:`~torchtitan.components.checkpointer.Ch
   a directory listing), so an S3-only configuration resumes too; ``load_step = N`` loads
   ``step-N``. With no tierckpt checkpoint, ``initial_load_path`` (a plain DCP checkpoint
   directory) and HF weights are read by DCP's own readers, as torchtitan does.
+* **A bad newest checkpoint**: when resuming from the newest (``load_step = -1``) fails because
+  that checkpoint is damaged on every tier holding it (``CorruptCheckpoint``, e.g. a checksum
+  mismatch) or cannot be read in full (``CheckpointNotFound``), the manager logs it at ERROR and
+  resumes from the next older committed checkpoint (``tierckpt.latest(cfg, before=ID)``), and so
+  on; an outage (``TierError``) is raised as it is. Every rank sees the same failure (DCP gathers
+  them) and takes the same decision. The bad checkpoint is left where it is (retention removes
+  it in its turn); when training reaches its step again, that save gets the id with one more
+  leading zero (``step-04`` for ``step-4``: the same step, a new id, since ids are never
+  overwritten), and commit order makes it the newest.
+* **Preemption**: torchtitan 0.3's ``CheckpointManager`` has no "save now on preemption" of its
+  own (no signal handling; ``last_step=True`` forces only the final save), so there is none to
+  expose; the manager's writer is created on the trainer's main thread and installs tierckpt's
+  SIGTERM drain (``[job] on_sigterm``, :mod:`tierckpt.preempt`): a save that returned is
+  committed on the first tier before the process goes.
 * **Retention**: ``keep_latest_k > 0`` becomes the first tier's ``keep`` (``[local]``, or
   ``[s3]`` without a local tier); torchtitan never deletes a directory. Other tiers keep their
   configured ``keep``/``keep_every``.
@@ -62,6 +76,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..checkpoints import checkpoint_id_of, latest
 from ..config import Config, load_config
+from ..errors import CheckpointNotFound, CorruptCheckpoint, find_error
 from ..layout import is_valid_checkpoint_id, step_of
 from ..reader import TieredReader
 from ..writer import TieredWriter
@@ -96,6 +111,7 @@ class TierckptCheckpointManager(CheckpointManager):
 
     def __init__(self, config: "TierckptCheckpointManager.Config", **kwargs: Any) -> None:
         self._in_del = False
+        self._bad: set[str] = set()  # checkpoints skipped on resume: they failed on every tier
         keep = config.keep_latest_k
         # torchtitan's purge thread deletes step directories; tierckpt's retention replaces it.
         super().__init__(dataclasses.replace(config, keep_latest_k=0), **kwargs)
@@ -114,6 +130,21 @@ class TierckptCheckpointManager(CheckpointManager):
         bare id), not one torchtitan reads with DCP's own readers (``initial_load_path``, HF)."""
         parent = os.path.dirname(os.path.normpath(str(checkpoint_id)))
         return parent in ("", os.path.normpath(self.folder)) and is_valid_checkpoint_id(checkpoint_id_of(checkpoint_id))
+
+    def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
+        """torchtitan's ``<folder>/step-N``; for a step whose checkpoint was skipped on resume
+        (bad on every tier), ``step-0N`` (one more leading zero per skipped copy): a new id for
+        the same step, since a committed id is never overwritten."""
+        cid = super()._create_checkpoint_id(step, folder)
+        if checkpoint_id_of(cid) not in self._bad:
+            return cid
+        width = len(str(step)) + 1
+        while f"step-{step:0{width}d}" in self._bad:
+            width += 1
+        new = f"step-{step:0{width}d}"
+        log.warning("checkpoint step-%d was skipped on resume (it failed on every tier): saving step %d as %s",
+                    step, step, new)
+        return os.path.join(os.path.dirname(cid), new) if os.path.dirname(cid) else new
 
     # -- saving ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -162,18 +193,36 @@ class TierckptCheckpointManager(CheckpointManager):
         """Every rank (the trainer, before training): ``step`` (-1: the newest committed
         checkpoint over all tiers) through :class:`~tierckpt.TieredReader`; with none, torchtitan's
         own initial load (``initial_load_path``, HF weights) or a fresh start."""
-        if step == -1:
-            cid = latest(self.tier_config)
-            if cid is None:
-                return super()._load(-1)  # initial_load_path / HF / fresh start, read by DCP's readers
-        else:
-            cid = f"step-{step}"
-        load_step = step_of(cid)
-        states = self._states_to_load(load_step == 0)
+        if step != -1:
+            self._load_one(f"step-{step}")
+            return True
+        cid = latest(self.tier_config)
+        if cid is None:
+            return super()._load(-1)  # initial_load_path / HF / fresh start, read by DCP's readers
+        while True:
+            try:
+                self._load_one(cid)
+                return True
+            except BaseException as e:
+                bad = find_error(e, (CorruptCheckpoint, CheckpointNotFound))
+                if bad is None:
+                    raise
+                older = latest(self.tier_config, before=cid)
+                log.error("RESUME: checkpoint %s cannot be loaded from any tier holding it (%s: %s); %s",
+                          cid, type(bad).__name__, bad,
+                          f"resuming from the next older committed checkpoint, {older}" if older
+                          else "no older committed checkpoint is left")
+                if older is None:
+                    raise
+                self._bad.add(cid)
+                cid = older
+
+    def _load_one(self, cid: str) -> None:
+        """Every rank: load ``cid`` (``step-N``) into the trainer's states."""
+        states = self._states_to_load(step_of(cid) == 0)
         log.info("loading checkpoint %s through tierckpt", cid)
         self._load_tiered(states, cid)
         GarbageCollection.collect("GC collection for checkpoint loading.")
-        return True
 
     def _load_tiered(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
         dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=TieredReader(self.tier_config))

@@ -1,0 +1,116 @@
+"""A job for ``tests/test_preemption.py``: saves step-000001 (waited for), then step-000002, stops
+step-000002 at a chosen point and waits there for the test's signal.
+
+    python tests/preempt_child.py CONFIG.json POINT GO_FILE [--handler exit7] [--sigint]
+
+``CONFIG.json``: the tier configuration as a dict (``config_from_dict``). ``POINT``: where step-000002
+stops until ``GO_FILE`` exists: ``capture`` (the capture thread, opening the data file: nothing
+copied yet), ``flush`` (the file written, before its fsync and rename: captured, not durable) or
+``promote`` (the copy to S3: committed locally). Prints ``PAUSED <POINT>`` once there. Meanwhile
+the main thread waits in ``writer.wait_captured()`` (``capture``: the pre-step wait) or trains
+(small matmuls) until the signal ends the process. ``--handler exit7``: the job installs its own
+SIGTERM handler first (it prints ``JOB HANDLER`` and exits with status 7). Logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tierckpt import TieredWriter  # noqa: E402
+from tierckpt.config import config_from_dict  # noqa: E402
+from tierckpt.engine import Engine, register_engine  # noqa: E402
+from tierckpt.tiers import make_tiers  # noqa: E402
+
+CID = "step-000002"
+
+
+def state(i: int, n: int) -> dict:
+    g = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(n, generator=g), "step": i}
+
+
+def pause_here(point: str, go: Path) -> None:
+    print(f"PAUSED {point}", flush=True)
+    while not go.exists():
+        time.sleep(0.01)
+
+
+class _Sink:
+    def __init__(self, real, point: str, go: Path) -> None:
+        self._real, self._point, self._go = real, point, go
+
+    def close(self) -> None:
+        pause_here(self._point, self._go)
+        self._real.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def wrap(tier, point: str, go: Path):
+    """Make ``tier`` stop step-000002 at ``point``."""
+    real_open, real_copy = tier.open_sink, tier.copy_from
+
+    def open_sink(key: str, size: int):
+        if CID in key and point == "capture":
+            pause_here(point, go)
+        sink = real_open(key, size)
+        return _Sink(sink, point, go) if CID in key and point == "flush" else sink
+
+    def copy_from(src, key: str) -> int:
+        if CID in key and point == "promote":
+            pause_here(point, go)
+        return real_copy(src, key)
+
+    tier.open_sink, tier.copy_from = open_sink, copy_from
+    return tier
+
+
+def main() -> int:
+    cfg_path, point, go = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    if "--handler" in sys.argv:
+        import signal
+
+        def job_handler(signum, frame):
+            print("JOB HANDLER", flush=True)
+            os._exit(7)
+
+        signal.signal(signal.SIGTERM, job_handler)
+    cfg = config_from_dict(json.loads(Path(cfg_path).read_text()))
+    n = int(os.environ.get("PREEMPT_FLOATS", str(1 << 20)))
+    tiers = make_tiers(cfg)
+    register_engine(Engine(cfg, tiers=[tiers[0]] + [wrap(t, point, go) if point == "promote" else t
+                                                     for t in tiers[1:]]))
+    writer = TieredWriter(cfg)
+    dcp.save(state(1, n), checkpoint_id="step-000001", storage_writer=writer, no_dist=True)
+    writer.wait()
+    if point in ("capture", "flush"):
+        wrap(writer.engine.first_tier, point, go)
+    dcp.save(state(2, n), checkpoint_id=CID, storage_writer=writer, no_dist=True)
+    print("SAVED", flush=True)
+    try:
+        if point == "capture":
+            writer.wait_captured()  # the pre-step wait: the signal lands here
+        x = torch.randn(64, 64)
+        while True:  # training
+            x = torch.tanh(x @ x.T / 64)
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        print("KEYBOARD INTERRUPT", flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
