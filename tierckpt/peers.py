@@ -52,6 +52,8 @@ class PeerGroup:
         self.group, self.rank, self.world = group, rank, world
         self._round = 0  # collectives run through :meth:`collective` (the same count on every rank)
         self._uid = f"g{_groups_made()}"  # the same on every rank: groups are made collectively, in order
+        self._transport: Any = group  # see transport(); the save-side group moves bytes itself
+        self._timeout_s = 600.0
         self.nodes: list[str] = []  # node name of every rank (the save-side group only)
 
     @classmethod
@@ -80,19 +82,38 @@ class PeerGroup:
 
     @classmethod
     def get(cls, first: Tier, timeout_s: float) -> "PeerGroup | None":
-        """The group, created on first use (collectively: every rank calls this at the same point
-        of ``dcp.load``); None when the job is not distributed or the first tier is shared."""
+        """The load-side group (one per process and default group; every rank calls this at the
+        same point of ``dcp.load``), or None when the job is not distributed or the first tier is
+        shared. Its object collectives (the agreement) run on the default group, on the thread
+        running ``dcp.load``, as DCP's own do; bytes between nodes go over :meth:`transport`,
+        created only when a load first needs it."""
         import torch.distributed as dist
 
         if not first.node_local or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         default = dist.group.WORLD
         if cls._cached is None or cls._cached_for is not default:
-            rank, world = dist.get_rank(), dist.get_world_size()
-            g = _named("creating the group that serves files between nodes for dcp.load", f"new{_made + 1}", rank, world,
-                       lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
-            cls._cached, cls._cached_for = cls(g, rank, world), default
+            pg = cls(default, dist.get_rank(), dist.get_world_size())
+            pg._transport, pg._timeout_s = None, timeout_s
+            cls._cached, cls._cached_for = pg, default
         return cls._cached
+
+    def transport(self) -> Any:
+        """The group that moves file bytes between ranks (a collective the first time: every rank
+        calls it at the same point): the default group when it is gloo, else a dedicated gloo group
+        (timeout ``[job] commit_timeout``) created once per process and reused."""
+        import torch.distributed as dist
+
+        if self._transport is None:
+            if dist.get_backend(self.group) == "gloo":
+                self._transport = self.group
+            else:
+                self._round += 1
+                self._transport = _named(
+                    "creating the group that serves files between nodes for dcp.load", f"{self._uid}/{self._round}",
+                    self.rank, self.world,
+                    lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self._timeout_s)))
+        return self._transport
 
     def gather(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
@@ -117,7 +138,7 @@ class PeerGroup:
         if not dsts or not data:
             return
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        works = [dist.isend(buf, dst=d, group=self.group, tag=TAG + 1) for d in dsts]
+        works = [dist.isend(buf, dst=d, group=self.transport(), tag=TAG + 1) for d in dsts]
         for w in works:
             w.wait()
 
@@ -129,7 +150,7 @@ class PeerGroup:
         if size <= 0:
             return b""
         buf = torch.empty(size, dtype=torch.uint8)
-        dist.recv(buf, src=src, group=self.group, tag=TAG + 1)
+        dist.recv(buf, src=src, group=self.transport(), tag=TAG + 1)
         return buf.numpy().tobytes()
 
     def broadcast(self, obj: Any, src: int) -> Any:
@@ -144,8 +165,9 @@ class PeerGroup:
         all posted at once, then waited for. Raises when a transfer fails (a peer died)."""
         import torch.distributed as dist
 
-        works = [("from", peer, dist.irecv(buf, src=peer, group=self.group, tag=TAG)) for peer, buf in sorted(recvs.items())]
-        works += [("to", peer, dist.isend(buf, dst=peer, group=self.group, tag=TAG)) for peer, buf in sorted(sends.items())]
+        g = self.transport()
+        works = [("from", peer, dist.irecv(buf, src=peer, group=g, tag=TAG)) for peer, buf in sorted(recvs.items())]
+        works += [("to", peer, dist.isend(buf, dst=peer, group=g, tag=TAG)) for peer, buf in sorted(sends.items())]
         errors = []
         for way, peer, w in works:
             try:

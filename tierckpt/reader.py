@@ -195,6 +195,8 @@ class TieredReader(StorageReader):
         v = self._agree(group)
         cid = v.checkpoint_id
         mine = cid in self._docs and self._docs[cid][1].manifest.seq == v.seq
+        if v.md_send:
+            group.transport()  # every rank, at the same point
         if mine and group.rank == v.md_rank and v.md_send:
             group.send_bytes(self._docs[cid][0], agreement.expand(v.md_send))
         source = agreement.metadata_source(v, group.rank, mine)
@@ -291,7 +293,9 @@ class TieredReader(StorageReader):
                    for ri in p.items if ri.storage_index in storage} for p in plans]
         routes = peers.schedule(wanted, d.holders_by_file(self._manifest.files), bool(d.verdict.shared), self._roots,
                                 d.verdict.checkpoint_id)
-        return [dataclasses.replace(p, storage_data={"id": p.storage_data, **route}) for p, route in zip(plans, routes)]
+        moves = any(route["recv"] for route in routes)  # then every rank takes part in making the transport
+        return [dataclasses.replace(p, storage_data={"id": p.storage_data, "x": moves, **route})
+                for p, route in zip(plans, routes)]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -330,6 +334,8 @@ class TieredReader(StorageReader):
         try:
             engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads) if requests else None
             self.fill = self._plan_fill(engine, requests, [storage[i] for i in incoming])
+            if route.get("x") and self._peers is not None:
+                self._peers.transport()  # every rank, at the same point (collective the first time)
             if route.get("recv") or route.get("send"):  # first: the other nodes wait for this rank's part
                 self._exchange(storage, groups, recv_from, {int(p): idx for p, idx in route.get("send", [])})
             if engine is not None:

@@ -179,9 +179,14 @@ class Replicator:
                                     "renewed in time); a deletion there may have removed the copy: not committed")
 
         def work() -> dict:
+            if not dst.node_local:
+                # A shared tier: one writer's lease for the whole job, the coordinator's (it writes
+                # the metadata there), taken before any rank copies a byte (they wait for it).
+                self._job_lease(rnd, held, a.checkpoint_id)
             if job.size:
-                held.append(leases.acquire_for_write(dst, a.checkpoint_id,
-                                                     purpose=f"replication to {self.name} by rank {a.rank}"))
+                if dst.node_local:
+                    held.append(leases.acquire_for_write(dst, a.checkpoint_id,
+                                                         purpose=f"replication to {self.name} by rank {a.rank}"))
                 with leases.acquire(src, a.checkpoint_id, purpose=f"replication to {self.name} by rank {a.rank}"):
                     dst.copy_from(src, data_key(a.checkpoint_id, a.file))
                 check()
@@ -200,6 +205,26 @@ class Replicator:
             except Exception as e:  # noqa: BLE001 - the checkpoint is committed; the next commit retries
                 log.warning("retention on %s after replicating %s failed (will retry after the next one): %s",
                             dst.url, job.id, e)
+
+    def _job_lease(self, rnd: Round, held: list, *ids: str) -> None:
+        """On a shared ``dst``: the coordinator takes the writer's lease on each of ``ids`` (one per
+        job, not one per rank: :func:`tierckpt.lease.acquire_for_write`) and publishes that it
+        holds them; every other rank waits for that before it writes. The coordinator checks the
+        leases once more before it commits (``before_put``), so a deletion that removed any rank's
+        copy can never be followed by the commit."""
+        if rnd.rank == 0:
+            try:
+                for cid in ids:
+                    held.append(leases.acquire_for_write(self.dst, cid, purpose=f"replication to {self.name} (job)"))
+            except BaseException as e:
+                rnd.put_shared("lease", b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
+                raise
+            rnd.put_shared("lease", b"OK")
+            return
+        got = rnd.get_shared("lease", f"the coordinator's lease on {self.dst.url}")
+        if got != b"OK":
+            raise TierckptError(f"{rnd.what}: the coordinator could not lease it on {self.dst.url}: "
+                                f"{got[1:].decode(errors='replace')}")
 
     # -- the backlog ----------------------------------------------------------------------
     def _startup_pass(self) -> None:
@@ -292,11 +317,13 @@ class Replicator:
         results: dict[str, str] = {}
         held: list[leases.Lease] = []
         try:
+            if not dst.node_local:
+                self._job_lease(rnd, held, *needed)
             for cid in needed:
                 p = plan["plan"][cid]
                 try:
                     todo = [f for f, (r, _size) in p["files"].items() if r == rank]
-                    if todo:
+                    if todo and dst.node_local:
                         held.append(leases.acquire_for_write(dst, cid, purpose=f"backlog replication to {self.name} "
                                                                               f"by rank {rank}"))
                     if todo or p["md_rank"] == rank:
