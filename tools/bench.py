@@ -4,6 +4,7 @@
     python tools/bench.py [--size-gib 2] [--cpu-gib 0.75] [--out bench-out/bench.json]
                           [--only local,cpu,lazy,e2e,rss] [--dir DIR] [--repeats 3] [--quick] [--nice N]
                           [--s3-gib 0.5] [--s3-data DIR]   (sections s3, restore, peer: --only s3,restore)
+                          [--scale-ranks 2,4,8,16]          (section scale: --only scale)
 
 Sections (each a function returning a dict; ratios are computed within the run). Every section
 counts CPU seconds (this process's user+system time, all threads) next to wall time where it
@@ -41,6 +42,13 @@ times something; tables show a CPU-s/GiB column when measured.
   the same saves with ``[peer] replicas = 0`` and ``1`` (blocked time, time until every hop
   committed, CPU per replicated GiB), then node n1's directory is deleted and the 4 ranks resume
   ``latest``: from the peer copies vs from S3.
+* ``scale`` (only with ``--only``): what coordination costs per rank as the job grows: for each N
+  of ``--scale-ranks``, N real processes (2 per simulated node, ``{node}`` local paths + S3 on
+  moto) count their S3 requests by kind, object-collective bytes, store operations and collective
+  rounds through a save, a restart from local disks, a node loss and a full loss, beside DCP's
+  ``FileSystemWriter``/``FileSystemReader``; a table per phase, the fitted exponent of each count
+  vs N, where each phase's S3 requests come from (call sites) and a projection against S3's
+  per-prefix request rates (``tools/benchlib/scale.py``).
 * ``rss``: peak RSS (psutil, sampled every 5 ms) of a fresh process during TieredWriter saves for
   pools of 1/4 and 1x of a ~1 GiB state (and ``dcp.async_save`` staging as a reference).
 
@@ -81,14 +89,15 @@ from benchlib.peer import section_peer  # noqa: E402
 from benchlib.restore import consolidate_child, section_restore  # noqa: E402
 from benchlib.rss import rss_child, section_rss  # noqa: E402
 from benchlib.s3 import section_s3  # noqa: E402
+from benchlib.scale import section_scale  # noqa: E402
 
-SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore", "peer")
-DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore/peer: only with --only (need S3 servers, add minutes)
+SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore", "peer", "scale")
+DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore/peer/scale: only with --only (need S3 servers, add minutes)
 
 
 SECTIONS: dict[str, Callable[[Ctx], dict]] = {
     "local": section_local, "cpu": section_cpu, "lazy": section_lazy, "e2e": section_e2e, "rss": section_rss,
-    "s3": section_s3, "restore": section_restore, "peer": section_peer,
+    "s3": section_s3, "restore": section_restore, "peer": section_peer, "scale": section_scale,
 }
 
 
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=2.0, help="state size of section local (default 2)")
     ap.add_argument("--s3-gib", default="0.5", help="state sizes of section s3, comma-separated (default 0.5)")
+    ap.add_argument("--scale-ranks", default="2,4,8,16",
+                    help="job sizes of section scale, comma-separated (default 2,4,8,16; --quick keeps those <= 4)")
     ap.add_argument("--cpu-gib", type=float, default=0.75, help="state size of section cpu (default 0.75)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench.json"), help="JSON output path")
     ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),

@@ -12,6 +12,11 @@ Public surface::
     from tierckpt.testing import free_port, launch_ranks, run_world, serve  # multi-rank launcher (launch.py)
     from tierckpt.testing import FaultyTier                          # a fault-injecting tier (faults.py)
 
+Imported by module (not re-exported): ``tierckpt.testing.counting`` (per-process counters of S3
+requests, collective bytes and store operations) and ``tierckpt.testing.scale`` (the many-rank
+harness that runs a job through save, restart and losses with those counters; its ranks are
+``scale_worker.py``).
+
 No module is named
 like a function it exports (``compare`` lives in ``bitexact``): importing a submodule sets an
 attribute of this package, which would shadow the function.
