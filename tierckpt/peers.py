@@ -38,6 +38,9 @@ __all__ = ["PeerGroup", "schedule"]
 log = logging.getLogger("tierckpt.peers")
 
 TAG = 7141
+FAN_OUT_MAX = 1 << 20
+"""Items up to this size that only a shared tier holds and several ranks read are read by one of
+them and served to the others (see :func:`schedule`)."""
 
 
 class PeerGroup:
@@ -269,19 +272,34 @@ def schedule(files_of_rank: list[dict[Any, tuple[str, int]]], holders: dict[str,
     held_on: dict[str, set[int]] = {f: {node[q] for q in rs} for f, rs in holders.items()}
     load = [0] * world
     pairs: dict[tuple[int, int], list[Any]] = {}
+    fan: dict[Any, list[int]] = {}  # small items only a shared tier holds -> the ranks reading them
     for r, items in enumerate(files_of_rank):
         for index, (file, nbytes) in items.items():
             if node[r] in held_on.get(file, ()):
                 continue
             servers = holders.get(file, [])
             if not servers:
-                if shared:
-                    continue
-                raise CheckpointNotFound(f"checkpoint {checkpoint_id}: rank {r} needs data file {file}, "
-                                         "which no node of this job holds and no shared tier has")
+                if not shared:
+                    raise CheckpointNotFound(f"checkpoint {checkpoint_id}: rank {r} needs data file {file}, "
+                                             "which no node of this job holds and no shared tier has")
+                if nbytes <= FAN_OUT_MAX:
+                    fan.setdefault(index, []).append(r)
+                continue  # read from the shared tier by the rank itself
             s = min(servers, key=lambda q: (load[q], q))
             load[s] += nbytes
             pairs.setdefault((s, r), []).append(index)
+    # A small item many ranks read from the shared tier only (the step, a replicated bias: DCP keeps
+    # one copy in one rank's file) is read once, by the least loaded of them, and served to the
+    # others: one GET instead of one per rank.
+    for index, readers in fan.items():
+        if len(readers) < 2:
+            continue
+        nbytes = files_of_rank[readers[0]][index][1]
+        s = min(readers, key=lambda q: (load[q], q))
+        load[s] += nbytes * (len(readers) - 1)
+        for r in readers:
+            if r != s:
+                pairs.setdefault((s, r), []).append(index)
     out: list[dict] = [{"recv": [], "send": []} for _ in range(world)]
     for (s, r), idx in sorted(pairs.items(), key=lambda kv: kv[0]):
         out[r]["recv"].append([s, idx])

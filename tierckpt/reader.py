@@ -318,14 +318,16 @@ class TieredReader(StorageReader):
         items = list(groups.values())
         route = plan.storage_data if isinstance(plan.storage_data, dict) else {}
         recv_from = {int(p): idx for p, idx in route.get("recv", [])}
+        send_to = {int(p): idx for p, idx in route.get("send", [])}
         incoming = {i for idx in recv_from.values() for i in idx}
+        outgoing = {i for idx in send_to.values() for i in idx}  # read once, for the peers and for this rank
         requests: list[Request] = []
         for it in items:  # resolve destinations on the calling thread
             if it.rec.is_tensor:
                 it.targets = [planner.resolve_tensor(ri) for ri in it.reads]
                 if len(it.reads) == 1 and _is_whole(it.reads[0], it.rec) and _direct_ok(it.targets[0], it.rec):
                     it.direct = it.targets[0]
-            if it.index in incoming:
+            if it.index in incoming or it.index in outgoing:
                 continue
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
             requests.append(Request(it.rec, self._buffer(it), what, done=lambda r, it=it: self._done(it, r)))
@@ -333,11 +335,11 @@ class TieredReader(StorageReader):
         ok = False
         try:
             engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads) if requests else None
-            self.fill = self._plan_fill(engine, requests, [storage[i] for i in incoming])
+            self.fill = self._plan_fill(engine, requests, [storage[i] for i in incoming | (outgoing & set(groups))])
             if route.get("x") and self._peers is not None:
                 self._peers.transport()  # every rank, at the same point (collective the first time)
-            if route.get("recv") or route.get("send"):  # first: the other nodes wait for this rank's part
-                self._exchange(storage, groups, recv_from, {int(p): idx for p, idx in route.get("send", [])})
+            if recv_from or send_to:  # first: the other nodes wait for this rank's part
+                self._exchange(storage, groups, recv_from, send_to)
             if engine is not None:
                 try:
                     engine.read(requests)
@@ -420,18 +422,37 @@ class TieredReader(StorageReader):
 
         recv_bufs = {p: flat(idx) for p, idx in recv_from.items()}
         send_bufs = {c: flat(idx) for c, idx in send_to.items()}
-        serve: list[Request] = []
+        # each item served is read (and verified) once, whatever the number of peers it goes to;
+        # one this rank reads too is delivered from that same read
+        unique = sorted({i for idx in send_to.values() for i in idx}, key=lambda i: (storage[i].file, storage[i].pos))
+        staged = {i: memoryview(bytearray(storage[i].length)) for i in unique}
+        serve = [Request(storage[i], staged[i], f"item {i.fqn!r} for other nodes") for i in unique]
+        served_ok = False
+        if serve:
+            try:
+                Readback(cid, self._holding, self.chunk_size, threads=self.threads).read(serve)
+                served_ok = True
+            except TierckptError as e:  # the receivers see the damage and fall back or fail
+                log.error("checkpoint %s: cannot serve items to other nodes: %s", cid, e)
         for c, idx in send_to.items():
             mv, at = memoryview(send_bufs[c].numpy()), 0
             for i in idx:
                 n = storage[i].length
-                serve.append(Request(storage[i], mv[at:at + n], f"item {i.fqn!r} for rank {c}"))
+                mv[at:at + n] = staged[i]
                 at += n
-        if serve:
-            try:
-                Readback(cid, self._holding, self.chunk_size, threads=self.threads).read(serve)
-            except TierckptError as e:  # the receivers see the damage and fall back or fail
-                log.error("checkpoint %s: cannot serve items to other nodes: %s", cid, e)
+        mine = [i for i in unique if i in groups and i not in {j for idx in recv_from.values() for j in idx}]
+        if mine and not served_ok:  # read them again, alone, with the engine's fallback and errors
+            Readback(cid, self._holding, self.chunk_size, threads=self.threads).read(
+                [Request(storage[i], self._buffer(groups[i]), f"item {i.fqn!r}",
+                         done=lambda r, it=groups[i]: self._done(it, r)) for i in mine])
+        elif mine:
+            for i in mine:
+                it = groups[i]
+                dst = self._buffer(it)
+                dst[:] = staged[i]
+                if self.fill is not None:
+                    self.fill.received(storage[i], dst)
+                self._deliver(it)
         self._peers.exchange(send_bufs, recv_bufs)
         damaged: list[Request] = []
         for p, idx in recv_from.items():

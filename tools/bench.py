@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=2.0, help="state size of section local (default 2)")
     ap.add_argument("--s3-gib", default="0.5", help="state sizes of section s3, comma-separated (default 0.5)")
+    ap.add_argument("--sim-ranks", default="1024,2048,4096,8192,16384",
+                    help="simulated job sizes of section scale (tierckpt.testing.simulator), comma-separated; '' for none")
     ap.add_argument("--scale-ranks", default="2,4,8,16",
                     help="job sizes of section scale, comma-separated (default 2,4,8,16; --quick keeps those <= 4)")
     ap.add_argument("--cpu-gib", type=float, default=0.75, help="state size of section cpu (default 0.75)")

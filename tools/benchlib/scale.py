@@ -243,6 +243,34 @@ def print_sites(res: dict[str, Any], phases: tuple[str, ...] = ("save", "restart
     return out
 
 
+# -- simulated rows ----------------------------------------------------------------------------
+
+SIM_PHASES = {"restart": "restart", "node_loss": "node_loss", "full_loss": "full_loss"}
+
+
+def simulated(n: int) -> dict:
+    """One ``source: "sim"`` result: :mod:`tierckpt.testing.simulator` runs the load's own
+    coordination code for ``n`` simulated ranks (2 per node) after each scenario, counting S3
+    requests, object-collective bytes, rounds and point-to-point bytes as the real rows do."""
+    from tierckpt.testing.simulator import build_job, simulate_load
+
+    phases: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    for phase, scenario in SIM_PHASES.items():
+        out = simulate_load(build_job(n, 2), scenario)
+        by_op = Counter(out["s3_by_op"])
+        phases[phase] = {
+            "world": n, "s3_requests": out["s3_requests"], "s3_by_op": dict(by_op),
+            "s3_read": sum(v for op, v in by_op.items() if op in ("GetObject", "HeadObject", "ListObjectsV2")),
+            "s3_write": sum(v for op, v in by_op.items() if op not in ("GetObject", "HeadObject", "ListObjectsV2")),
+            "s3_per_rank_max": out["s3_max_per_rank"], "obj_recv_bytes": out["collective_bytes"],
+            "rounds": out["collective_rounds"], "p2p_recv_bytes": out["p2p_bytes"],
+        }
+    return {"world": n, "source": "sim", "phases": phases, "wall_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0}
+
+
 # -- the section ------------------------------------------------------------------------------
 
 def section_scale(ctx: Ctx) -> dict:
@@ -277,9 +305,16 @@ def section_scale(ctx: Ctx) -> dict:
             shutil.rmtree(tmp / f"n{n}", ignore_errors=True)
     finally:
         stop()
+    sim_ranks = [int(x) for x in str(getattr(ctx.args, "sim_ranks", "") or "").split(",") if x.strip()]
+    if ctx.quick:
+        sim_ranks = [n for n in sim_ranks if n <= 1024]
+    for n in sim_ranks:
+        log(f"scale: simulating {n} ranks ...")
+        results.append(simulated(n))
     rep = report(results)
     print_report(rep)
-    sites = {res["world"]: print_sites(res) for res in results if res["world"] == max(ranks)}
+    sites = {res["world"]: print_sites(res) for res in results
+             if ranks and res.get("source", "real") == "real" and res["world"] == max(ranks)}
     notes.append("each N: 2 ranks per simulated node, [local] '.../{node}' (no fsync) + [s3] (moto, 5 MiB parts); "
                  "1 MiB per rank + a 16 KiB replicated tensor + the step; two saves (first_save, save: each waited until "
                  "committed on every tier), then fresh processes dcp.load('latest'): restart (every file local), node_loss "
@@ -291,5 +326,7 @@ def section_scale(ctx: Ctx) -> dict:
                  "store = store ops of all ranks (polls that found nothing apart: timing-dependent); p2p = bytes received by "
                  "irecv/recv (peer file service); grp = process groups created per rank")
     notes += [f"N={r['world']}: {r['wall_s']:.0f} s wall, ranks' CPU {r['rank_cpu_s']:.0f} s" for r in runs]
+    notes += [f"sim N={r['world']}: {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} CPU-s (three scenarios)"
+              for r in results if r.get("source") == "sim"]
     return {"rows": [], "ratios": rep["ratios"], "targets": rep["targets"], "notes": notes, "report": rep,
             "sites": sites, "results": results}
