@@ -32,3 +32,36 @@ def test_node_loss_takes_metadata_and_items_from_other_nodes():
     out = simulate_load(build_job(16, 2), "node_loss")
     assert out["checkpoint"] == "step-000002"
     assert out["p2p_bytes"] >= 2 * out["metadata_bytes"], out  # both ranks of the lost node got it point to point
+
+
+@pytest.mark.timeout(900)  # 4 launches of 4 ranks: about a minute on 2 idle cores
+def test_simulator_counts_equal_a_real_runs(moto_endpoint, s3cfg, tmp_path):
+    """The simulator, given the files a real 4-rank job wrote (2 per node, {node} paths + S3 on
+    moto), counts the same S3 requests, by operation, as the real processes did in each load."""
+    import dataclasses
+    import shutil
+
+    import boto3
+
+    from tierckpt.testing.scale import run_scale
+    from tierckpt.testing.simulator import build_job_from
+
+    cfg = s3cfg(moto_endpoint)
+    snap: dict = {}
+
+    def after_saves(workdir):
+        shutil.copytree(workdir / "local", tmp_path / "snap")
+        client = boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                              region_name="us-east-1")
+        root = cfg.prefix.rstrip("/") + "/" if cfg.prefix else ""
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=cfg.bucket, Prefix=root):
+            for o in page.get("Contents", ()):
+                if "/_leases/" not in "/" + o["Key"]:
+                    snap[o["Key"][len(root):]] = client.get_object(Bucket=cfg.bucket, Key=o["Key"])["Body"].read()
+
+    real = run_scale(4, dataclasses.asdict(cfg), tmp_path / "run", ranks_per_node=2, timeout=600,
+                     phases=("restart", "node_loss", "full_loss"), after_saves=after_saves)
+    for phase in ("restart", "node_loss", "full_loss"):
+        job = build_job_from(tmp_path / "snap", snap, 4, 2)
+        sim = simulate_load(job, phase, wants=lambda r: (f"r{r}", "shared", "step"))
+        assert sim["s3_by_op"] == real["phases"][phase]["s3_by_op"], (phase, sim, real["phases"][phase])

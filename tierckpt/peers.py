@@ -206,10 +206,7 @@ def _named(what: str, key: str, rank: int, world: int, fn: "Any") -> Any:
     try:
         out = fn()
     except Exception as e:
-        try:
-            absent = [r for r in range(world) if ch.try_get(f"{key}/in{r}") is None]
-        except Exception:  # noqa: BLE001
-            absent = []
+        absent = _absent(ch, key, world)
         who = (("rank " if len(absent) == 1 else "ranks ") + ", ".join(map(str, absent[:20]))) if absent else "a rank"
         err = TierckptError(f"{what}: {who} did not take part (dead, hung, or not loading): {type(e).__name__}: "
                             f"{str(e)[:300]}")
@@ -222,6 +219,24 @@ def _named(what: str, key: str, rank: int, world: int, fn: "Any") -> Any:
     except Exception:  # noqa: BLE001
         pass
     return out
+
+
+def _absent(ch: Any, key: str, world: int, settle_s: float = 5.0) -> list[int]:
+    """The ranks whose arrival mark under ``key`` is missing, once the set stopped shrinking for a
+    second (at most ``settle_s``): ranks merely slower than the failure are not named."""
+    import time
+
+    deadline = time.monotonic() + settle_s
+    last: list[int] | None = None
+    while True:
+        try:
+            absent = [r for r in range(world) if ch.try_get(f"{key}/in{r}") is None]
+        except Exception:  # noqa: BLE001 - a store gone
+            return last or []
+        if absent == last or time.monotonic() > deadline or not absent:
+            return absent
+        last = absent
+        time.sleep(1.0)
 
 
 _made = 0
@@ -291,11 +306,19 @@ def schedule(files_of_rank: list[dict[Any, tuple[str, int]]], holders: dict[str,
     # A small item many ranks read from the shared tier only (the step, a replicated bias: DCP keeps
     # one copy in one rank's file) is read once, by the least loaded of them, and served to the
     # others: one GET instead of one per rank.
+    fanned = {index for index, readers in fan.items() if len(readers) > 1}
+    reads_anyway: dict[str, set[int]] = {}  # file -> ranks reading some other item of it from the shared tier
+    for index, readers in fan.items():
+        for r in readers:
+            f = files_of_rank[r][index][0]
+            if any(i not in fanned and fi == f for i, (fi, _n) in files_of_rank[r].items() if i != index):
+                reads_anyway.setdefault(f, set()).add(r)
     for index, readers in fan.items():
         if len(readers) < 2:
             continue
-        nbytes = files_of_rank[readers[0]][index][1]
-        s = min(readers, key=lambda q: (load[q], q))
+        file, nbytes = files_of_rank[readers[0]][index]
+        anyway = reads_anyway.get(file, set())
+        s = min(readers, key=lambda q: (q not in anyway, load[q], q))  # one whose read covers it costs no request
         load[s] += nbytes * (len(readers) - 1)
         for r in readers:
             if r != s:

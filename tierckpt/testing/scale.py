@@ -24,7 +24,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .counting import OBJECT_COLLECTIVES, collapse, merge
 from .launch import run_world
@@ -125,7 +125,8 @@ def _facts(results: list[dict]) -> dict[str, Any]:
 
 
 def run_scale(world: int, s3: dict[str, Any], workdir: Path, *, ranks_per_node: int = 2, own_bytes: int = MiB,
-              timeout: float = 900.0, phases: tuple[str, ...] = PHASES) -> dict[str, Any]:
+              timeout: float = 900.0, phases: tuple[str, ...] = PHASES,
+              after_saves: "Callable[[Path], None] | None" = None) -> dict[str, Any]:
     """Run the ``phases`` (of :data:`PHASES`, in that order; the two saves always run) for a job of
     ``world`` ranks; return ``{"world", "nodes", "ranks_per_node", "own_bytes", "source": "real",
     "phases": {phase: summary}, "per_rank": {phase: [counts of rank r]}, "detail": {phase: {sub-phase:
@@ -155,6 +156,8 @@ def run_scale(world: int, s3: dict[str, Any], workdir: Path, *, ranks_per_node: 
     saved = world_run("save", {**common, "steps": [1, 2], "phases": ["first_save", "save"]}, "save")
     for ph in ("first_save", "save", "close"):
         raw[ph] = [res["counts"] for res in saved]
+    if after_saves is not None:  # e.g. a snapshot of every node's directory (workdir / "local" / "n<i>")
+        after_saves(workdir)
     for ph in LOAD_PHASES:
         if ph not in phases:
             continue

@@ -37,7 +37,7 @@ from ..layout import (CheckpointManifest, ItemRecord, data_key, metadata_key, me
 from ..readback import Readback, Request, hold
 from .memtier import MemoryTier
 
-__all__ = ["SimJob", "simulate_load", "build_job"]
+__all__ = ["SimJob", "simulate_load", "build_job", "build_job_from"]
 
 CHUNK = 1 << 20
 OWN_BYTES = 64  # each rank's own tensor: 16 float32
@@ -120,6 +120,33 @@ def build_job(world: int, per_node: int = 2, checkpoints: int = 2) -> SimJob:
     return job
 
 
+def build_job_from(local_root: "Any", s3_objects: dict[str, bytes], world: int, per_node: int) -> SimJob:
+    """A simulated job holding exactly the files of a real run: ``local_root/n<i>`` (each node's
+    ``[local]`` directory, ``{node}`` = ``n<i>``) and the S3 objects by key. Used to pin the
+    simulator's counts to a real run's (``tests/test_simulator.py``)."""
+    from pathlib import Path
+
+    root = Path(local_root)
+    s3 = MemoryTier("s3", "s3://sim/ckpt")
+    for key, data in s3_objects.items():
+        s3.seed(key, data)
+    nnodes = -(-world // per_node)
+    nodes = []
+    for n in range(nnodes):
+        tier = MemoryTier("local", f"/sim/n{n}", node_local=True, cheap_listing=True, root=f"/sim/n{n}")
+        base = root / f"n{n}"
+        for path in sorted(base.rglob("*")) if base.exists() else []:
+            if path.is_file():
+                tier.seed(path.relative_to(base).as_posix(), path.read_bytes())
+        nodes.append(tier)
+    job = SimJob(world, per_node, s3, nodes, [])
+    for cid, (header, _size) in catalog.committed_headers(s3).items():
+        job.ids.append(cid)
+        job.metadata[cid] = s3.get(metadata_key(cid))
+    s3.requests.clear()
+    return job
+
+
 class _Memo:
     """Memoise :func:`tierckpt.catalog.parse_checkpoint_doc` by the bytes' identity while simulating."""
 
@@ -154,11 +181,13 @@ def _size(obj: Any) -> int:
     return len(pickle.dumps(obj))
 
 
-def simulate_load(job: SimJob, scenario: str = "restart") -> dict:
+def simulate_load(job: SimJob, scenario: str = "restart", wants: "Any" = None) -> dict:
     """One ``dcp.load(checkpoint_id="latest")`` of ``job`` after ``scenario`` (module docstring);
-    returns the counts (JSON-able)."""
+    returns the counts (JSON-able). ``wants(rank)`` names the state-dict keys rank ``rank`` loads
+    (default: ``own.<rank>``, ``rep``, ``step``); ``node_loss`` empties the last node's disk."""
+    wants = wants or (lambda r: (f"own.{r}", "rep", "step"))
     if scenario == "node_loss":
-        job.nodes[1 % len(job.nodes)].clear()
+        job.nodes[-1].clear()
     elif scenario == "full_loss":
         for n in job.nodes:
             n.clear()
@@ -221,8 +250,7 @@ def simulate_load(job: SimJob, scenario: str = "restart") -> dict:
         doc_items = _items(docs, v, job)
         # the coordinator's schedule (DCP's plan exchange carries the routes)
         by_fqn = {idx.fqn: (idx, rec) for idx, rec in doc_items.items()}
-        wanted = [{by_fqn[f][0]: (by_fqn[f][1].file, by_fqn[f][1].length) for f in (f"own.{r}", "rep", "step")}
-                  for r in range(world)]
+        wanted = [{by_fqn[f][0]: (by_fqn[f][1].file, by_fqn[f][1].length) for f in wants(r)} for r in range(world)]
         routes = peers.schedule(wanted, decision.holders_by_file(man.files), bool(v.shared), [x.root for x in views], cid)
         route_bytes = sum(_size(rt) for rt in routes)
         # read_data: items from other nodes, the rest through the read engine
@@ -236,7 +264,7 @@ def simulate_load(job: SimJob, scenario: str = "restart") -> dict:
                     continue
                 reqs.append(Request(doc_items[idx], memoryview(bytearray(n)), idx.fqn))
             if reqs:
-                Readback(cid, holding[r], CHUNK, threads=1).read(reqs)
+                Readback(cid, holding[r], man.chunk_size, threads=1).read(reqs)
         # the job's leases, released by the coordinator once every rank is done
         job.s3.who = 0
         decision.release()
