@@ -331,21 +331,35 @@ class TieredReader(StorageReader):
                 continue
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
             requests.append(Request(it.rec, self._buffer(it), what, done=lambda r, it=it: self._done(it, r)))
+        # each item served to other nodes is read (and verified) once, whatever the number of peers,
+        # in the same read as this rank's own items (one request per run of a file)
+        unique = sorted(outgoing, key=lambda i: (storage[i].file, storage[i].pos))
+        staged = {i: memoryview(bytearray(storage[i].length)) for i in unique}
+        serve = [Request(storage[i], staged[i], f"item {i.fqn!r} for other nodes") for i in unique]
         self.fill = None
         ok = False
         try:
-            engine = Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads) if requests else None
+            engine = (Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
+                      if requests or serve else None)
             self.fill = self._plan_fill(engine, requests, [storage[i] for i in incoming | (outgoing & set(groups))])
             if route.get("x") and self._peers is not None:
                 self._peers.transport()  # every rank, at the same point (collective the first time)
-            if recv_from or send_to:  # first: the other nodes wait for this rank's part
-                self._exchange(storage, groups, recv_from, send_to)
+            failed: TierckptError | None = None
             if engine is not None:
                 try:
-                    engine.read(requests)
+                    engine.read(requests + serve)
+                except TierckptError as e:
+                    if not (recv_from or send_to):
+                        raise
+                    failed = e  # take part in the exchange all the same (receivers see the damage), then raise
+                    log.error("checkpoint %s: reading items (some for other nodes) failed: %s", self.resolved_id, e)
                 finally:
                     self.served.update(engine.served)
                     self.recovered.update(engine.recovered)
+            if recv_from or send_to:
+                self._exchange(storage, groups, recv_from, send_to, staged, served_ok=failed is None)
+            if failed is not None:
+                raise failed
             ok = True
         finally:
             if self.fill is not None:
@@ -410,10 +424,13 @@ class TieredReader(StorageReader):
         return LoadFill.plan(local, self.resolved_id, requests, received, dict(man.files), man.save_token, rank,
                              lacks, shared, self._raw_md)
 
-    def _exchange(self, storage: dict, groups: dict, recv_from: dict[int, list], send_to: dict[int, list]) -> None:
+    def _exchange(self, storage: dict, groups: dict, recv_from: dict[int, list], send_to: dict[int, list],
+                  staged: dict, served_ok: bool) -> None:
         """Serve and receive items between nodes (see :mod:`tierckpt.peers`): what this rank serves
-        is read and verified from its own tiers, every received item is verified again; an item
-        that arrives damaged is read from a shared tier when one holds it, else the load fails."""
+        was read and verified into ``staged`` (``served_ok``: without an error); every received
+        item is verified again; an item that arrives damaged is read from a shared tier when one
+        holds it, else the load fails. Items this rank serves and reads too are delivered from
+        ``staged``."""
         assert self._peers is not None and self.resolved_id is not None
         cid = self.resolved_id
 
@@ -422,38 +439,24 @@ class TieredReader(StorageReader):
 
         recv_bufs = {p: flat(idx) for p, idx in recv_from.items()}
         send_bufs = {c: flat(idx) for c, idx in send_to.items()}
-        # each item served is read (and verified) once, whatever the number of peers it goes to;
-        # one this rank reads too is delivered from that same read
-        unique = sorted({i for idx in send_to.values() for i in idx}, key=lambda i: (storage[i].file, storage[i].pos))
-        staged = {i: memoryview(bytearray(storage[i].length)) for i in unique}
-        serve = [Request(storage[i], staged[i], f"item {i.fqn!r} for other nodes") for i in unique]
-        served_ok = False
-        if serve:
-            try:
-                Readback(cid, self._holding, self.chunk_size, threads=self.threads).read(serve)
-                served_ok = True
-            except TierckptError as e:  # the receivers see the damage and fall back or fail
-                log.error("checkpoint %s: cannot serve items to other nodes: %s", cid, e)
+        unique = list(staged)
         for c, idx in send_to.items():
             mv, at = memoryview(send_bufs[c].numpy()), 0
             for i in idx:
                 n = storage[i].length
                 mv[at:at + n] = staged[i]
                 at += n
-        mine = [i for i in unique if i in groups and i not in {j for idx in recv_from.values() for j in idx}]
-        if mine and not served_ok:  # read them again, alone, with the engine's fallback and errors
-            Readback(cid, self._holding, self.chunk_size, threads=self.threads).read(
-                [Request(storage[i], self._buffer(groups[i]), f"item {i.fqn!r}",
-                         done=lambda r, it=groups[i]: self._done(it, r)) for i in mine])
-        elif mine:
-            for i in mine:
-                it = groups[i]
-                dst = self._buffer(it)
-                dst[:] = staged[i]
-                if self.fill is not None:
-                    self.fill.received(storage[i], dst)
-                self._deliver(it)
         self._peers.exchange(send_bufs, recv_bufs)
+        if served_ok:  # else the caller raises the read's error
+            incoming = {j for idx in recv_from.values() for j in idx}
+            for i in unique:
+                if i in groups and i not in incoming:
+                    it = groups[i]
+                    dst = self._buffer(it)
+                    dst[:] = staged[i]
+                    if self.fill is not None:
+                        self.fill.received(storage[i], dst)
+                    self._deliver(it)
         damaged: list[Request] = []
         for p, idx in recv_from.items():
             mv, at = memoryview(recv_bufs[p].numpy()), 0
