@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--last {args.last}: must not be negative")
     ranks = _ranks(args.ranks)
     runs, _places = load_runs(as_config(args.config), args.last or None)
+    present = sorted({x.rank for r in runs for x in r.ranks})
+    if ranks is not None and not set(ranks) & set(present):
+        raise UsageError(f"--ranks {args.ranks}: no such rank in the history (ranks there: {present})")
     if args.json:
         print_json([{"id": r.checkpoint_id, "token": r.token, "step": r.step, "ranks": [x.to_json() for x in r.ranks]}
                     for r in runs])

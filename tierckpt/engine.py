@@ -374,6 +374,7 @@ class Engine:
             self.wait()
         finally:
             self._closed = True
+            self.telemetry.close()
             self.stream.close()
             self._commit_q.put(None)
             for hop in self.hops:

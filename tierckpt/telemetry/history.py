@@ -16,7 +16,9 @@ one per checkpoint, oldest first::
                   "phases": [{"name": "capture", "start": 1718000000.12, "end": …, "blocked": true?}, …]}]}
 
 Times are wall-clock seconds (``time.time``) of the writing process. The file is replaced
-atomically (a temp file renamed, no fsync: losing the last record in a machine crash is fine).
+atomically (a temp file renamed, no fsync), at most every :data:`WRITE_INTERVAL` seconds (records
+of saves in between follow within that time, and at the engine's ``close``): a crash may lose the
+last few seconds of history, never a checkpoint.
 A process appends to the records found in the file when it first writes (a restarted job
 continues its history). Writing never fails a checkpoint: an error is logged once per process.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +42,7 @@ from ..safejson import JSONRejected, loads
 from ..tiers.base import Tier
 from .phases import BLOCKED, Phase
 
-__all__ = ["FORMAT", "HISTORY_DIR", "MAX_FILE_BYTES", "CheckpointRun", "HistoryLog", "RankRecord", "group_checkpoints",
+__all__ = ["FORMAT", "HISTORY_DIR", "MAX_FILE_BYTES", "WRITE_INTERVAL", "CheckpointRun", "HistoryLog", "RankRecord", "group_checkpoints",
            "history_key", "job_history", "read_history"]
 
 log = logging.getLogger("tierckpt")
@@ -48,6 +51,8 @@ HISTORY_DIR = "_history"
 FORMAT = "tierckpt-history/1"
 MAX_FILE_BYTES = 16 << 20
 """A history file larger than this is not read (1024 records of a few KB each fit)."""
+WRITE_INTERVAL = 5.0
+"""Seconds between two writes of one history file at most (see :class:`HistoryLog`)."""
 
 
 def history_key(global_rank: int) -> str:
@@ -110,32 +115,71 @@ class CheckpointRun:
 
 
 class HistoryLog:
-    """One process's history file on one tier (see the module docstring). Thread-safe."""
+    """One process's history file on one tier (see the module docstring). Thread-safe.
+
+    Each record is encoded once, when appended; a write joins the encoded records. The file is
+    written at most once per :data:`WRITE_INTERVAL` seconds: a record appended sooner after the
+    last write is written by a timer when the interval is over, by a later append, or by
+    :meth:`flush` (the engine's ``close``, at exit), so a job saving every few hundred
+    milliseconds does not pay a file write per save."""
 
     def __init__(self, tier: Tier, global_rank: int, node: str, keep: int) -> None:
         self.tier = tier
         self.global_rank = global_rank
         self.node = node
         self.keep = keep
-        self._records: list[dict] | None = None  # read from the file on the first append
+        self._records: list[bytes] | None = None  # encoded; read from the file on the first append
         self._lock = threading.Lock()
         self._warned = False
+        self._dirty = False
+        self._last_write = -WRITE_INTERVAL
+        self._timer: threading.Timer | None = None
 
     def append(self, record: dict) -> None:
-        """Add one checkpoint's record and rewrite the file (keeps the newest ``keep``)."""
+        """Add one checkpoint's record; write the file now or within :data:`WRITE_INTERVAL` seconds."""
         with self._lock:
             try:
                 if self._records is None:
-                    self._records = [r.to_json() for r in self._read_own()]
-                self._records.append(record)
+                    self._records = [_encode(r.to_json()) for r in self._read_own()]
+                self._records.append(_encode(record))
                 del self._records[:-self.keep]
-                body = {"format": FORMAT, "global_rank": self.global_rank, "node": self.node, "records": self._records}
-                self.tier.put_volatile(history_key(self.global_rank), json.dumps(body, separators=(",", ":")).encode())
             except (TierckptError, OSError, ValueError) as e:
-                if not self._warned:
-                    self._warned = True
-                    log.warning("cannot write the checkpoint history %s/%s (the timeline and advise will miss "
-                                "checkpoints; saves are not affected): %s", self.tier.url, history_key(self.global_rank), e)
+                self._failed(e)
+                return
+            self._dirty = True
+            wait = self._last_write + WRITE_INTERVAL - time.monotonic()
+            if wait <= 0:
+                self._write()
+            elif self._timer is None:
+                self._timer = threading.Timer(wait, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Write the records not written yet (if any)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._dirty:
+                self._write()
+
+    def _write(self) -> None:
+        assert self._records is not None
+        self._dirty = False
+        self._last_write = time.monotonic()
+        head = _encode({"format": FORMAT, "global_rank": self.global_rank, "node": self.node})
+        body = head[:-1] + b',"records":[' + b",".join(self._records) + b"]}"
+        try:
+            self.tier.put_volatile(history_key(self.global_rank), body)
+        except (TierckptError, OSError) as e:
+            self._failed(e)
+
+    def _failed(self, e: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("cannot write the checkpoint history %s/%s (the timeline and advise will miss "
+                        "checkpoints; saves are not affected): %s", self.tier.url, history_key(self.global_rank), e)
 
     def _read_own(self) -> list[RankRecord]:
         try:
@@ -145,6 +189,10 @@ class HistoryLog:
         except (TierckptError, OSError, ValueError) as e:
             log.warning("%s/%s is unreadable; starting a new history: %s", self.tier.url, history_key(self.global_rank), e)
             return []
+
+
+def _encode(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def read_history(tiers: Iterable[Tier]) -> list[RankRecord]:

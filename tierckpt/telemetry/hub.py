@@ -7,7 +7,9 @@ Called by the engine (:mod:`tierckpt.engine`) at two points of each save's life,
   nothing.
 * :meth:`EngineTelemetry.settled` (the engine thread that settles the save, before
   ``writer.wait()`` returns): appends the save's record to this rank's history file
-  (:mod:`tierckpt.telemetry.history`) and, with OpenTelemetry on, emits its spans and metrics.
+  (:mod:`tierckpt.telemetry.history`; written within seconds) and, with OpenTelemetry on, emits
+  its spans and metrics.
+* :meth:`EngineTelemetry.close` (``Engine.close``, at exit): writes what the history holds.
 
 Neither ever raises into the engine: failures are logged (once).
 """
@@ -25,7 +27,7 @@ from ..errors import ConfigError
 from ..tiers.base import Tier
 from .history import HistoryLog
 
-__all__ = ["EngineTelemetry"]
+__all__ = ["EngineTelemetry", "flush_history"]
 
 log = logging.getLogger("tierckpt")
 
@@ -41,6 +43,15 @@ def _history_log(tier: Tier, global_rank: int, keep: int) -> HistoryLog:
             h = _logs[(tier.url, global_rank)] = HistoryLog(tier, global_rank, node_name(), keep)
         h.keep = max(h.keep, keep)
         return h
+
+
+def flush_history() -> None:
+    """Write every history record of this process not written yet (tools that draw the timeline of
+    saves they just made; engines do it when they close)."""
+    with _logs_lock:
+        logs = list(_logs.values())
+    for h in logs:
+        h.flush()
 
 
 def _global_rank(default: int) -> int:
@@ -60,6 +71,7 @@ class EngineTelemetry:
         self._otel: Any = None
         self._gauges: Any = None
         self._warned = False
+        self._logs: set[HistoryLog] = set()  # the history files this engine appended to
         if cfg.job.telemetry == "otel":
             try:
                 from . import otel
@@ -81,13 +93,21 @@ class EngineTelemetry:
             if self.keep:
                 tier = self._first()
                 if tier.cheap_listing:
-                    _history_log(tier, _global_rank(job.assign.rank), self.keep).append(record_of(job))
+                    h = _history_log(tier, _global_rank(job.assign.rank), self.keep)
+                    self._logs.add(h)
+                    h.append(record_of(job))
             if self._otel is not None:
                 self._otel.save(job.stats, job.assign.step, job.assign.world)
         except Exception as e:  # noqa: BLE001 - telemetry never fails a checkpoint
             if not self._warned:
                 self._warned = True
                 log.warning("checkpoint %s: telemetry failed (the checkpoint is not affected): %s", job.id, e)
+
+
+    def close(self) -> None:
+        """``Engine.close``: write the history records not written yet."""
+        for h in list(self._logs):
+            h.flush()
 
 
 def record_of(job: Any) -> dict:

@@ -4,6 +4,7 @@ Imported only when a configuration asks for it; it uses the ``opentelemetry-api`
 and the tracer and meter providers the application installed (``trace.set_tracer_provider``,
 ``metrics.set_meter_provider``, or the ``opentelemetry-instrument`` auto-configuration). tierckpt
 ships no exporter: without a configured provider the API's no-op provider drops everything.
+:func:`use_providers` passes providers explicitly instead of through the globals.
 
 **Spans** (instrumentation scope ``tierckpt``), emitted when a checkpoint *settles* (committed on
 every tier or failed) with the timestamps the phases were measured at, so nothing is created on
@@ -51,7 +52,7 @@ from opentelemetry.trace import Status, StatusCode
 from .lag import LagTracker
 from .phases import Phase
 
-__all__ = ["OtelExport", "engine_gauges", "export"]
+__all__ = ["OtelExport", "engine_gauges", "export", "use_providers"]
 
 log = logging.getLogger("tierckpt")
 
@@ -66,11 +67,11 @@ def _ns(t: float) -> int:
 class OtelExport:
     """The tracer, meter and instruments of this process (one, see :func:`export`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None) -> None:
         from .. import __version__
 
-        self.tracer = trace.get_tracer(_SCOPE, __version__)
-        self.meter = metrics.get_meter(_SCOPE, __version__)
+        self.tracer = trace.get_tracer(_SCOPE, __version__, tracer_provider=tracer_provider)
+        self.meter = metrics.get_meter(_SCOPE, __version__, meter_provider=meter_provider)
         self.bytes = self.meter.create_counter("tierckpt.bytes", unit="By",
                                                description="bytes checkpointed, replicated, loaded and filled")
         self.cpu = self.meter.create_counter("tierckpt.cpu.time", unit="s",
@@ -239,6 +240,16 @@ def export() -> OtelExport:
     with _export_lock:
         if _export is None:
             _export = OtelExport()
+        return _export
+
+
+def use_providers(tracer_provider: Any = None, meter_provider: Any = None) -> OtelExport:
+    """Export through these providers instead of the global ones (None: the global one), from the
+    next engine and load on: for applications that keep their providers out of the OpenTelemetry
+    globals, and for tests (the SDK's in-memory exporter and reader)."""
+    global _export
+    with _export_lock:
+        _export = OtelExport(tracer_provider, meter_provider)
         return _export
 
 

@@ -151,6 +151,7 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
             labels.append((y, f"r{rank} {k}"))
             y -= 1.0
         y -= 0.7
+    seps = [lanes[(rank, kinds[0])] + 0.85 for rank in drawn[1:]]
     fig = Figure(figsize=(13, 1.6 + 0.23 * len(lanes) + 0.1 * len(drawn)), layout="constrained")
     ax = fig.add_subplot()
     for run in runs:
@@ -159,7 +160,7 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
                 continue
             for p in r.phases:
                 xa, xb = tmap.x(p.start - t0), tmap.x(p.end - t0)
-                style: dict[str, Any] = {"color": _color(p.name, kinds), "edgecolor": "none"}
+                style: dict[str, Any] = {"color": _color(p.name, kinds), "edgecolor": "white", "linewidth": 0.6}
                 if p.blocked:
                     style.update(hatch="////", edgecolor="#5a0000", linewidth=0.4)
                 if p.error:
@@ -175,6 +176,8 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
         ax.axvspan(xa, xb, color="#eeeeee", zorder=0)
         ax.text((xa + xb) / 2, 0.5, f"idle {_fmt(b - a)}", transform=ax.get_xaxis_transform(), rotation=90,
                 ha="center", va="center", fontsize=8, color="#555555")
+    for s in seps:
+        ax.axhline(s, color="#999999", linewidth=0.6)
     ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
     ax.set_ylim(y + 0.2, 0.8)
     ax.set_xlim(0, x_end * 1.01)
@@ -193,8 +196,9 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
     fig.suptitle(title or f"tierckpt timeline: {len(runs)} checkpoint(s), {runs[0].checkpoint_id} to "
                           f"{runs[-1].checkpoint_id}; {shown}", fontsize=10)
     handles = [Patch(color=_color(k, kinds), label=k) for k in kinds]
-    handles += [Patch(facecolor="white", edgecolor="#5a0000", hatch="////", label="training thread waits"),
-                Patch(facecolor="white", edgecolor="black", hatch="xx", label="failed")]
+    handles.append(Patch(facecolor="white", edgecolor="#5a0000", hatch="////", label="training thread waits"))
+    if any(p.error for run in runs for r in run.ranks for p in r.phases):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="failed"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.002, 1.0), fontsize=7, frameon=False)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
