@@ -257,10 +257,10 @@ def test_history_writes_at_most_every_interval_and_loses_nothing(tmp_path, monke
     assert [r.checkpoint_id for r in read_history([tier])] == ["step-1"]  # the first record is written at once
     log.append(dict(rec, id="step-2"))
     assert [r.checkpoint_id for r in read_history([tier])] == ["step-1"]  # the next one waits for the interval
-    assert log._timer is not None
-    log._timer.join(5)  # ... and a timer writes it then
-    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1", "step-2"]
-    log.append(dict(rec, id="step-3"))
-    log.flush()  # the engine's close writes at once
+    log._last_write -= 0.3  # the interval is over (as if 0.3 s had passed)
+    log.append(dict(rec, id="step-3"))  # ... and the next save writes both
     assert [r.checkpoint_id for r in read_history([tier])] == ["step-1", "step-2", "step-3"]
+    log.append(dict(rec, id="step-4"))
+    log.flush()  # the engine's close writes at once
+    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1", "step-2", "step-3", "step-4"]
     assert history.HistoryLog(tier, 3, "n0", keep=2)._read_own()[0].global_rank == 3

@@ -16,9 +16,9 @@ one per checkpoint, oldest first::
                   "phases": [{"name": "capture", "start": 1718000000.12, "end": …, "blocked": true?}, …]}]}
 
 Times are wall-clock seconds (``time.time``) of the writing process. The file is replaced
-atomically (a temp file renamed, no fsync), at most every :data:`WRITE_INTERVAL` seconds (records
-of saves in between follow within that time, and at the engine's ``close``): a crash may lose the
-last few seconds of history, never a checkpoint.
+atomically (a temp file renamed, no fsync), at most every :data:`WRITE_INTERVAL` seconds: records
+of saves in between are written with the next save after that, or at the engine's ``close`` (at
+exit). A crash may lose those records, never a checkpoint.
 A process appends to the records found in the file when it first writes (a restarted job
 continues its history). Writing never fails a checkpoint: an error is logged once per process.
 
@@ -119,9 +119,9 @@ class HistoryLog:
 
     Each record is encoded once, when appended; a write joins the encoded records. The file is
     written at most once per :data:`WRITE_INTERVAL` seconds: a record appended sooner after the
-    last write is written by a timer when the interval is over, by a later append, or by
-    :meth:`flush` (the engine's ``close``, at exit), so a job saving every few hundred
-    milliseconds does not pay a file write per save."""
+    last write is written with the first record appended after the interval, or by :meth:`flush`
+    (the engine's ``close``, at exit), so a job saving every few hundred milliseconds does not pay
+    a file write per save (and no thread waits to write it)."""
 
     def __init__(self, tier: Tier, global_rank: int, node: str, keep: int) -> None:
         self.tier = tier
@@ -133,10 +133,10 @@ class HistoryLog:
         self._warned = False
         self._dirty = False
         self._last_write = -WRITE_INTERVAL
-        self._timer: threading.Timer | None = None
 
     def append(self, record: dict) -> None:
-        """Add one checkpoint's record; write the file now or within :data:`WRITE_INTERVAL` seconds."""
+        """Add one checkpoint's record; write the file unless it was written less than
+        :data:`WRITE_INTERVAL` seconds ago."""
         with self._lock:
             try:
                 if self._records is None:
@@ -147,20 +147,12 @@ class HistoryLog:
                 self._failed(e)
                 return
             self._dirty = True
-            wait = self._last_write + WRITE_INTERVAL - time.monotonic()
-            if wait <= 0:
+            if time.monotonic() - self._last_write >= WRITE_INTERVAL:
                 self._write()
-            elif self._timer is None:
-                self._timer = threading.Timer(wait, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
 
     def flush(self) -> None:
         """Write the records not written yet (if any)."""
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
             if self._dirty:
                 self._write()
 
