@@ -269,7 +269,7 @@ class Engine:
     def _settle(self, job: RankSave) -> None:
         # Settled after retention, so that wait() returning means retention on every tier ran;
         # retired last, so that a wait() in between still finds the job.
-        self.telemetry.settled(job)  # history and spans, before wait() returns
+        self.telemetry.settled(job)  # its history record and spans, before wait() returns
         if not job.failed and not job.replicated.done():
             job.replicated.set_result(None)
         with self._jobs_lock:
