@@ -59,7 +59,7 @@ class Engine:
         self.cfg = cfg
         self.chunk_size = cfg.host.effective_chunk_size
         self.chain = Chain(cfg, tiers)
-        self.telemetry = EngineTelemetry(cfg, lambda: self.chain.first, self._pending, lambda: self._closed)
+        self.telemetry = EngineTelemetry(cfg, lambda: self.chain.first, self.pending, lambda: self._closed)
         self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
         self._jobs: list[RankSave] = []
         self._jobs_lock = threading.Lock()
