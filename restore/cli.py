@@ -16,12 +16,12 @@ from typing import NoReturn
 
 from tierckpt.redact import redact
 
-from . import cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_verify
+from . import cmd_advise, cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_timeline, cmd_verify
 from .errors import EXIT_OK, EXIT_USAGE, PROG, report
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS = (cmd_list, cmd_latest, cmd_verify, cmd_fetch, cmd_consolidate, cmd_gc)
+COMMANDS = (cmd_list, cmd_latest, cmd_verify, cmd_fetch, cmd_consolidate, cmd_gc, cmd_timeline, cmd_advise)
 
 EPILOG = """examples:
   export TIERCKPT_CONFIG=tiers.toml
@@ -31,6 +31,8 @@ EPILOG = """examples:
   tierckpt-restore fetch latest --rank 0
   tierckpt-restore consolidate latest --out model.safetensors --keys model.
   tierckpt-restore gc --dry-run
+  tierckpt-restore timeline --last 5 --out timeline.png
+  tierckpt-restore advise --mtbf 8h
 
 exit status: 0 ok, 1 not found or verification failed, 2 usage, configuration or credentials
 error (access denied), 3 other error (storage, network), 130 interrupted.
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = _common()
     p = _Parser(prog=PROG, parents=[common], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Inspect, verify, fetch, consolidate and clean up tierckpt checkpoints "
-                            "(local tier and S3 tier of one configuration).")
+                            "(local tier and S3 tier of one configuration); draw their timeline and advise "
+                            "how often to checkpoint.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for mod in COMMANDS:

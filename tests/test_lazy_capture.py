@@ -117,7 +117,9 @@ def files_of(root: Path, cid: str) -> list[Path]:
 
 
 def ids_on_disk(root: Path) -> set[str]:
-    return {p.relative_to(root).parts[-2] for p in root.rglob("*") if p.is_file() and len(p.relative_to(root).parts) >= 2}
+    """Checkpoint ids with any file under ``root`` (``_history/`` and other ``_`` directories hold none)."""
+    return {p.relative_to(root).parts[-2] for p in root.rglob("*")
+            if p.is_file() and len(p.relative_to(root).parts) >= 2 and not p.relative_to(root).parts[0].startswith("_")}
 
 
 @contextmanager

@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 CONFIG_ENV = "TIERCKPT_CONFIG"
+TELEMETRY_MODES = ("none", "otel")
+MAX_HISTORY = 1024
 
 from .configvalues import (  # noqa: F401 - the public names are re-exported
     _ARN_RE,
@@ -249,6 +251,13 @@ class JobConfig:
             action runs (:mod:`tierckpt.preempt`). ``"ignore"``: tierckpt installs no handler.
         drain_timeout: seconds such a drain may take at most (keep it under the grace period
             between SIGTERM and SIGKILL, typically 30 s).
+        telemetry: ``"none"`` (default: nothing is exported and OpenTelemetry is never imported)
+            or ``"otel"``: a span per checkpoint phase and metrics through the OpenTelemetry
+            providers the application configured (``pip install "tierckpt[otel]"``; see
+            docs/telemetry.md and :mod:`tierckpt.telemetry.otel`).
+        history: checkpoints whose per-rank phases each process keeps in ``_history/`` on a
+            local first tier, for ``tierckpt-restore timeline`` and ``advise``
+            (:mod:`tierckpt.telemetry.history`); 0 keeps none.
     """
 
     commit_timeout: float = 600.0
@@ -256,6 +265,8 @@ class JobConfig:
     background_nice: int = 10
     on_sigterm: str = "drain"
     drain_timeout: float = 20.0
+    telemetry: str = "none"
+    history: int = 64
 
     def validate(self, where: str = "[job]") -> None:
         if not 0 < self.commit_timeout <= MAX_TIMEOUT_S:
@@ -272,6 +283,10 @@ class JobConfig:
             raise ConfigError(
                 f"{where} drain_timeout: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {self.drain_timeout}"
             )
+        if self.telemetry not in TELEMETRY_MODES:
+            raise ConfigError(f"{where} telemetry: one of {', '.join(map(repr, TELEMETRY_MODES))}, got {_brief(self.telemetry)}")
+        if not 0 <= self.history <= MAX_HISTORY:
+            raise ConfigError(f"{where} history: must be between 0 and {MAX_HISTORY}, got {self.history}")
 
 
 @dataclass

@@ -42,6 +42,7 @@ from .replicate import Replicator
 from .retention import enforce
 from .lease import live_leases
 from .save import RankAssign, RankSave, SaveStats, build_metadata
+from .telemetry.hub import EngineTelemetry
 from .tiers import Chain
 from .tiers.base import Tier
 
@@ -58,6 +59,7 @@ class Engine:
         self.cfg = cfg
         self.chunk_size = cfg.host.effective_chunk_size
         self.chain = Chain(cfg, tiers)
+        self.telemetry = EngineTelemetry(cfg, lambda: self.chain.first, self.pending, lambda: self._closed)
         self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
         self._jobs: list[RankSave] = []
         self._jobs_lock = threading.Lock()
@@ -105,6 +107,7 @@ class Engine:
         with self._jobs_lock:
             self._jobs.append(job)
         self.history.append(job.stats)
+        self.telemetry.submitted(job)
         self.stream.submit(job)
         self._commit_q.put(job)
 
@@ -125,12 +128,15 @@ class Engine:
             try:
                 self._commit(job)
                 job.stats.commit_s = time.perf_counter() - job.t_durable
+                job.stats.phases.add("commit", job.t_durable)
                 if not job.committed.done():
                     job.committed.set_result(None)
                 log.info("checkpoint %s committed on %s (rank %d, %d bytes, capture %.3fs, flush %.3fs)",
                          job.id, self.first_tier.name, job.assign.rank, job.size,
                          job.stats.capture_s or 0.0, job.stats.flush_s or 0.0)
             except BaseException as e:  # noqa: BLE001
+                if job.durable.done() and job.durable.exception() is None:
+                    job.stats.phases.add("commit", job.t_durable, error=str(e))
                 self.fail(job, e, "commit")
             if self.hops and not job.failed:
                 self.hops[0].submit(job)
@@ -263,6 +269,7 @@ class Engine:
     def _settle(self, job: RankSave) -> None:
         # Settled after retention, so that wait() returning means retention on every tier ran;
         # retired last, so that a wait() in between still finds the job.
+        self.telemetry.settled(job)  # its history record and spans, before wait() returns
         if not job.failed and not job.replicated.done():
             job.replicated.set_result(None)
         with self._jobs_lock:
@@ -280,6 +287,8 @@ class Engine:
             exc = wrapped
         if not job.claim_failure(exc):
             return
+        if stage in ("capture", "flush"):
+            job.stats.phases.add(stage, job.t_start, error=str(exc))
         durable = job.durable.done() and job.durable.exception() is None
         with self._jobs_lock:
             self._errors.append((job.owner, exc))
@@ -335,6 +344,7 @@ class Engine:
         waited = time.perf_counter() - t0
         if jobs:
             jobs[-1].stats.prestep_wait_s += waited
+            jobs[-1].stats.phases.add("prestep_wait", t0)
         if raise_errors:
             self.raise_errors(owner)
         return waited
@@ -364,6 +374,7 @@ class Engine:
             self.wait()
         finally:
             self._closed = True
+            self.telemetry.close()
             self.stream.close()
             self._commit_q.put(None)
             for hop in self.hops:

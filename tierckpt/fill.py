@@ -89,6 +89,8 @@ class LoadFill:
         self._t0 = time.perf_counter()
         self.thread: threading.Thread | None = None
         self.committed: list[str] = []  # files in place once :attr:`thread` has finished
+        self._result: tuple[float, float, int, str | None] | None = None  # see when_done
+        self._callbacks: list[Callable[[float, float, int, str | None], None]] = []
 
     # -- choosing the files (calling thread) --------------------------------------------------
     @classmethod
@@ -218,11 +220,13 @@ class LoadFill:
                                 data_key(self.cid, f.name), f.failed)
         if not done:
             self._lease.release()
+            self._settle(0, "nothing filled")
             return
         self.thread = threading.Thread(target=self._commit, args=(done,), name="tierckpt-fill-commit", daemon=False)
         self.thread.start()
 
     def _commit(self, files: list[_File]) -> None:
+        error: str | None = None
         try:
             for f in files:
                 try:
@@ -238,8 +242,31 @@ class LoadFill:
                          time.perf_counter() - self._t0)
         except BaseException as e:  # noqa: BLE001 - a fill never fails the load; logged
             log.warning("checkpoint %s: filling %s failed: %s", self.cid, self.local.url, e)
+            error = str(e)
         finally:
             self._lease.release()
+            self._settle(sum(f.size for f in files if f.name in self.committed), error)
+
+    def when_done(self, callback: Callable[[float, float, int, str | None], None]) -> None:
+        """Call ``callback(t0, t1, bytes, error)`` once the fill is over (``time.perf_counter``
+        readings from the start of the fill to the end of its commit, the bytes committed, None or
+        why it failed): now if it is over, else on the commit thread (telemetry's fill span)."""
+        with self._lock:
+            if self._result is None:
+                self._callbacks.append(callback)
+                return
+            result = self._result
+        callback(*result)
+
+    def _settle(self, nbytes: int, error: str | None) -> None:
+        with self._lock:
+            self._result = (self._t0, time.perf_counter(), nbytes, error)
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb(*self._result)
+            except Exception as e:  # noqa: BLE001 - telemetry never fails a fill
+                log.debug("fill callback failed: %s", e)
 
     def _put_metadata(self) -> None:
         key = metadata_key(self.cid)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from . import agreement
 from . import lease as leases
 from . import peers
+from . import telemetry
 from .catalog import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
 from .commit import default_channel
 from .checkpoints import checkpoint_id_of
@@ -305,6 +306,7 @@ class TieredReader(StorageReader):
     # -- reading --------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
         assert self.metadata is not None and self.resolved_id is not None
+        t_load = time.perf_counter()
         storage: dict[MetadataIndex, ItemRecord] = self.metadata.storage_data
         groups: dict[MetadataIndex, _Item] = {}
         for ri in plan.items:
@@ -337,7 +339,7 @@ class TieredReader(StorageReader):
         staged = {i: memoryview(bytearray(storage[i].length)) for i in unique}
         serve = [Request(storage[i], staged[i], f"item {i.fqn!r} for other nodes") for i in unique]
         self.fill = None
-        ok = False
+        ok, error = False, None
         try:
             engine = (Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
                       if requests or serve else None)
@@ -361,11 +363,15 @@ class TieredReader(StorageReader):
             if failed is not None:
                 raise failed
             ok = True
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
         finally:
             if self.fill is not None:
                 self.fill.finish(ok)
             self._reads_done()
             self.release()
+            telemetry.loaded(self, t_load, error, items)
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
                 for ri, t in zip(it.reads, it.targets):

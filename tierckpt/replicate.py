@@ -150,9 +150,11 @@ class Replicator:
                 try:
                     self._replicate(job)
                     job.stats.promote_s = (job.stats.promote_s or 0.0) + time.perf_counter() - t0
+                    job.stats.phases.add(f"hop:{self.name}", t0)
                     log.info("checkpoint %s replicated to %s (rank %d, %.1f MiB in %.2f s)", job.id, self.dst.url,
                              job.assign.rank, job.size / 2**20, time.perf_counter() - t0)
                 except BaseException as e:  # noqa: BLE001 - every failure must reach the user
+                    job.stats.phases.add(f"hop:{self.name}", t0, error=str(e))
                     with self._lock:
                         self._owed.add(job.id)
                         self._need_pass = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import lease as leases
 from .capture.copier import Piece, Source
 from .errors import CommitError, TornCaptureError
-from .layout import CheckpointManifest, metadata_to_json, read_header
+from .layout import CheckpointManifest, metadata_to_json, read_header, step_of
 from .planning import SaveInputs
+from .telemetry.phases import PhaseLog
 from .tiers.base import DataSink
 
 __all__ = ["RankAssign", "SaveStats", "RankSave", "build_metadata"]
@@ -61,6 +62,9 @@ class SaveStats:
     ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads).
     ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
     ``save_blocked_s``), the commit protocol and retention.
+
+    ``phases``: the same stages with wall-clock start and end (:mod:`tierckpt.telemetry.phases`),
+    for the timeline and the spans. :meth:`as_dict` flattens all of it for metric loggers.
     """
 
     checkpoint_id: str
@@ -79,6 +83,7 @@ class SaveStats:
     capture_cpu_s: float = 0.0
     crc_cpu_s: float = 0.0
     write_cpu_s: float = 0.0
+    phases: PhaseLog = field(default_factory=PhaseLog, repr=False, compare=False)
 
     @property
     def cpu_s(self) -> float:
@@ -96,8 +101,42 @@ class SaveStats:
             for k, v in secs.items():
                 setattr(self, k, getattr(self, k) + v)
 
+    def as_dict(self, prefix: str = "tierckpt/") -> dict[str, float | int]:
+        """The figures as one flat ``{name: number}`` dict that metric loggers take as they are
+        (torchtitan's ``MetricsProcessor``, Lightning's ``log_dict``, TensorBoard, W&B). Key names
+        are stable (documented in docs/telemetry.md); a stage's keys appear once it ran::
+
+            bytes items chunks failed cpu_s plan_cpu_s capture_cpu_s crc_cpu_s write_cpu_s
+            save_blocked_s prestep_wait_s blocked_s                     always
+            step                                                        when the id has a step
+            capture_s flush_s commit_s promote_s                        once that stage ran
+            capture_bytes_per_s flush_bytes_per_s                       once that stage ran
+            hop_<tier>_s                                                each hop that committed
+
+        each prefixed with ``prefix``. Integers stay ``int``, everything else is ``float``."""
+        out: dict[str, float | int] = {"bytes": self.bytes, "items": self.items, "chunks": self.chunks,
+                                       "failed": int(self.error is not None), "cpu_s": self.cpu_s,
+                                       "save_blocked_s": self.save_blocked_s, "prestep_wait_s": self.prestep_wait_s,
+                                       "blocked_s": self.save_blocked_s + self.prestep_wait_s}
+        for k in ("plan_cpu_s", "capture_cpu_s", "crc_cpu_s", "write_cpu_s"):
+            out[k] = float(getattr(self, k))
+        step = step_of(self.checkpoint_id)
+        if step is not None:
+            out["step"] = step
+        for stage in ("capture", "flush", "commit", "promote"):
+            t = getattr(self, f"{stage}_s")
+            if t is not None:
+                out[f"{stage}_s"] = float(t)
+                if stage in ("capture", "flush") and t > 0:
+                    out[f"{stage}_bytes_per_s"] = self.bytes / t
+        for p in self.phases.snapshot():
+            if p.tier is not None and p.error is None:
+                out[f"hop_{p.tier}_s"] = p.seconds
+        return {prefix + k: v for k, v in out.items()}
+
     def to_json(self) -> dict:
-        return dict(self.__dict__, cpu_s=self.cpu_s)
+        d = {k: v for k, v in self.__dict__.items() if k != "phases"}
+        return dict(d, cpu_s=self.cpu_s, phases=[p.to_json() for p in self.phases.snapshot()])
 
 
 _cpu_lock = threading.Lock()

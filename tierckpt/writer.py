@@ -445,6 +445,7 @@ class TieredWriter(StorageWriter):
                 self.engine.raise_errors(owner=self)
                 raise
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
+        job.stats.phases.add("blocked_in_save", ctx.t0, replace=True)
         self._tickets.captured(job)
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
@@ -466,6 +467,7 @@ class TieredWriter(StorageWriter):
         else:
             release(job.assign.token)  # one rank: DCP broadcasts nothing (or to itself) after this
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
+        job.stats.phases.add("blocked_in_save", ctx.t0, replace=True)
 
     def _wait_committed(self, job: RankSave) -> None:
         """Detached writer, coordinator, in ``finish``: block until ``job`` is committed on every

@@ -52,6 +52,10 @@ times something; tables show a CPU-s/GiB column when measured.
 * ``rss``: peak RSS (psutil, sampled every 5 ms) of a fresh process during TieredWriter saves for
   pools of 1/4 and 1x of a ~1 GiB state (and ``dcp.async_save`` staging as a reference).
 
+The ``e2e`` and ``peer`` sections also draw the timeline of their tiered saves (each phase on each
+rank against wall time, as ``tierckpt-restore timeline`` does) next to the JSON:
+``<out stem>-e2e-timeline.png``, ``<out stem>-peer-timeline.png`` (needs matplotlib).
+
 Every file it writes lives in a temporary directory under ``--dir`` (default: the repo's
 ``bench-out/``, which git ignores) and is removed at the end. The JSON goes to ``--out``.
 A one-rank gloo process group is initialized for all DCP calls.

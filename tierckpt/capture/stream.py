@@ -148,6 +148,7 @@ class CaptureStream:
             return
         job.t_captured = time.perf_counter()
         job.stats.capture_s = job.t_captured - job.t_start
+        job.stats.phases.add("capture", job.t_start, job.t_captured)
         for s in job.sources:  # drop references to live state: the copies have landed
             s.tensor = s.guard = s._flat = None
             s.data = None
@@ -200,6 +201,7 @@ class CaptureStream:
             return
         job.t_durable = time.perf_counter()
         job.stats.flush_s = job.t_durable - job.t_start
+        job.stats.phases.add("flush", job.t_start, job.t_durable)
         if not job.durable.done():
             job.durable.set_result(None)
 

@@ -48,6 +48,9 @@ What changes against torchtitan's :class:`~torchtitan.components.checkpointer.Ch
   configured ``keep``/``keep_every``.
 * **Closing** (``close()``, also from ``__del__`` and at exit) waits for every save to commit,
   once; from a finalizer or during interpreter shutdown it never raises (it logs).
+* **Metrics**: the trainer's metric loggers (TensorBoard, W&B: ``MetricsProcessor.logger``) get
+  ``writer.stats.as_dict()`` of the newest save on this rank with every step they log
+  (``tierckpt/...`` keys, docs/telemetry.md), through :func:`log_metrics_with`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 try:
     from torchtitan.components.checkpointer.base import MODEL
+    from torchtitan.components.metrics import BaseLogger
     from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
     from torchtitan.tools.utils import GarbageCollection
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -81,7 +85,7 @@ from ..layout import is_valid_checkpoint_id, step_of
 from ..reader import TieredReader
 from ..writer import TieredWriter
 
-__all__ = ["TierckptCheckpointManager", "with_retention"]
+__all__ = ["TierckptCheckpointManager", "log_metrics_with", "with_retention"]
 
 log = logging.getLogger("tierckpt")
 
@@ -95,6 +99,38 @@ def with_retention(cfg: Config, keep_latest_k: int) -> Config:
     if cfg.s3 is not None:
         return dataclasses.replace(cfg, s3=dataclasses.replace(cfg.s3, keep=keep_latest_k))
     return cfg
+
+
+class _WithTierckptMetrics(BaseLogger):
+    """torchtitan's metric logger with ``writer.stats.as_dict()`` added to every ``log``."""
+
+    def __init__(self, inner: BaseLogger, writer: TieredWriter) -> None:
+        self.inner = inner
+        self.writer = writer
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        stats = self.writer.stats
+        self.inner.log(metrics if stats is None else {**metrics, **stats.as_dict()}, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped logger's other members (add_logger, ...)
+        return getattr(self.inner, name)
+
+
+def log_metrics_with(trainer: Any, writer: TieredWriter) -> bool:
+    """Add ``writer.stats.as_dict()`` to what ``trainer.metrics_processor.logger`` logs (torchtitan's
+    :class:`~torchtitan.components.metrics.MetricsProcessor` calls ``logger.log(metrics, step)`` every
+    ``log_freq`` steps). False when ``trainer`` has no such logger (then nothing changes); calling
+    it again for the same trainer changes nothing."""
+    mp = getattr(trainer, "metrics_processor", None)
+    inner = getattr(mp, "logger", None)
+    if inner is None or not callable(getattr(inner, "log", None)):
+        return False
+    if not isinstance(inner, _WithTierckptMetrics):
+        mp.logger = _WithTierckptMetrics(inner, writer)  # type: ignore[union-attr]
+    return True
 
 
 class TierckptCheckpointManager(CheckpointManager):
@@ -120,6 +156,8 @@ class TierckptCheckpointManager(CheckpointManager):
         self.keep_latest_k = keep
         self.tier_config: Config = with_retention(load_config(config.tierckpt_config or None), keep)
         self.writer = TieredWriter(self.tier_config)
+        # torchtitan's trainer passes itself as states["train_state"]; its metrics processor exists by now.
+        log_metrics_with((kwargs.get("states") or {}).get("train_state"), self.writer)
         if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             # The writer is the stager (CheckpointManager._save would build a DefaultStager otherwise).
             self.stager = self.writer  # type: ignore[assignment]

@@ -14,6 +14,7 @@ from tierckpt import TieredWriter
 
 from benchlib.common import Ctx, GiB, MiB, cpu_seconds, log, med, now, rm, row, size_label, tensor_bytes, tiered_cfg
 from benchlib.lazy import train_state
+from benchlib.timeline import write_timeline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +211,7 @@ def section_e2e(ctx: Ctx) -> dict:
              "checkpoint bytes per wall second",
              "CPU-s/GiB column: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint "
              "blocks' (scaled to the same iteration count), per checkpointed GiB: what checkpointing costs on these cores"]
+    notes.append(write_timeline(ctx, "e2e", [root / "tiered"], last=iters, what="the last tiered block, a save every iteration"))
     rm(root)
     del model, opt
     gc.collect()

@@ -25,6 +25,7 @@ from tierckpt.tiers import make_tiers
 
 from benchlib.common import Ctx, GiB, MiB, log, med, row
 from benchlib.s3 import S3_BUCKET, S3_CONC, S3_PART, start_s3_server
+from benchlib.timeline import write_timeline
 
 WORKER = Path(__file__).with_name("peer_worker.py")
 
@@ -63,9 +64,11 @@ def _fetch_n1(base: Path, cfg: dict) -> float:
 TRAIN = {"iters": 40, "every": 10, "n": 384, "reps": 72}  # ~3 s between saves: the hops keep up (steady state)
 
 
-def _training_cost(tmp: Path, url: str, world: int, nodes: Any, mib: int, reps: int) -> dict[int, dict]:
+def _training_cost(ctx: Ctx, tmp: Path, url: str, world: int, nodes: Any, mib: int, reps: int) -> tuple[dict[int, dict], str]:
     """The same training loop (:func:`peer_worker.train`) with ``replicas`` 0 and 1, interleaved
-    ``reps`` times: what the peer copies cost the loop end to end."""
+    ``reps`` times: what the peer copies cost the loop end to end. The first replicas = 1 loop's
+    timeline is drawn (the second value: where it went)."""
+    timeline = "timeline: not drawn"
     out: dict[int, dict] = {r: {"loop": [], "drain": [], "cpu": []} for r in (0, 1)}
     for rep in range(reps):
         for replicas in (1, 0):
@@ -76,9 +79,12 @@ def _training_cost(tmp: Path, url: str, world: int, nodes: Any, mib: int, reps: 
             out[replicas]["loop"].append(max(r["loop_s"] for r in res))
             out[replicas]["drain"].append(max(r["drain_s"] for r in res))
             out[replicas]["cpu"].append(sum(r["cpu_s"] for r in res))
+            if replicas == 1 and rep == 0:
+                timeline = write_timeline(ctx, "peer", [base / "n0", base / "n1"],
+                                          what="training loop, replicas=1, saves never waited for")
             shutil.rmtree(base, ignore_errors=True)
     log(f"peer: training loop {out}")
-    return out
+    return out, timeline
 
 
 RPO_STEPS = [10, 20, 30, 40, 50, 60]
@@ -184,7 +190,8 @@ def section_peer(ctx: Ctx) -> dict:
                      f"{S3_PART // MiB} MiB x {S3_CONC}; resume = slowest rank's dcp.load of its own tensors + shared "
                      f"ones, in fresh processes, {reps} interleaved repeats, latest = step-{steps[-1]} in both cases (every save was waited for, "
                      "so S3 was not behind; with promotion lagging, replicas=0 would resume an older step)")
-        cost = _training_cost(tmp, url, world, nodes, mib, reps)
+        cost, timeline = _training_cost(ctx, tmp, url, world, nodes, mib, reps)
+        notes.append(timeline)
         for replicas in (0, 1):
             rows.append(row(f"training loop, replicas={replicas}: {TRAIN['iters']} steps, a save every {TRAIN['every']}",
                             cost[replicas]["loop"], nbytes * (TRAIN["iters"] // TRAIN["every"]),

@@ -1,0 +1,46 @@
+"""What checkpointing costs, as numbers, spans and pictures.
+
+* :mod:`.phases`: each save's (and load's) phases with wall-clock start and end, recorded by the
+  stages when a phase ends (``SaveStats.phases``); ``SaveStats.as_dict()`` flattens the figures
+  for metric loggers.
+* :mod:`.hub`: the engine's two calls per save (submitted, settled): the history file and,
+  with ``[job] telemetry = "otel"``, the OpenTelemetry export (:mod:`.otel`, :mod:`.lag`).
+* :mod:`.history`: the per-rank phase history kept in ``_history/`` on the local tier.
+* :mod:`.timeline` (matplotlib) and :mod:`.advise` (Young/Daly): what ``tierckpt-restore timeline``
+  and ``advise`` make of that history.
+
+With ``telemetry = "none"`` (the default) OpenTelemetry is never imported and nothing here runs
+per chunk. This package imports nothing heavy at import time (no torch, no OpenTelemetry).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .phases import Phase, PhaseLog
+
+__all__ = ["Phase", "PhaseLog", "loaded"]
+
+
+def loaded(reader: Any, t0: float, error: str | None, items: list) -> None:
+    """``TieredReader.read_data`` is done (``t0``: its ``time.perf_counter`` start; ``items``: what it
+    read, each with its ``rec``): with OpenTelemetry on, the load's span and metrics, and the fill's once it
+    committed; else nothing (not even the byte count). Never raises."""
+    if reader.cfg.job.telemetry != "otel" or reader.resolved_id is None:
+        return
+    try:
+        from . import otel
+
+        ex, cid, fill = otel.export(), reader.resolved_id, reader.fill
+        phase = PhaseLog().add("load", t0, time.perf_counter(), error=error)
+        tiers = set(reader.served.values()) | ({"peer"} if reader.from_peers else set())
+        parent = ex.load(cid, phase, sum(it.rec.length for it in items), tiers)
+        if fill is not None:
+            def done(f0: float, f1: float, n: int, err: str | None) -> None:
+                ex.fill(parent, cid, PhaseLog().add("fill", f0, f1, error=err), n, fill.local.name)
+
+            fill.when_done(done)
+    except Exception as e:  # noqa: BLE001 - telemetry never fails a load
+        logging.getLogger("tierckpt").warning("telemetry of the load of %s failed: %s", reader.resolved_id, e)

@@ -1,0 +1,290 @@
+"""The persisted phase history: what each rank's checkpoints cost, kept next to them.
+
+**Where.** Each process keeps one file per global rank, ``_history/g<global rank>.json``, on the
+first tier when listing it is cheap (a local disk; with a node-local ``[local] path`` each node
+holds its own ranks' files). ``_`` + a name that is no shard: never listed as a checkpoint, never
+touched by retention or gc. A job whose first tier is an object store keeps no history. The
+commit protocol is unchanged: the file is written *after* a checkpoint settled (committed on
+every tier, or failed), on the engine thread that settled it, before ``writer.wait()`` returns.
+
+**What.** The newest ``[job] history`` records (default 64, so the file stays under ~100 KB),
+one per checkpoint, oldest first::
+
+    {"format": "tierckpt-history/1", "global_rank": 0, "node": "n0",
+     "records": [{"id": "step-20", "token": "3f2a…", "step": 20, "rank": 0, "world": 2,
+                  "bytes": 123, "error": null, "stats": {SaveStats.as_dict() without prefix},
+                  "phases": [{"name": "capture", "start": 1718000000.12, "end": …, "blocked": true?}, …]}]}
+
+Times are wall-clock seconds (``time.time``) of the writing process. The file is replaced
+atomically (a temp file renamed, no fsync), at most every :data:`WRITE_INTERVAL` seconds: records
+of saves in between are written with the next save after that, or at the engine's ``close`` (at
+exit). A crash may lose those records, never a checkpoint.
+A process appends to the records found in the file when it first writes (a restarted job
+continues its history). Writing never fails a checkpoint: an error is logged once per process.
+
+**Reading** (:func:`read_history`): every ``_history/g*.json`` of the given tiers, decoded with
+:func:`tierckpt.safejson.loads` and checked field by field (a damaged file is skipped with a
+warning naming it); :func:`group_checkpoints` joins the ranks' records of one save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointNotFound, TierckptError
+from ..safejson import JSONRejected, loads
+from ..tiers.base import Tier
+from .phases import BLOCKED, Phase
+
+__all__ = ["FORMAT", "HISTORY_DIR", "MAX_FILE_BYTES", "WRITE_INTERVAL", "CheckpointRun", "HistoryLog", "RankRecord", "group_checkpoints",
+           "history_key", "job_history", "read_history"]
+
+log = logging.getLogger("tierckpt")
+
+HISTORY_DIR = "_history"
+FORMAT = "tierckpt-history/1"
+MAX_FILE_BYTES = 16 << 20
+"""A history file larger than this is not read (1024 records of a few KB each fit)."""
+WRITE_INTERVAL = 5.0
+"""Seconds between two writes of one history file at most (see :class:`HistoryLog`)."""
+
+
+def history_key(global_rank: int) -> str:
+    return f"{HISTORY_DIR}/g{global_rank:05d}.json"
+
+
+@dataclass
+class RankRecord:
+    """One rank's part of one checkpoint, as the history keeps it."""
+
+    checkpoint_id: str
+    token: str
+    step: int | None
+    rank: int
+    world: int
+    global_rank: int
+    node: str
+    bytes: int
+    error: str | None
+    stats: dict[str, float]
+    phases: list[Phase]
+
+    @property
+    def start(self) -> float:
+        return min((p.start for p in self.phases), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((p.end for p in self.phases), default=0.0)
+
+    def seconds(self, name: str) -> float:
+        return sum(p.seconds for p in self.phases if p.name == name)
+
+    def to_json(self) -> dict:
+        return {"id": self.checkpoint_id, "token": self.token, "step": self.step, "rank": self.rank,
+                "world": self.world, "bytes": self.bytes, "error": self.error, "stats": self.stats,
+                "phases": [p.to_json() for p in self.phases]}
+
+
+@dataclass
+class CheckpointRun:
+    """Every rank's record of one save (one id and save token), ordered by rank."""
+
+    checkpoint_id: str
+    token: str
+    step: int | None
+    ranks: list[RankRecord] = field(default_factory=list)
+
+    @property
+    def start(self) -> float:
+        return min(r.start for r in self.ranks)
+
+    @property
+    def end(self) -> float:
+        return max(r.end for r in self.ranks)
+
+    @property
+    def failed(self) -> bool:
+        return any(r.error for r in self.ranks)
+
+
+class HistoryLog:
+    """One process's history file on one tier (see the module docstring). Thread-safe.
+
+    Each record is encoded once, when appended; a write joins the encoded records. The file is
+    written at most once per :data:`WRITE_INTERVAL` seconds: a record appended sooner after the
+    last write is written with the first record appended after the interval, or by :meth:`flush`
+    (the engine's ``close``, at exit), so a job saving every few hundred milliseconds does not pay
+    a file write per save (and no thread waits to write it)."""
+
+    def __init__(self, tier: Tier, global_rank: int, node: str, keep: int) -> None:
+        self.tier = tier
+        self.global_rank = global_rank
+        self.node = node
+        self.keep = keep
+        self._records: list[bytes] | None = None  # encoded; read from the file on the first append
+        self._lock = threading.Lock()
+        self._warned = False
+        self._dirty = False
+        self._last_write = -WRITE_INTERVAL
+
+    def append(self, record: dict) -> None:
+        """Add one checkpoint's record; write the file unless it was written less than
+        :data:`WRITE_INTERVAL` seconds ago."""
+        with self._lock:
+            try:
+                if self._records is None:
+                    self._records = [_encode(r.to_json()) for r in self._read_own()]
+                self._records.append(_encode(record))
+                del self._records[:-self.keep]
+            except (TierckptError, OSError, ValueError) as e:
+                self._failed(e)
+                return
+            self._dirty = True
+            if time.monotonic() - self._last_write >= WRITE_INTERVAL:
+                self._write()
+
+    def flush(self) -> None:
+        """Write the records not written yet (if any)."""
+        with self._lock:
+            if self._dirty:
+                self._write()
+
+    def _write(self) -> None:
+        assert self._records is not None
+        self._dirty = False
+        self._last_write = time.monotonic()
+        head = _encode({"format": FORMAT, "global_rank": self.global_rank, "node": self.node})
+        body = head[:-1] + b',"records":[' + b",".join(self._records) + b"]}"
+        try:
+            self.tier.put_volatile(history_key(self.global_rank), body)
+        except (TierckptError, OSError) as e:
+            self._failed(e)
+
+    def _failed(self, e: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("cannot write the checkpoint history %s/%s (the timeline and advise will miss "
+                        "checkpoints; saves are not affected): %s", self.tier.url, history_key(self.global_rank), e)
+
+    def _read_own(self) -> list[RankRecord]:
+        try:
+            return _read_file(self.tier, history_key(self.global_rank))
+        except CheckpointNotFound:
+            return []
+        except (TierckptError, OSError, ValueError) as e:
+            log.warning("%s/%s is unreadable; starting a new history: %s", self.tier.url, history_key(self.global_rank), e)
+            return []
+
+
+def _encode(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def read_history(tiers: Iterable[Tier]) -> list[RankRecord]:
+    """Every record of every ``_history/g*.json`` on ``tiers`` (damaged files skipped with a warning),
+    without duplicates (a file seen through two tiers counts once)."""
+    out: dict[tuple, RankRecord] = {}
+    for tier in tiers:
+        try:
+            keys = sorted(o.key for o in tier.list(f"{HISTORY_DIR}/") if o.key.endswith(".json"))
+        except (TierckptError, OSError) as e:
+            log.warning("cannot list %s/%s: %s", tier.url, HISTORY_DIR, e)
+            continue
+        for key in keys:
+            try:
+                recs = _read_file(tier, key)
+            except (TierckptError, OSError, ValueError) as e:
+                log.warning("skipping %s/%s: %s", tier.url, key, e)
+                continue
+            for r in recs:
+                out.setdefault((r.checkpoint_id, r.token, r.global_rank, r.rank), r)
+    return list(out.values())
+
+
+def group_checkpoints(records: Iterable[RankRecord]) -> list[CheckpointRun]:
+    """The records joined per save (id and token), oldest first."""
+    runs: dict[tuple[str, str], CheckpointRun] = {}
+    for r in records:
+        run = runs.setdefault((r.checkpoint_id, r.token), CheckpointRun(r.checkpoint_id, r.token, r.step))
+        run.ranks.append(r)
+    for run in runs.values():
+        run.ranks.sort(key=lambda r: (r.rank, r.global_rank))
+    return sorted((r for r in runs.values() if any(x.phases for x in r.ranks)), key=lambda r: r.start)
+
+
+# -- decoding (untrusted bytes) ----------------------------------------------------------------
+
+def _read_file(tier: Tier, key: str) -> list[RankRecord]:
+    where = f"{tier.url}/{key}"
+    if tier.size(key) > MAX_FILE_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        doc = loads(tier.get(key), max_depth=8)
+    except JSONRejected as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("records"), list):
+        raise ValueError(f"{where}: not a {FORMAT} file")
+    g = _num(doc.get("global_rank"), int, f"{where}: global_rank")
+    node = doc.get("node") if isinstance(doc.get("node"), str) else ""
+    return [_record(r, g, node[:200], f"{where}: record {i}") for i, r in enumerate(doc["records"])]
+
+
+def _num(x: Any, kind: type, what: str, none: bool = False) -> Any:
+    if x is None and none:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or (kind is int and not isinstance(x, int)):
+        raise ValueError(f"{what}: expected a number")
+    return kind(x)
+
+
+def _str(x: Any, what: str, none: bool = False) -> Any:
+    if x is None and none:
+        return None
+    if not isinstance(x, str) or len(x) > 4096:
+        raise ValueError(f"{what}: expected a string")
+    return x
+
+
+def _record(r: Any, global_rank: int, node: str, what: str) -> RankRecord:
+    if not isinstance(r, dict):
+        raise ValueError(f"{what}: expected an object")
+    phases = []
+    for j, p in enumerate(r.get("phases") or []):
+        if not isinstance(p, dict):
+            raise ValueError(f"{what}: phase {j}: expected an object")
+        name = _str(p.get("name"), f"{what}: phase {j} name")
+        phases.append(Phase(name, _num(p.get("start"), float, f"{what}: phase {j} start"),
+                            _num(p.get("end"), float, f"{what}: phase {j} end"), name in BLOCKED,
+                            _str(p.get("error"), f"{what}: phase {j} error", none=True)))
+    stats = r.get("stats") or {}
+    if not isinstance(stats, dict):
+        raise ValueError(f"{what}: stats: expected an object")
+    return RankRecord(
+        checkpoint_id=_str(r.get("id"), f"{what}: id"), token=_str(r.get("token"), f"{what}: token"),
+        step=_num(r.get("step"), int, f"{what}: step", none=True), rank=_num(r.get("rank"), int, f"{what}: rank"),
+        world=_num(r.get("world"), int, f"{what}: world"), global_rank=global_rank, node=node,
+        bytes=_num(r.get("bytes"), int, f"{what}: bytes"), error=_str(r.get("error"), f"{what}: error", none=True),
+        stats={k: _num(v, float, f"{what}: stats {k[:40]}") for k, v in stats.items()}, phases=phases)
+
+
+def job_history(cfg: Any) -> tuple[list[RankRecord], list[str]]:
+    """Every record this process can read for the job configured by ``cfg``: its first tier's
+    history and, with a node-local first tier, that of every other node directory readable here
+    (unreadable ones are skipped). Returns the records and the URLs of the tiers read."""
+    from ..tiers import Chain, make_node_tiers
+
+    tiers: list[Tier] = []
+    try:
+        tiers.append(Chain(cfg).first)
+        tiers += list(make_node_tiers(cfg).values())
+        return read_history(tiers), [t.url for t in tiers]
+    finally:
+        for t in tiers:
+            t.close()

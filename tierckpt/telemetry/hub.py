@@ -1,0 +1,119 @@
+"""One engine's telemetry: the history file and, with ``[job] telemetry = "otel"``, the export.
+
+Called by the engine (:mod:`tierckpt.engine`) at two points of each save's life, never per chunk:
+
+* :meth:`EngineTelemetry.submitted` (training thread, ``Engine.submit``): with OpenTelemetry on,
+  hooks the save's :class:`~tierckpt.telemetry.phases.PhaseLog` to the lag gauges; otherwise
+  nothing.
+* :meth:`EngineTelemetry.settled` (the engine thread that settles the save, before
+  ``writer.wait()`` returns): appends the save's record to this rank's history file
+  (:mod:`tierckpt.telemetry.history`; written within seconds) and, with OpenTelemetry on, emits
+  its spans and metrics.
+* :meth:`EngineTelemetry.close` (``Engine.close``, at exit): writes what the history holds.
+
+Neither ever raises into the engine: failures are logged (once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..configvalues import node_name
+from ..config import Config
+from ..errors import ConfigError
+from ..tiers.base import Tier
+from .history import HistoryLog
+
+__all__ = ["EngineTelemetry", "flush_history"]
+
+log = logging.getLogger("tierckpt")
+
+_logs: dict[tuple[str, int], HistoryLog] = {}
+_logs_lock = threading.Lock()
+
+
+def _history_log(tier: Tier, global_rank: int, keep: int) -> HistoryLog:
+    """The process's history of ``global_rank`` on ``tier`` (shared by the engines of one root)."""
+    with _logs_lock:
+        h = _logs.get((tier.url, global_rank))
+        if h is None:
+            h = _logs[(tier.url, global_rank)] = HistoryLog(tier, global_rank, node_name(), keep)
+        h.keep = max(h.keep, keep)
+        return h
+
+
+def flush_history() -> None:
+    """Write every history record of this process not written yet (tools that draw the timeline of
+    saves they just made; engines do it when they close)."""
+    with _logs_lock:
+        logs = list(_logs.values())
+    for h in logs:
+        h.flush()
+
+
+def _global_rank(default: int) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else default
+
+
+class EngineTelemetry:
+    """See the module docstring. ``first`` returns the engine's first tier; ``pending`` its saves in
+    flight and ``closed`` whether it is closed (for the queue-depth gauge)."""
+
+    def __init__(self, cfg: Config, first: Callable[[], Tier], pending: Callable[[], list],
+                 closed: Callable[[], bool]) -> None:
+        self.keep = cfg.job.history
+        self._first = first
+        self._otel: Any = None
+        self._gauges: Any = None
+        self._warned = False
+        self._logs: set[HistoryLog] = set()  # the history files this engine appended to
+        if cfg.job.telemetry == "otel":
+            try:
+                from . import otel
+            except ImportError as e:
+                where = f"{cfg.source}: " if cfg.source else ""
+                raise ConfigError(f'{where}[job] telemetry = "otel" needs the OpenTelemetry API ({e}); install it '
+                                  'with: pip install "tierckpt[otel]"') from None
+            self._otel = otel.export()
+            self._gauges = otel.engine_gauges(pending, closed)
+
+    def submitted(self, job: Any) -> None:
+        """``Engine.submit``, training thread."""
+        if self._gauges is not None:
+            job.stats.phases.listener = self._gauges.listener(self._first().name, job.id, job.assign.step)
+
+    def settled(self, job: Any) -> None:
+        """The save is committed on every tier, or failed (an engine thread)."""
+        try:
+            if self.keep:
+                tier = self._first()
+                if tier.cheap_listing:
+                    h = _history_log(tier, _global_rank(job.assign.rank), self.keep)
+                    self._logs.add(h)
+                    h.append(record_of(job))
+            if self._otel is not None:
+                self._otel.save(job.stats, job.assign.step, job.assign.world)
+        except Exception as e:  # noqa: BLE001 - telemetry never fails a checkpoint
+            if not self._warned:
+                self._warned = True
+                log.warning("checkpoint %s: telemetry failed (the checkpoint is not affected): %s", job.id, e)
+
+
+    def close(self) -> None:
+        """``Engine.close``: write the history records not written yet."""
+        for h in list(self._logs):
+            h.flush()
+
+
+def record_of(job: Any) -> dict:
+    """The history record of one settled save on this rank."""
+    st = job.stats
+    return {"id": job.id, "token": job.assign.token, "step": job.assign.step, "rank": job.assign.rank,
+            "world": job.assign.world, "bytes": st.bytes, "error": st.error[:300] if st.error else None,
+            "stats": {k: round(v, 6) if isinstance(v, float) else v for k, v in st.as_dict(prefix="").items()},
+            "phases": [p.to_json() for p in st.phases.snapshot()]}
