@@ -61,6 +61,11 @@ class SaveStats:
     ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads).
     ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
     ``save_blocked_s``), the commit protocol and retention.
+
+    Encoded hops (:mod:`tierckpt.codec`): ``compress_cpu_s`` (coding frames, background
+    threads; not in ``cpu_s``), ``stored_bytes`` (this rank's object on the encoding tier),
+    ``uploaded_bytes`` (sent to it) and ``copied_bytes`` (copied by its server from the previous
+    checkpoint: frames that did not change).
     """
 
     checkpoint_id: str
@@ -79,6 +84,10 @@ class SaveStats:
     capture_cpu_s: float = 0.0
     crc_cpu_s: float = 0.0
     write_cpu_s: float = 0.0
+    compress_cpu_s: float = 0.0
+    stored_bytes: int | None = None
+    uploaded_bytes: int | None = None
+    copied_bytes: int | None = None
 
     @property
     def cpu_s(self) -> float:
