@@ -182,3 +182,11 @@ class DecodingTier(Tier):
 
     def __repr__(self) -> str:
         return f"DecodingTier({self.inner!r}, {self.checkpoint_id!r})"
+
+    def __eq__(self, other: object) -> bool:
+        """The same tier, seen decoded: equal to the tier it wraps (``tier in tiers`` holds)."""
+        inner = other.inner if isinstance(other, DecodingTier) else other
+        return inner is self.inner
+
+    def __hash__(self) -> int:
+        return hash(self.inner)
