@@ -200,7 +200,12 @@ def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None
         k = 0
         d = _zstd().ZstdDecompressor()
         for w, pieces, count in plan:
-            group = np.empty((count, w), dtype=np.uint8) if (w > 1 or len(pieces) > 1) else None
+            direct = len(pieces) == 1  # one piece: planes go straight to their place in ``out``
+            if direct:
+                st, ln = pieces[0]
+                group = dst[st:st + ln].reshape(count, w)
+            else:
+                group = np.empty((count, w), dtype=np.uint8)
             for j in range(w):
                 kind, size = heads[k]
                 k += 1
@@ -216,12 +221,8 @@ def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None
                     raise ValueError(f"stream kind {kind}")
                 if len(plane) != count:
                     raise ValueError(f"a plane of {len(plane)} bytes, expected {count}")
-                if group is None:
-                    st, ln = pieces[0]
-                    dst[st:st + ln] = plane
-                else:
-                    group[:, j] = plane
-            if group is not None:
+                group[:, j] = plane
+            if not direct:
                 flat = group.reshape(-1)
                 off = 0
                 for st, ln in pieces:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import TierError
 from ..streams import StreamSink
 from .client import ClientError, _err_code, log
-from .multipart import crc32c_b64, effective_part_size
+from .multipart import ViewReader, crc32c_b64, effective_part_size
 
 if TYPE_CHECKING:
     from .tier import S3Tier
@@ -72,7 +72,7 @@ class S3Stream(StreamSink):
         self.uploaded += len(body)
 
         def send() -> dict[str, Any]:
-            entry = self._tier._upload_part(self._full, uid, pn, 0, bytes(body), crc32c_b64(body))
+            entry = self._tier._upload_part(self._full, uid, pn, 0, ViewReader(memoryview(body)), crc32c_b64(body))
             with self._lock:
                 self._parts.append(entry)
             return entry
