@@ -206,3 +206,35 @@ def _toml(cfg) -> str:
     return (f'[local]\npath = "{cfg.local.path}"\nfsync = false\n'
             f'[s3]\nbucket = "{s3.bucket}"\nprefix = "{s3.prefix}"\nendpoint_url = "{s3.endpoint_url}"\n'
             f'part_size = "5MiB"\ncompression = "{s3.compression}"\n')
+
+
+def test_two_nodes_one_lost_load_decodes_and_fill_writes_plain_metadata(
+        tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config]) -> None:
+    """Two ranks on two simulated nodes, [s3] compression on; node 1 loses its disk: the job's
+    agreed load reads rank 1's file from S3 (decoded) and refills node 1 with plain files whose
+    metadata.json has no stored index."""
+    from s3_scenarios import run_world
+
+    s3 = s3cfg(moto_endpoint)
+    conf = {
+        "job": {"commit_timeout": 60},
+        "host": {"buffer_size": "16MiB", "chunk_size": "4MiB"},
+        "local": {"path": str(tmp_path / "nodes" / "{node}"), "keep": 0, "fsync": False},
+        "s3": dataclasses.asdict(s3) | {"part_size": "5MiB", "compression": "zstd", "copy_unchanged": True},
+    }
+    res = run_world(2, "save_promote_lose_node_load", {"config": conf, "ids": ["step-1", "step-2"], "lost_rank": 1},
+                    tmp_path / "w", node_of=lambda r: f"node{r}")
+    for r, out in enumerate(res):
+        assert out["errors"] == [], (r, out["errors"])
+        assert out["mismatches"] == [], (r, out)
+    served1 = {f[:10]: t for f, t in res[1]["served"].items()}
+    assert served1["rank-00001"] == "s3", res[1]["served"]
+    tier = S3Tier(s3)
+    try:
+        man = read_checkpoint_doc(tier, "step-2").manifest
+        assert set(man.stored) == set(man.files)  # both ranks' files stored encoded
+    finally:
+        tier.close()
+    refilled = tmp_path / "nodes" / "node1" / "step-2" / "metadata.json"
+    if refilled.exists():  # the fill committed the lost node's copy: plain files, no index
+        assert b'"stored"' not in refilled.read_bytes()
