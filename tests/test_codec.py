@@ -221,3 +221,20 @@ def _fake_md(cid: str, size: int) -> bytes:
     head = json.dumps({"format": "tierckpt/1", "length": len(body), "crc32c": crc32c(body), "seq": 1, "step": 1,
                        "committed": 2.0}).encode()
     return head + b"\n" + body
+
+
+def test_frames_code_and_decode_on_many_threads_at_once() -> None:
+    """The coding pool and the read engine call the codec from several threads (zstd objects are
+    not thread-safe: each thread has its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    frames = [_bytes(_tensor(torch.float32, 200_000, seed=i)) for i in range(12)]
+    with ThreadPoolExecutor(4) as ex:
+        coded = list(ex.map(lambda f: encode(f, [(len(f), 4)]), frames))
+
+        def back(i: int) -> bool:
+            out = bytearray(len(frames[i]))
+            decode_into(coded[i], memoryview(out), "t")
+            return bytes(out) == frames[i].tobytes()
+
+        assert all(ex.map(back, range(len(frames))))

@@ -241,6 +241,11 @@ class Replicator:
 
     def _copy_encoded(self, job: RankSave, src: Tier, dst: Tier) -> dict:
         """This rank's file of ``job`` copied encoded (:mod:`tierckpt.encodedhop`); its stored index."""
+        mkey = metadata_key(job.id)
+        if dst.exists(mkey):  # committed there already (the hop runs again): never rewrite its objects
+            done = parse_metadata(dst.get(mkey), f"{dst.url}/{mkey}").manifest.stored.get(job.assign.file)
+            if done is not None:
+                return done.to_json()
         doc = parse_metadata(job.metadata_json, f"metadata of {job.id}")
         idx, figs = self._encoded.copy(src, dst, doc, job.assign.file)
         st = job.stats

@@ -26,6 +26,7 @@ codes; the plane shuffles are numpy copies.
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -40,7 +41,7 @@ _SEG = struct.Struct("<IB")
 _STREAM = struct.Struct("<BI")
 _U32 = struct.Struct("<I")
 
-_compressors: dict[int, object] = {}
+_local = threading.local()  # zstd (de)compressor objects are not thread-safe: one set per thread
 
 
 def _zstd():
@@ -50,10 +51,20 @@ def _zstd():
 
 
 def _compressor(level: int):
-    c = _compressors.get(level)
+    cs = getattr(_local, "compressors", None)
+    if cs is None:
+        cs = _local.compressors = {}
+    c = cs.get(level)
     if c is None:
-        c = _compressors[level] = _zstd().ZstdCompressor(level=level)
+        c = cs[level] = _zstd().ZstdCompressor(level=level)
     return c
+
+
+def _decompressor():
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = _zstd().ZstdDecompressor()
+    return d
 
 
 def segments_of(start: int, end: int, runs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -198,7 +209,7 @@ def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None
             raise ValueError("stream count does not match the segments")
         dst = np.frombuffer(out, dtype=np.uint8)
         k = 0
-        d = _zstd().ZstdDecompressor()
+        d = _decompressor()
         for w, pieces, count in plan:
             direct = len(pieces) == 1  # one piece: planes go straight to their place in ``out``
             if direct:
