@@ -238,3 +238,33 @@ def test_two_nodes_one_lost_load_decodes_and_fill_writes_plain_metadata(
     refilled = tmp_path / "nodes" / "node1" / "step-2" / "metadata.json"
     if refilled.exists():  # the fill committed the lost node's copy: plain files, no index
         assert b'"stored"' not in refilled.read_bytes()
+
+
+def test_backlog_promoted_encoded_when_compression_is_turned_on(
+        tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config]) -> None:
+    """A checkpoint committed locally before [s3] existed is promoted by the backlog pass, encoded,
+    with its stored index in the metadata committed on S3; both checkpoints load from S3 alone."""
+    s3 = s3cfg(moto_endpoint)
+    cfg = make_cfg(tmp_path, s3, compression="zstd", copy_unchanged=True)
+    local_only = config_from_dict({"host": {"buffer_size": "32MiB", "chunk_size": "8MiB"},
+                                   "local": {"path": str(tmp_path / "local"), "keep": 0, "fsync": False}})
+    w = TieredWriter(local_only)
+    sd1 = every_dtype_state(6)
+    save(w, sd1, "step-6")
+    w.wait()
+    w.close()
+    w = TieredWriter(cfg)  # one process: the start-up backlog pass promotes step-6
+    sd2 = every_dtype_state(7)
+    save(w, sd2, "step-7")
+    w.wait()
+    w.close()
+    tier = S3Tier(s3)
+    try:
+        for cid in ("step-6", "step-7"):
+            man = read_checkpoint_doc(tier, cid).manifest
+            assert set(man.stored) == set(man.files) and all(s.codec == "zstd" for s in man.stored.values())
+    finally:
+        tier.close()
+    shutil.rmtree(tmp_path / "local")
+    load_exact(cfg, sd1, "step-6")
+    load_exact(cfg, sd2, "step-7")
