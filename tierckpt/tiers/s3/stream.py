@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import TierError
 from ..streams import StreamSink
 from .client import ClientError, _err_code, log
-from .multipart import ViewReader, crc32c_b64, effective_part_size
+from .multipart import MAX_PARTS, ViewReader, crc32c_b64, effective_part_size
 
 if TYPE_CHECKING:
     from .tier import S3Tier
@@ -124,7 +124,9 @@ class S3Stream(StreamSink):
         where the range allows a part of at least 5 MiB (see the module docstring)."""
         if end - start <= 0:
             return
-        if not getattr(self._tier, "_part_copy", True):
+        if not getattr(self._tier, "_part_copy", True) or self._pn >= MAX_PARTS - 1000:
+            # refused by the server, or a file cut into so many runs that S3's 10,000 parts are near:
+            # read and upload (parts then grow by part_size, never past the limit)
             self._read_append(key, start, end)
             return
         if len(self._buf) >= MIN_PART:
