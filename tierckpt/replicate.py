@@ -51,8 +51,8 @@ from typing import Any, Callable, Protocol
 from . import lease as leases
 from .background import lower_priority
 from .catalog import committed_headers, committed_in_order
-from .commit import Channel, LocalChannel, Round, run_commit
 from .codec import add_stored
+from .commit import Channel, LocalChannel, Round, run_commit
 from .config import Config
 from .encodedhop import EncodedCopies
 from .errors import CommitConflict, TierckptError
