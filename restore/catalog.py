@@ -15,9 +15,9 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_metadata
+from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_doc, read_checkpoint_metadata
 from tierckpt.config import TierConfig, load_config
-from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint
+from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.layout import (PEERS, CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key,
                              rank_of_file)
 from tierckpt.retention import checkpoint_objects
@@ -93,11 +93,14 @@ class TierEntry:
     mtime: float  # the commit time recorded in the metadata when committed, newest file time otherwise
     order: tuple = ()  # commit order (seq, commit time, step); empty when uncommitted or unreadable
     peer_copies: bool = False  # the peer hop committed its copies here ([peer] replicas: ID/peers.json)
+    stored_bytes: int = 0  # bytes of its data files on this tier (encoded where the tier encodes)
+    logical_bytes: int | None = None  # bytes of its data files as saved (None: metadata unreadable)
 
     def to_json(self) -> dict:
         return {"state": ("committed" if self.order else "committed (unreadable header)") if self.committed else "partial",
                 "size": self.size, "rank_files": self.rank_files, "mtime": self.mtime,
-                "seq": self.order[0] if self.order else None, "peer_copies": self.peer_copies}
+                "seq": self.order[0] if self.order else None, "peer_copies": self.peer_copies,
+                "stored_bytes": self.stored_bytes, "logical_bytes": self.logical_bytes}
 
 
 @dataclass
@@ -139,10 +142,21 @@ class Listing:
 
 
 def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
+    stored = sum(o.size for n, o in c.objects.items() if is_data_file(n))
+    logical: int | None = stored
+    if tier.may_encode and c.committed:  # encoded files: the logical sizes are in this tier's metadata
+        try:
+            man = read_checkpoint_doc(tier, c.checkpoint_id).manifest
+            logical = sum(man.files[n] if n in man.stored else o.size for n, o in c.objects.items()
+                          if is_data_file(n) and n in man.files)
+        except TierckptError as e:
+            log.debug("%s/%s: no logical sizes: %s", tier.url, c.checkpoint_id, e)
+            logical = None
     return TierEntry(tier=tier.name, committed=c.committed, size=c.size,
                      rank_files=sum(1 for n in c.objects if is_data_file(n)),
                      mtime=c.header.committed if c.header is not None else c.mtime,
-                     order=c.header.order_key() if c.header is not None else (), peer_copies=PEERS in c.objects)
+                     order=c.header.order_key() if c.header is not None else (), peer_copies=PEERS in c.objects,
+                     stored_bytes=stored, logical_bytes=logical)
 
 
 def list_all(tiers: list[Tier]) -> list[Listing]:

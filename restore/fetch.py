@@ -57,6 +57,8 @@ import numpy as np
 
 from tierckpt import lease as leases
 from tierckpt.catalog import find_latest, read_checkpoint_doc
+from tierckpt.codec import strip_stored
+from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError, TierError
 from tierckpt.layout import MAX_METADATA_BYTES, CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
@@ -338,7 +340,7 @@ def _resolve(cfg: TierConfig, tiers: list[Tier], shared: list[Tier], nodes: list
 def _holders(cid: str, shared: list[Tier], nodes: list[PeerNode]) -> list[_Source]:
     """The sources holding ``cid`` committed: other nodes first (their order), then shared tiers."""
     out = [_Source(n.label, n.tier) for n in nodes if n.info(cid) is not None]
-    out += [_Source(t.name, t) for t in shared if t.exists(metadata_key(cid))]
+    out += [_Source(t.name, decoding(t, cid)) for t in shared if t.exists(metadata_key(cid))]
     return out
 
 
@@ -357,7 +359,7 @@ def _metadata(cid: str, sources: list[_Source]) -> tuple[CheckpointDoc, bytes]:
             doc = parse_metadata(raw, where)
             if doc.manifest.checkpoint_id != cid:
                 raise CorruptCheckpoint(f"{where}: metadata names checkpoint {doc.manifest.checkpoint_id!r}")
-            return doc, raw
+            return doc, strip_stored(raw)  # the local copy holds plain files: no stored index
         except (CheckpointNotFound, CorruptCheckpoint, TierError) as e:
             errors.append(f"{src.label}: {e}")
             log.warning("metadata of %s from %s: %s; trying the next source", cid, src.label, e)

@@ -24,6 +24,7 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.layout import CheckpointManifest, data_key
 from tierckpt.catalog import read_checkpoint_doc
+from tierckpt.codec.view import decoding
 from tierckpt.readback import range_size
 from tierckpt.tiers.base import Tier
 
@@ -124,7 +125,7 @@ def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_
         for t in holding_tiers(tiers, cid):
             try:  # held until the end: retention and gc anywhere leave the checkpoint alone
                 held.append(leases.acquire(t, cid, purpose="verify"))
-                holding.append(t)
+                holding.append(decoding(t, cid))  # encoded files are checked as the bytes they decode to
             except CheckpointNotFound as e:
                 log.warning("%s", e)
         if not holding:

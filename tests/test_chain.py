@@ -6,7 +6,9 @@
 own work, the coordinator's merge, the metadata write, an id already committed, a rank that
 never reports (killed). Each time: nothing is committed, every rank fails with a message naming
 the checkpoint, and (for failures that raise) nothing is left in the channel. It also checks
-:meth:`Tier.copy_from` (a hop's copy): bit-exact, and nothing visible after a failed copy.
+:meth:`Tier.copy_from` (a hop's copy) and the encoded copy of :mod:`tierckpt.codec` (compression
+``zstd`` and ``none``, unchanged frames copied from the previous object through
+:meth:`Tier.open_stream`): bit-exact, and nothing visible after a failed copy.
 
 Each ``Test*`` subclass supplies the ``tier`` fixture: the local tier and S3 on moto here; the
 throwaway third tier in ``tests/test_third_tier.py``.
@@ -21,10 +23,13 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from tierckpt.codec import add_stored
+from tierckpt.codec.hop import Previous, copy_encoded
+from tierckpt.codec.view import decoding
 from tierckpt.commit import LocalChannel, Round, run_commit
 from tierckpt.errors import CommitConflict, CommitError, TierckptError, TierError
 from tierckpt.testing import FaultyTier
-from tierckpt.tiers.base import Tier
+from tierckpt.tiers.base import Encoding, Tier
 from tierckpt.tiers.local import LocalTier
 
 WORLD = 3
@@ -160,6 +165,40 @@ class ChainContract:
         assert not faulty.exists("h/rank-00000.data")
 
 
+    @pytest.mark.parametrize("compression", ["zstd", "none"])
+    def test_encoded_copy_bit_exact_with_unchanged_frames(self, tier: Tier, tmp_path: Path, compression: str) -> None:
+        src = LocalTier(tmp_path / "src", fsync=False)
+        frame = 1 << 20
+        data = bytearray(os.urandom(11 << 20) + bytes(3 << 20) + b"tail")  # random frames stay raw, zeros code
+        runs = [(0, len(data), 4)]
+        enc = Encoding(compression, 1, True)
+        src.put("_00/e-1/rank-00000.data", bytes(data))
+        idx1, _ = copy_encoded(src, tier, "_00/e-1/rank-00000.data", size=len(data), frame=frame, runs=runs, encoding=enc)
+        data[5] ^= 0xFF  # frame 0 changes; 13 MiB do not
+        src.put("_00/e-2/rank-00000.data", bytes(data))
+        prev = Previous("e-1", "_00/e-1/rank-00000.data", idx1)
+        idx2, figs = copy_encoded(src, tier, "_00/e-2/rank-00000.data", size=len(data), frame=frame, runs=runs,
+                                  encoding=enc, prev=prev)
+        assert figs.frames_copied == idx2.frames - 1
+        assert figs.uploaded + figs.copied == idx2.stored
+        from test_codec import _fake_md
+
+        for cid, ix in (("e-1", idx1), ("e-2", idx2)):
+            tier.put(f"{cid}/metadata.json", add_stored(_fake_md(cid, len(data)), {"rank-00000.data": ix}))
+        assert tier.size("_00/e-2/rank-00000.data") == idx2.stored
+        if tier.may_encode:
+            assert decoding(tier, "e-2").get("_00/e-2/rank-00000.data") == bytes(data)
+
+    def test_failed_encoded_copy_leaves_nothing(self, faulty: FaultyTier, tmp_path: Path) -> None:
+        src = FaultyTier(LocalTier(tmp_path / "src", fsync=False))
+        src.put("h/rank-00000.data", os.urandom((11 << 20) + 3))
+        src.arm("read_into", TierError(5, "read error (injected)"), skip=5)
+        with pytest.raises(TierError, match="injected"):
+            copy_encoded(src, faulty, "h/rank-00000.data", size=(11 << 20) + 3, frame=1 << 20, runs=[],
+                         encoding=Encoding("zstd", 1, False))
+        assert not faulty.exists("h/rank-00000.data")
+
+
 class TestChainLocal(ChainContract):
     @pytest.fixture
     def tier(self, tmp_path: Path) -> Iterator[Tier]:
@@ -169,10 +208,10 @@ class TestChainLocal(ChainContract):
 
 
 class TestChainS3Moto(ChainContract):
-    @pytest.fixture
-    def tier(self, moto_endpoint: str, s3cfg: Callable[..., Any]) -> Iterator[Tier]:
+    @pytest.fixture(params=["none", "zstd"])
+    def tier(self, request: pytest.FixtureRequest, moto_endpoint: str, s3cfg: Callable[..., Any]) -> Iterator[Tier]:
         from tierckpt.tiers.s3 import S3Tier
 
-        t = S3Tier(s3cfg(moto_endpoint))
+        t = S3Tier(s3cfg(moto_endpoint, compression=request.param, copy_unchanged=request.param != "none"))
         yield t
         t.close()

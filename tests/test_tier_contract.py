@@ -440,10 +440,11 @@ class _S3Base:
 
 
 class TestS3Moto(_S3Base, TierContract):
-    @pytest.fixture
-    def tier(self, moto_endpoint: str, s3cfg: Callable[..., Any]) -> Iterator[Tier]:
+    @pytest.fixture(params=["none", "zstd"])
+    def tier(self, request: pytest.FixtureRequest, moto_endpoint: str, s3cfg: Callable[..., Any]) -> Iterator[Tier]:
+        """Also with compression on: encoding changes what a hop stores, never the primitives."""
         self.direct = s3_client(moto_endpoint)
-        t = S3Tier(s3cfg(moto_endpoint))
+        t = S3Tier(s3cfg(moto_endpoint, compression=request.param, copy_unchanged=request.param != "none"))
         yield t
         t.close()
 

@@ -170,11 +170,15 @@ def default_channel(distributed: bool) -> Channel:
 # -- rank reports and outcomes ---------------------------------------------------------------
 
 def encode_report(ok: bool, *, size: int = 0, crcs: list[list[int]] | None = None, error: str = "", seq: int = 0,
-                  writer: int = 0) -> bytes:
+                  writer: int = 0, stored: dict | None = None) -> bytes:
     """A rank report: ok or the error, the file size and CRC pieces, the highest commit sequence
-    number the rank has seen (the coordinator numbers the checkpoint above all of them), and the
-    rank that writes the metadata on this rank's root."""
-    return json.dumps({"ok": ok, "size": size, "crcs": crcs or [], "error": error, "seq": seq, "writer": writer}).encode()
+    number the rank has seen (the coordinator numbers the checkpoint above all of them), the
+    rank that writes the metadata on this rank's root, and (an encoding hop) the stored index of
+    the rank's file (:mod:`tierckpt.codec.index`)."""
+    rep = {"ok": ok, "size": size, "crcs": crcs or [], "error": error, "seq": seq, "writer": writer}
+    if stored:
+        rep["stored"] = stored
+    return json.dumps(rep).encode()
 
 
 def decode_report(raw: bytes, who: str) -> dict:

@@ -59,6 +59,7 @@ from .configvalues import (  # noqa: F401 - the public names are re-exported
     S3_MAX_PART,
     S3_MIN_PART,
     _brief,
+    check_compression,
     _nm,
     check_endpoint_url,
     node_name,
@@ -164,6 +165,14 @@ class S3Config:
         connect_timeout, read_timeout: seconds.
         conditional_commit: write the commit object with ``If-None-Match: *``; servers that
             reject the header fall back to check-then-put automatically.
+        compression: ``"zstd"``: the hop into this tier stores each data file in frames coded by
+            byte planes + zstd (:mod:`tierckpt.codec`, ``docs/compression.md``); ``"none"``
+            (default): as written.
+        compression_level: the zstd level (-7..22; 1 by default: higher levels gain little on
+            model state and cost much CPU).
+        copy_unchanged: frames byte-identical (128-bit hash) to the same rank's file in the
+            previous checkpoint on this tier are copied by the server (``UploadPartCopy``), not
+            uploaded again. Either this or ``compression`` switches the hop to the encoded copy.
     """
 
     bucket: str = ""
@@ -178,6 +187,9 @@ class S3Config:
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     conditional_commit: bool = True
+    compression: str = "none"
+    compression_level: int = 1
+    copy_unchanged: bool = False
 
     def __repr__(self) -> str:
         """The dataclass repr with ``endpoint_url`` redacted (it may not have been validated yet)."""
@@ -214,6 +226,7 @@ class S3Config:
                 raise ConfigError(f"{where} {name}: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}")
         if self.prefix.startswith("/") or ".." in self.prefix.split("/"):
             raise ConfigError(f"{where} prefix: must be relative and must not contain '..', got {self.prefix!r}")
+        check_compression(self.compression, self.compression_level, where)
 
 
 @dataclass

@@ -155,3 +155,14 @@ _PLAIN = re.compile(r"^[A-Za-z0-9_.\-]+$")
 def _nm(name: Any) -> str:
     """A section or key name for a one-line message (quoted and escaped unless plain)."""
     return name if isinstance(name, str) and _PLAIN.match(name) else repr(name)
+
+
+COMPRESSIONS = ("none", "zstd")
+
+
+def check_compression(compression: object, level: object, where: str) -> None:
+    """Validate a tier section's ``compression`` / ``compression_level`` (messages name ``where``)."""
+    if compression not in COMPRESSIONS:
+        raise ConfigError(f"{where} compression: must be one of {', '.join(map(repr, COMPRESSIONS))}, got {_brief(compression)}")
+    if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+        raise ConfigError(f"{where} compression_level: must be an integer between -7 and 22 (zstd), got {_brief(level)}")

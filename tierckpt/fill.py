@@ -48,6 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from . import lease as leases
+from .codec import strip_stored
 from .errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
 from .layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file
 from .readback import Request
@@ -315,7 +316,7 @@ def _metadata_to_commit(local: Tier, cid: str, token: str, shared: list[Tier], r
             return None
         return mine_raw
     if raw is not None and parse_metadata(raw, f"metadata of {cid} from another node").manifest.save_token == token:
-        return raw
+        return strip_stored(raw)  # the local copy holds plain files: no stored index
     errors = []
     for tier in shared:
         try:
@@ -324,7 +325,7 @@ def _metadata_to_commit(local: Tier, cid: str, token: str, shared: list[Tier], r
             got = tier.get(key)
             if parse_metadata(got, f"{tier.url}/{key}").manifest.save_token != token:
                 raise CorruptCheckpoint(f"{tier.url}/{key}: another save of {cid}")
-            return got
+            return strip_stored(got)
         except (TierckptError, OSError) as e:
             errors.append(f"{tier.url}: {e}")
     raise CheckpointNotFound(f"checkpoint {cid}: no metadata to copy ({'; '.join(errors) or 'no shared tier'})")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from . import safejson
 from .checksum import crc32c
+from .codec.index import StoredFile, parse_stored
 from .errors import CorruptCheckpoint
 from .jsonvalues import (
     DTYPE_SIZES,
@@ -272,6 +273,12 @@ class CheckpointManifest:
     step: int | None = None
     save_token: str = ""
     seq: int = 0  # commit sequence: 1 + the highest seq the job had seen when it committed (the order)
+    stored: dict[str, StoredFile] = field(default_factory=dict)  # this tier's encoded files (tierckpt.codec)
+
+    def stored_size(self, file: str) -> int:
+        """Bytes of ``file``'s object on the tier this manifest was read from."""
+        s = self.stored.get(file)
+        return self.files[file] if s is None else s.stored
 
 
 
@@ -484,6 +491,7 @@ def _parse(doc: Any, where: str) -> CheckpointDoc:
         step=None if step is None else _int(step, "step"),
         save_token=_str(doc.get("save_token", ""), "save_token", 256),
         seq=_int(doc.get("seq", 0), "seq"),
+        stored=parse_stored(doc.get("stored"), files),
     )
     d = _obj(_req(doc, "dcp", "the document"), "'dcp'")
     sdm: dict[str, CheckedEntry] = {}

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import lease as leases
+from .codec.view import decoding
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file
 from .tiers.base import Tier
@@ -93,7 +94,9 @@ def writer_rank(file: str) -> str:
 def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier], list[leases.Lease]]:
     """Lease ``checkpoint_id`` on every tier of ``tiers`` holding a committed copy.
 
-    Returns the holding tiers (order kept) and the leases (release them when the read is done).
+    Returns the holding tiers (order kept; a tier that may hold encoded files as the checkpoint's
+    :func:`~tierckpt.codec.view.decoding` view, which reads logical bytes) and the leases (release
+    them when the read is done).
     A tier that cannot be reached is skipped with a warning. Raises :class:`CheckpointNotFound`
     (naming the tiers, and a deletion under way if that is why) when no tier holds a copy.
     """
@@ -105,7 +108,7 @@ def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier
             if not tier.exists(metadata_key(checkpoint_id)):
                 continue
             held.append(leases.acquire(tier, checkpoint_id, purpose=purpose))
-            holding.append(tier)
+            holding.append(decoding(tier, checkpoint_id))
         except CheckpointNotFound as e:  # deleted meanwhile, or a deletion under way
             gone.append(str(e))
             log.warning("%s", e)

@@ -37,6 +37,7 @@ from . import lease as leases
 from . import peers
 from . import telemetry
 from .catalog import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
+from .codec.view import decoding
 from .commit import default_channel
 from .checkpoints import checkpoint_id_of
 from .config import TierConfig, load_config
@@ -261,7 +262,7 @@ class TieredReader(StorageReader):
                     self._holding, self._leases = hold(self.tiers[:1], self.resolved_id, "load")
                 except CheckpointNotFound as e:
                     log.warning("checkpoint %s: this node's copy is gone (%s); reading from elsewhere", self.resolved_id, e)
-            self._holding += [t for t in self.tiers[1:] if t.name in v.shared]
+            self._holding += [decoding(t, self.resolved_id) for t in self.tiers[1:] if t.name in v.shared]
             return
         # A lease on every tier holding a committed copy keeps retention and gc (in any process)
         # away until read_data is done.

@@ -51,10 +51,12 @@ from typing import Any, Callable, Protocol
 from . import lease as leases
 from .background import lower_priority
 from .catalog import committed_headers, committed_in_order
+from .codec import add_stored
 from .commit import Channel, LocalChannel, Round, run_commit
 from .config import Config
+from .encodedhop import EncodedCopies
 from .errors import CommitConflict, TierckptError
-from .layout import data_key, is_data_file, metadata_from_json, metadata_key
+from .layout import data_key, is_data_file, metadata_from_json, metadata_key, parse_metadata
 from .save import RankSave
 from .tiers.base import Tier
 
@@ -103,6 +105,7 @@ class Replicator:
         self.settled = False  # a backlog pass (or a failed attempt at one) has run in this process
         self.started = threading.Event()  # the start-up pass (single-process jobs) is over
         self._lock = threading.Lock()
+        self._encoded = EncodedCopies(owner.cfg.job.background_nice)
         self._thread = threading.Thread(target=self._loop, name=f"tierckpt-replicate-{name}", daemon=True)
         self._thread.start()
 
@@ -181,6 +184,7 @@ class Replicator:
                                     "renewed in time); a deletion there may have removed the copy: not committed")
 
         def work() -> dict:
+            out: dict[str, Any] = {"size": job.size}
             if not dst.node_local:
                 # A shared tier: one writer's lease for the whole job, the coordinator's (it writes
                 # the metadata there), taken before any rank copies a byte (they wait for it).
@@ -190,17 +194,26 @@ class Replicator:
                     held.append(leases.acquire_for_write(dst, a.checkpoint_id,
                                                          purpose=f"replication to {self.name} by rank {a.rank}"))
                 with leases.acquire(src, a.checkpoint_id, purpose=f"replication to {self.name} by rank {a.rank}"):
-                    dst.copy_from(src, data_key(a.checkpoint_id, a.file))
+                    if dst.encoding is None:
+                        dst.copy_from(src, data_key(a.checkpoint_id, a.file))
+                    else:
+                        out["stored"] = {a.file: self._copy_encoded(job, src, dst)}
                 check()
-            return {"size": job.size}
+            return out
+
+        def merge(reports: list[dict]) -> bytes | None:
+            stored = {f: d for rep in reports for f, d in (rep.get("stored") or {}).items()}
+            return add_stored(job.metadata_json, stored) if stored else None
 
         writer = self._writer(job)
         try:
-            run_commit(rnd, dst, metadata_key(a.checkpoint_id), work=work, writer=writer,
-                       metadata=job.metadata_json, same_ok=True, before_put=check)
+            md = run_commit(rnd, dst, metadata_key(a.checkpoint_id), work=work, writer=writer, merge=merge,
+                            metadata=job.metadata_json, same_ok=True, before_put=check)
         finally:
             for lease in held:
                 lease.release()
+        if dst.encoding is not None:
+            self._remember(a.checkpoint_id, md)
         if writer == a.rank:
             try:
                 self.owner.retain(dst, {job.id})
@@ -227,6 +240,31 @@ class Replicator:
         if got != b"OK":
             raise TierckptError(f"{rnd.what}: the coordinator could not lease it on {self.dst.url}: "
                                 f"{got[1:].decode(errors='replace')}")
+
+    def _copy_encoded(self, job: RankSave, src: Tier, dst: Tier) -> dict:
+        """This rank's file of ``job`` copied encoded (:mod:`tierckpt.encodedhop`); its stored index."""
+        mkey = metadata_key(job.id)
+        if dst.exists(mkey):  # committed there already (the hop runs again): never rewrite its objects
+            done = parse_metadata(dst.get(mkey), f"{dst.url}/{mkey}").manifest.stored.get(job.assign.file)
+            if done is not None:
+                return done.to_json()
+        doc = parse_metadata(job.metadata_json, f"metadata of {job.id}")
+        idx, figs = self._encoded.copy(src, dst, doc, job.assign.file)
+        st = job.stats
+        st.add_cpu(compress_cpu_s=figs.compress_cpu_s)
+        st.stored_bytes, st.uploaded_bytes, st.copied_bytes = figs.stored, figs.uploaded, figs.copied
+        log.info("checkpoint %s: %s stored on %s in %d of %d bytes (%.3fx), %d sent, %d copied by the server",
+                 job.id, job.assign.file, dst.url, figs.stored, figs.logical, figs.logical / max(1, figs.stored),
+                 figs.uploaded, figs.copied)
+        return idx.to_json()
+
+    def _remember(self, cid: str, md: bytes) -> None:
+        """The stored index just committed on ``dst``: the next checkpoint copies unchanged parts from it."""
+        try:
+            doc = parse_metadata(md, f"metadata of {cid}")
+            self._encoded.committed(cid, {f: s.to_json() for f, s in doc.manifest.stored.items()})
+        except TierckptError as e:
+            log.debug("checkpoint %s: stored index not remembered: %s", cid, e)
 
     # -- the backlog ----------------------------------------------------------------------
     def _startup_pass(self) -> None:
@@ -317,6 +355,7 @@ class Replicator:
         # 3. copies of the files assigned to this rank (each under a writer's lease on dst, held
         #    until the coordinator committed: see tierckpt.lease); the metadata from its designated rank
         results: dict[str, str] = {}
+        stored: dict[str, dict] = {}  # cid -> file -> stored index (an encoding dst)
         held: list[leases.Lease] = []
         try:
             if not dst.node_local:
@@ -330,15 +369,20 @@ class Replicator:
                                                                               f"by rank {rank}"))
                     if todo or p["md_rank"] == rank:
                         with leases.acquire(src, cid, purpose=f"backlog replication to {self.name} by rank {rank}"):
+                            doc = parse_metadata(src.get(metadata_key(cid)), f"{src.url}/{metadata_key(cid)}") \
+                                if dst.encoding is not None and todo else None
                             for f in todo:
-                                dst.copy_from(src, data_key(cid, f))
+                                if doc is None or not p["files"][f][1]:
+                                    dst.copy_from(src, data_key(cid, f))
+                                else:
+                                    stored.setdefault(cid, {})[f] = self._encoded.copy(src, dst, doc, f)[0].to_json()
                             if p["md_rank"] == rank:
                                 rnd.ch.publish(rnd.key(f"md/{cid}"), self._checked_metadata(cid, p["files"]))
                     lapsed = [lease.checkpoint_id for lease in held if lease.checkpoint_id == cid and lease.lapsed]
                     results[cid] = f"rank {rank}: its lease on {dst.url} lapsed" if lapsed else "ok"
                 except BaseException as e:  # noqa: BLE001 - reported to the coordinator
                     results[cid] = f"rank {rank}: {type(e).__name__}: {e}"
-            rnd.put_mine(f"done{rank}", json.dumps(results).encode())
+            rnd.put_mine(f"done{rank}", json.dumps({"results": results, "stored": stored}).encode())
             # 4. commits, oldest first, by the coordinator
             if rank == 0:
                 outcome = self._commit_backlog(rnd, needed)
@@ -402,10 +446,14 @@ class Replicator:
     def _commit_backlog(self, rnd: Round, needed: list[str]) -> dict:
         dst = self.dst
         errors: dict[str, str] = {}
+        stored: dict[str, dict] = {}
         for raw in rnd.gather_values("done"):
-            for cid, res in json.loads(raw).items():
+            done = json.loads(raw)
+            for cid, res in done["results"].items():
                 if res != "ok":
                     errors.setdefault(cid, res)
+            for cid, files in done["stored"].items():
+                stored.setdefault(cid, {}).update(files)
         promoted, failed = [], {}
         for cid in needed:
             md = rnd.ch.try_get(rnd.key(f"md/{cid}"))
@@ -419,6 +467,8 @@ class Replicator:
                     failed[cid] = why
                     log.warning("%s: %s stays owed to %s: %s", rnd.what, cid, dst.url, why)
                 continue
+            if cid in stored:
+                md = add_stored(md, stored[cid])
             try:
                 dst.put(metadata_key(cid), md, if_absent=True)
             except CommitConflict:
@@ -428,5 +478,7 @@ class Replicator:
                 log.warning("%s: committing %s on %s failed: %s", rnd.what, cid, dst.url, e)
                 continue
             promoted.append(cid)
+            if cid in stored:
+                self._encoded.committed(cid, stored[cid])
             log.info("%s: %s replicated to %s", rnd.what, cid, dst.url)
         return {"promoted": promoted, "failed": failed}

@@ -65,6 +65,11 @@ class SaveStats:
 
     ``phases``: the same stages with wall-clock start and end (:mod:`tierckpt.telemetry.phases`),
     for the timeline and the spans. :meth:`as_dict` flattens all of it for metric loggers.
+
+    Encoded hops (:mod:`tierckpt.codec`): ``compress_cpu_s`` (coding frames, background
+    threads; not in ``cpu_s``), ``stored_bytes`` (this rank's object on the encoding tier),
+    ``uploaded_bytes`` (sent to it) and ``copied_bytes`` (copied by its server from the previous
+    checkpoint: frames that did not change).
     """
 
     checkpoint_id: str
@@ -83,6 +88,10 @@ class SaveStats:
     capture_cpu_s: float = 0.0
     crc_cpu_s: float = 0.0
     write_cpu_s: float = 0.0
+    compress_cpu_s: float = 0.0
+    stored_bytes: int | None = None
+    uploaded_bytes: int | None = None
+    copied_bytes: int | None = None
     phases: PhaseLog = field(default_factory=PhaseLog, repr=False, compare=False)
 
     @property

@@ -49,6 +49,10 @@ times something; tables show a CPU-s/GiB column when measured.
   ``FileSystemWriter``/``FileSystemReader``; a table per phase, the fitted exponent of each count
   vs N, where each phase's S3 requests come from (call sites) and a projection against S3's
   per-prefix request rates (``tools/benchlib/scale.py``).
+* ``compress`` (only with ``--only``): compression by byte planes on real training state (ratios
+  and speeds per category against zstd, blosc2, ZipNN and DCP's ZStandard extension), promotion
+  through an S3 endpoint throttled to ``--throttle-mbs``, server-side copies in a 90%-frozen
+  fine-tune (``tools/benchlib/compress.py``).
 * ``rss``: peak RSS (psutil, sampled every 5 ms) of a fresh process during TieredWriter saves for
   pools of 1/4 and 1x of a ~1 GiB state (and ``dcp.async_save`` staging as a reference).
 
@@ -85,6 +89,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchlib.common import Contention, Ctx, init_pg, log, machine_info, now, print_table  # noqa: E402
+from benchlib.compress import section_compress  # noqa: E402
 from benchlib.cpu import section_cpu  # noqa: E402
 from benchlib.e2e import section_e2e  # noqa: E402
 from benchlib.lazy import section_lazy  # noqa: E402
@@ -95,13 +100,14 @@ from benchlib.rss import rss_child, section_rss  # noqa: E402
 from benchlib.s3 import section_s3  # noqa: E402
 from benchlib.scale import section_scale  # noqa: E402
 
-SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore", "peer", "scale")
-DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore/peer/scale: only with --only (need S3 servers, add minutes)
+SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore", "peer", "scale", "compress")
+DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore/peer/scale/compress: only with --only (need S3 servers, add minutes)
 
 
 SECTIONS: dict[str, Callable[[Ctx], dict]] = {
     "local": section_local, "cpu": section_cpu, "lazy": section_lazy, "e2e": section_e2e, "rss": section_rss,
     "s3": section_s3, "restore": section_restore, "peer": section_peer, "scale": section_scale,
+    "compress": section_compress,
 }
 
 
@@ -118,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
                     help=f"comma-separated sections of {SECTION_NAMES} (default: {','.join(DEFAULT_SECTIONS)})")
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="a temp dir is created (and removed) under it")
+    ap.add_argument("--throttle-mbs", default="250",
+                    help="section compress: upload bandwidths of the throttled S3 endpoint, MB/s, comma-separated (default 250)")
     ap.add_argument("--s3-data", default=None,
                     help="where SeaweedFS keeps its data (default: under --dir, the local tier's disk; /dev/shm "
                          "models an object store on other machines, whose disks this node does not share)")

@@ -15,6 +15,7 @@ config dataclass when its section is new), and a subclass of the tier contract s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -81,9 +82,19 @@ def make_tier(cfg: "Config", name: str) -> Tier | None:
     return kind.build(cfg)
 
 
+_warned_first: set[str] = set()
+
+
 def make_tiers(cfg: "Config") -> list[Tier]:
-    """The configured tiers, fastest first."""
-    return [k.build(cfg) for k in tier_kinds(cfg)]
+    """The configured tiers, fastest first. A first tier with an encoding (``[s3] compression``
+    without ``[local]``) stores its files as written: encoding happens on hops (logged once)."""
+    tiers = [k.build(cfg) for k in tier_kinds(cfg)]
+    if tiers and tiers[0].encoding is not None and tiers[0].name not in _warned_first:
+        _warned_first.add(tiers[0].name)
+        logging.getLogger("tierckpt").warning(
+            "[%s] compression / copy_unchanged apply to the copy into it from an earlier tier; as the first tier "
+            "it stores files as written (docs/compression.md)", tiers[0].name)
+    return tiers
 
 
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Collection, Iterator
 
 from ..errors import CorruptCheckpoint, TierError
+from .streams import Encoding, SpoolStream, StreamSink
 
-__all__ = ["Tier", "DataSink", "ObjectInfo", "ResumableSink", "check_key"]
+__all__ = ["Tier", "DataSink", "Encoding", "ObjectInfo", "ResumableSink", "StreamSink", "check_key"]
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._\-=+@,]+$")
 
@@ -204,6 +205,10 @@ class Tier(abc.ABC):
         read_concurrency: how many range reads of one file pay off in parallel.
         keep / keep_every: the retention policy of this tier, from its configuration section
             (``keep`` newest committed checkpoints, 0 = all; every ``keep_every``-th step kept).
+        encoding: how a hop stores data files here (:class:`Encoding`: compression, copies of
+            unchanged parts; :mod:`tierckpt.codec`), or None: as they are.
+        may_encode: this tier can hold encoded data files (written now or by an earlier
+            configuration): readers look for a stored index in its metadata.
 
     Code outside ``tiers/`` decides by these flags, never by ``name``.
     """
@@ -218,6 +223,8 @@ class Tier(abc.ABC):
     read_concurrency: int = 4
     keep: int = 0
     keep_every: int = 0
+    encoding: Encoding | None = None
+    may_encode: bool = False
 
     # -- writes ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -237,6 +244,12 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def open_sink(self, key: str, size: int) -> DataSink:
         """Start writing a large object of exactly ``size`` bytes at ``key``."""
+
+    def open_stream(self, key: str, size_hint: int = 0) -> StreamSink:
+        """Start writing an object at ``key`` front to back, its size unknown until the end
+        (an encoding hop; :class:`StreamSink`). The default spools it to a temporary file and
+        writes it through :meth:`open_sink` on close; tiers with multipart uploads override it."""
+        return SpoolStream(self, check_key(key))
 
     def upload_file(self, key: str, path: str, *, progress: "callable | None" = None) -> None:  # type: ignore[valid-type]
         """Copy a local file to ``key`` (promotion). The default streams it through a sink."""

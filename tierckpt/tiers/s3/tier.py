@@ -10,7 +10,8 @@ from typing import Any, Iterator
 from ...config import S3Config
 from ...errors import ConfigError, CorruptCheckpoint, TierAccessDenied, TierError
 from ...redact import redact
-from ..base import ObjectInfo, Tier, check_key
+from ..base import Encoding, ObjectInfo, Tier, check_key
+from ..streams import StreamSink
 from .client import _DELETE_BATCH, _DENIED, ClientError, _is_not_found, log, make_client
 from .copy import PartBuffers, copy_into
 from .reads import S3Reads
@@ -55,6 +56,17 @@ class S3Tier(S3Reads, S3Writes):
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._buffers = PartBuffers(cfg.part_size, cfg.concurrency + 1)
+        self.may_encode = True
+        self._part_copy = True  # UploadPartCopy works here (False once the server refused it)
+        if cfg.compression != "none" or cfg.copy_unchanged:
+            self.encoding = Encoding(cfg.compression, cfg.compression_level, cfg.copy_unchanged)
+
+    def open_stream(self, key: str, size_hint: int = 0) -> StreamSink:
+        """A multipart upload written front to back, ``UploadPartCopy`` for ranges of this tier's
+        objects (:class:`~.stream.S3Stream`); ``size_hint``: about how large it will be."""
+        from .stream import S3Stream
+
+        return S3Stream(self, check_key(key), size_hint)
 
     def copy_from(self, src: Tier, key: str) -> int:
         """Copy object ``key`` of ``src`` here (promotion after a local commit); return its size.

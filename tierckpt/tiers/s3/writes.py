@@ -129,7 +129,7 @@ class S3Writes(S3Requests):
         """Upload part ``pn`` (``body``: bytes, bytearray or a seekable reader); return the
         ``Parts`` entry for CompleteMultipartUpload."""
         url = self._url_of(full)
-        what = f"upload part {pn}/{nparts} of"
+        what = f"upload part {pn}/{nparts} of" if nparts else f"upload part {pn} of"
 
         def call() -> Any:
             if hasattr(body, "seek"):

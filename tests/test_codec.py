@@ -1,0 +1,240 @@
+"""The codec (tierckpt/codec): frames by byte planes, the stored index in metadata.json, and the
+decoding view. Bit-exact round trips for every dtype; damaged frames and hostile indexes refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tierckpt.codec import add_stored, frame_size, strip_stored
+from tierckpt.codec.frames import decode_into, encode, segments_of
+from tierckpt.codec.hop import Previous, copy_encoded, width_runs
+from tierckpt.codec.index import StoredFile, parse_stored
+from tierckpt.codec.view import decoding
+from tierckpt.errors import CorruptCheckpoint
+from tierckpt.tiers.base import Encoding
+from tierckpt.tiers.local import LocalTier
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.uint8,
+          torch.bool, torch.complex64, torch.complex128, torch.int32]
+
+
+def _tensor(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(n, generator=g, dtype=dtype) * 0.02
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 0.02).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), (n,), generator=g, dtype=dtype)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().copy() if t.numel() else np.zeros(0, np.uint8)
+
+
+def _width(t: torch.Tensor) -> int:
+    return width_runs([(0, 1, str(t.dtype).removeprefix("torch."))])[0][2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n", [0, 1, 7, 1001, 65536 + 3])
+def test_frame_round_trip_every_dtype(dtype: torch.dtype, n: int) -> None:
+    data = _bytes(_tensor(dtype, n))
+    segs = [(len(data), _width(_tensor(dtype, 1)))] if len(data) else []
+    stored = encode(data, segs)
+    out = bytearray(len(data))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == data.tobytes()
+
+
+def test_non_contiguous_and_mixed_widths_in_one_frame() -> None:
+    a = _tensor(torch.float32, 4096).reshape(64, 64).t()  # a transposed view: not contiguous
+    assert not a.is_contiguous()
+    parts = [_bytes(a), _bytes(_tensor(torch.bfloat16, 999)), np.frombuffer(b"pickled object bytes" * 7, np.uint8),
+             _bytes(_tensor(torch.float64, 333)), _bytes(_tensor(torch.bfloat16, 10))]
+    widths = [4, 2, 1, 8, 2]
+    data = np.concatenate(parts)
+    segs = [(len(p), w) for p, w in zip(parts, widths)]
+    stored = encode(data, segs)
+    out = bytearray(len(data))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == data.tobytes()
+    assert len(stored) < len(data)  # float data with small values compresses
+
+
+def test_planes_of_bf16_weights_compress_and_random_bytes_stay_raw() -> None:
+    w = _bytes((torch.randn(1 << 20) * 0.02).to(torch.bfloat16))
+    stored = encode(w, [(len(w), 2)])
+    assert len(w) / len(stored) > 1.3  # the exponent plane codes well; the mantissa plane is raw
+    noise = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    s2 = encode(noise, [(len(noise), 1)])
+    assert s2[0] == 0 and len(s2) == len(noise) + 1  # kept as it was
+
+
+def test_segments_of_cuts_runs_at_frame_bounds() -> None:
+    runs = [(0, 128, 4), (128, 192, 2), (256, 1024, 8)]
+    assert segments_of(0, 1024, runs) == [(128, 4), (64, 2), (64, 1), (768, 8)]
+    assert segments_of(100, 300, runs) == [(28, 4), (64, 2), (64, 1), (44, 8)]
+    assert segments_of(2000, 3000, runs) == [(1000, 1)]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "kind", "segments"])
+def test_damaged_frame_is_refused(damage: str) -> None:
+    data = _bytes(_tensor(torch.float32, 50000))
+    stored = bytearray(encode(data, [(len(data), 4)]))
+    if damage == "flip":
+        stored[len(stored) // 2] ^= 0xFF
+    elif damage == "truncate":
+        del stored[-10:]
+    elif damage == "kind":
+        stored[0] = 7
+    else:
+        stored[5:9] = (123).to_bytes(4, "little")
+    out = bytearray(len(data))
+    try:
+        decode_into(bytes(stored), memoryview(out), "rank-0 frame 3")
+    except CorruptCheckpoint as e:
+        assert "rank-0 frame 3" in str(e)
+        return
+    assert bytes(out) != data.tobytes()  # a flip inside a raw plane decodes: the CRC32C catches it
+
+
+def test_frame_size_divides_the_chunk_grid() -> None:
+    for chunk in (64 << 10, 4 << 20, 6 << 20, 32 << 20, 64 << 20, 12345 * 4096):
+        f = frame_size(chunk)
+        assert chunk % f == 0 and f % 4096 == 0 and f <= 4 << 20
+
+
+def _index(size: int = 10000, frame: int = 4096) -> StoredFile:
+    n = -(-size // frame)
+    return StoredFile("zstd", frame, size, [100 + i for i in range(n)], [bytes([i]) * 16 for i in range(n)], 1)
+
+
+def test_index_json_round_trip_and_hostile_entries() -> None:
+    idx = _index()
+    back = StoredFile.from_json(json.loads(json.dumps(idx.to_json())), "f", 10000)
+    assert back == idx and back.offsets == [0, 100, 201, 303]
+    assert parse_stored(None, {}) == {}
+    bad = [dict(idx.to_json(), size=9999), dict(idx.to_json(), codec="lz77"), dict(idx.to_json(), sizes="!!"),
+           dict(idx.to_json(), hashes=""), dict(idx.to_json(), frame=1), "nope",
+           dict(idx.to_json(), sizes=__import__("base64").b64encode(np.array([0, 1, 1], "<u4").tobytes()).decode())]
+    for d in bad:
+        with pytest.raises(CorruptCheckpoint, match="stored index of f|stored index"):
+            parse_stored({"f": d}, {"f": 10000})
+    with pytest.raises(CorruptCheckpoint, match="not a data file"):
+        parse_stored({"g": idx.to_json()}, {"f": 10000})
+
+
+def test_add_and_strip_stored_keep_the_first_tiers_metadata_byte_identical(tmp_path: Path) -> None:
+    from tierckpt.layout import parse_metadata
+
+    raw = _saved_metadata(tmp_path)
+    doc = parse_metadata(raw, "md")
+    file = next(iter(doc.manifest.files))
+    size = doc.manifest.files[file]
+    idx = _index(size, 4096)
+    with_idx = add_stored(raw, {file: idx})
+    parsed = parse_metadata(with_idx, "md with index")
+    assert parsed.manifest.stored[file] == idx and parsed.manifest.stored_size(file) == idx.stored
+    assert parsed.manifest.seq == doc.manifest.seq
+    assert strip_stored(with_idx) == raw
+    assert strip_stored(raw) is raw
+
+
+def _saved_metadata(tmp_path: Path) -> bytes:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt import TieredWriter
+    from tierckpt.config import config_from_dict
+
+    cfg = config_from_dict({"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
+                            "local": {"path": str(tmp_path / "md"), "fsync": False}})
+    w = TieredWriter(cfg)
+    dcp.save({"w": torch.randn(20000), "b": torch.zeros(3, dtype=torch.bfloat16)}, checkpoint_id="s-1",
+             storage_writer=w, no_dist=True)
+    w.wait()
+    w.close()
+    return (tmp_path / "md" / "s-1" / "metadata.json").read_bytes()
+
+
+class _EncodingLocal(LocalTier):
+    """A directory tier that may hold encoded files (the contract of an encoding tier, on disk)."""
+
+    name = "enc"
+    may_encode = True
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_copy_encoded_reads_back_through_the_view_and_copies_unchanged_frames(tmp_path: Path, compression: str) -> None:
+    src = LocalTier(tmp_path / "src", fsync=False)
+    dst = _EncodingLocal(tmp_path / "dst", fsync=False)
+    frame = 64 << 10
+    w = _bytes(_tensor(torch.bfloat16, 300_000))
+    o = _bytes(_tensor(torch.float32, 70_000, seed=1))
+    data = np.concatenate([w, o, np.zeros(17, np.uint8)])
+    runs = width_runs([(0, len(w), "bfloat16"), (len(w), len(o), "float32")])
+    enc = Encoding(compression, 1, True)
+    src.put("_00/c-1/rank-00000.data", data.tobytes())
+    idx, figs = copy_encoded(src, dst, "_00/c-1/rank-00000.data", size=len(data), frame=frame, runs=runs, encoding=enc)
+    assert figs.frames_copied == 0 and figs.logical == len(data)
+    if compression == "zstd":
+        assert idx.stored < len(data)
+    # the next checkpoint: the first bf16 frames changed, the rest did not
+    data2 = data.copy()
+    data2[:1000] ^= 1
+    src.put("_00/c-2/rank-00000.data", data2.tobytes())
+    prev = Previous("c-1", "_00/c-1/rank-00000.data", idx)
+    idx2, figs2 = copy_encoded(src, dst, "_00/c-2/rank-00000.data", size=len(data), frame=frame, runs=runs,
+                               encoding=enc, prev=prev)
+    assert figs2.frames_copied == idx2.frames - 1
+    for cid, raw, ix in (("c-1", data, idx), ("c-2", data2, idx2)):
+        dst.put(f"{cid}/metadata.json", add_stored(_fake_md(cid, len(data)), {"rank-00000.data": ix}))
+        view = decoding(dst, cid)
+        key = f"_00/{cid}/rank-00000.data"
+        assert view.size(key) == len(data)
+        assert view.get(key) == raw.tobytes()
+        buf = bytearray(frame + 100)
+        view.read_into(key, frame - 50, memoryview(buf))  # straddles two frames
+        assert bytes(buf) == raw[frame - 50:2 * frame + 50].tobytes()
+        a, b = bytearray(10), bytearray(70000)
+        view.read_ranges(key, 5, [memoryview(a), memoryview(b)])
+        assert bytes(a + b) == raw[5:70015].tobytes()
+        assert {i.key: i.size for i in view.list(f"_00/{cid}/")} == {key: len(data)}
+
+
+def _fake_md(cid: str, size: int) -> bytes:
+    """A minimal valid metadata.json of one data file (no items) for the view tests."""
+    from tierckpt.checksum import crc32c
+
+    body = json.dumps({"format": "tierckpt/1", "checkpoint_id": cid, "step": 1, "created": 1.0, "committed": 2.0,
+                       "world_size": 1, "chunk_size": 1 << 20, "save_token": "", "seq": 1,
+                       "files": {"rank-00000.data": size}, "dcp": {"state_dict_metadata": {}}, "items": []},
+                      separators=(",", ":")).encode()
+    head = json.dumps({"format": "tierckpt/1", "length": len(body), "crc32c": crc32c(body), "seq": 1, "step": 1,
+                       "committed": 2.0}).encode()
+    return head + b"\n" + body
+
+
+def test_frames_code_and_decode_on_many_threads_at_once() -> None:
+    """The coding pool and the read engine call the codec from several threads (zstd objects are
+    not thread-safe: each thread has its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    frames = [_bytes(_tensor(torch.float32, 200_000, seed=i)) for i in range(12)]
+    with ThreadPoolExecutor(4) as ex:
+        coded = list(ex.map(lambda f: encode(f, [(len(f), 4)]), frames))
+
+        def back(i: int) -> bool:
+            out = bytearray(len(frames[i]))
+            decode_into(coded[i], memoryview(out), "t")
+            return bytes(out) == frames[i].tobytes()
+
+        assert all(ex.map(back, range(len(frames))))

@@ -1,0 +1,247 @@
+"""One frame of a stored file: a few MiB of a data file, coded on its own (byte planes + zstd).
+
+A frame is what the encoded hop stores for one piece ``[i * frame, (i + 1) * frame)`` of a data
+file (:mod:`tierckpt.codec`). Its bytes are *segments* (runs of one item type, see
+:func:`segments_of`), each with a plane *width*: the item's element size (2 for bf16/fp16, 4 for
+fp32, 8 for fp64/int64, the component size for complex types, 1 for bytes, bool and serialized
+objects). The encoder groups the frame's bytes by width and splits each group into byte planes
+(plane ``j`` holds byte ``j`` of every element); the exponent planes of floating point data are
+highly compressible, the low mantissa planes are not. Each plane is coded with zstd, or kept raw
+when a sample of it does not compress (so incompressible planes cost no coder CPU) or when its
+coded form is not smaller.
+
+Format (little endian), version 1::
+
+    b"\\x00" + the raw bytes                          (nothing compressed: kept as it was)
+    b"\\x01"  u32 nseg  nseg * (u32 length, u8 width)  u8 nstream  nstream * (u8 kind, u32 size)
+          then the streams' bytes, in order            kind: 0 raw, 1 zstd frame
+
+Streams come per width in order of first appearance among the segments, planes ``0..width-1``
+(one stream for width 1). A frame decodes on its own (:func:`decode_into`), with no other input
+than its logical length, which the stored index gives: ranged reads, resumable fetches and
+parallel loads decode only the frames they touch. python-zstandard releases the GIL while it
+codes; the plane shuffles are numpy copies.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import CorruptCheckpoint
+
+__all__ = ["encode", "decode_into", "segments_of", "PROBE"]
+
+PROBE = 64 << 10
+"""Bytes of a plane coded first: a plane whose sample shrinks by less than 2% is kept raw."""
+_SEG = struct.Struct("<IB")
+_STREAM = struct.Struct("<BI")
+_U32 = struct.Struct("<I")
+
+_local = threading.local()  # zstd (de)compressor objects are not thread-safe: one set per thread
+
+
+def _zstd():
+    import zstandard
+
+    return zstandard
+
+
+def _compressor(level: int):
+    cs = getattr(_local, "compressors", None)
+    if cs is None:
+        cs = _local.compressors = {}
+    c = cs.get(level)
+    if c is None:
+        c = cs[level] = _zstd().ZstdCompressor(level=level)
+    return c
+
+
+def _decompressor():
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = _zstd().ZstdDecompressor()
+    return d
+
+
+def segments_of(start: int, end: int, runs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The (length, width) segments of bytes ``[start, end)`` given a file's width ``runs``
+    ((start, end, width), sorted, disjoint); bytes no run covers have width 1. Adjacent segments
+    of one width are merged; a segment's length need not be a multiple of its width."""
+    out: list[tuple[int, int]] = []
+    at = start
+
+    def add(n: int, w: int) -> None:
+        if n <= 0:
+            return
+        if out and out[-1][1] == w:
+            out[-1] = (out[-1][0] + n, w)
+        else:
+            out.append((n, w))
+
+    import bisect
+
+    i = max(0, bisect.bisect_right(runs, (start, 1 << 62, 0)) - 1)
+    while at < end and i < len(runs):
+        s, e, w = runs[i]
+        if e <= at:
+            i += 1
+            continue
+        if s >= end:
+            break
+        if s > at:
+            add(s - at, 1)
+            at = s
+        stop = min(e, end)
+        add(stop - at, w)
+        at = stop
+        i += 1
+    add(end - at, 1)
+    return out
+
+
+def _plan(segs: list[tuple[int, int]]) -> list[tuple[int, list[tuple[int, int]], int]]:
+    """Per width (first appearance order): the (offset, length) pieces of the frame, and the
+    element count of the group (a piece's tail that is not a whole element goes to width 1)."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    at = 0
+    for n, w in segs:
+        whole = n - n % w
+        if whole:
+            groups.setdefault(w, []).append((at, whole))
+        if n - whole:
+            groups.setdefault(1, []).append((at + whole, n - whole))
+        at += n
+    return [(w, pieces, sum(n for _, n in pieces) // w) for w, pieces in groups.items()]
+
+
+def _gather(a: np.ndarray, pieces: list[tuple[int, int]]) -> np.ndarray:
+    if len(pieces) == 1:
+        s, n = pieces[0]
+        return a[s:s + n]
+    return np.concatenate([a[s:s + n] for s, n in pieces])
+
+
+def _code(plane: np.ndarray, level: int) -> tuple[int, bytes | memoryview]:
+    c = _compressor(level)
+    n = len(plane)
+    if n >= 4 * PROBE:
+        mid = n // 2
+        sample = plane[mid:mid + PROBE]
+        if len(c.compress(sample)) > 0.98 * PROBE:
+            return 0, memoryview(plane)
+    z = c.compress(plane)
+    if len(z) < n:
+        return 1, z
+    return 0, memoryview(plane)
+
+
+def encode(data: memoryview | bytes | np.ndarray, segs: list[tuple[int, int]], level: int = 1) -> bytes:
+    """The stored form of one frame: ``data`` (its logical bytes) cut into ``segs`` ((length,
+    width), summing to ``len(data)``), coded as the module docstring says."""
+    a = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    if sum(n for n, _ in segs) != len(a):
+        raise ValueError(f"segments cover {sum(n for n, _ in segs)} bytes of a {len(a)}-byte frame")
+    streams: list[tuple[int, bytes | memoryview]] = []
+    for w, pieces, count in _plan(segs):
+        g = _gather(a, pieces)
+        if w == 1:
+            streams.append(_code(g, level))
+            continue
+        planes = g.reshape(count, w).T.copy()
+        for j in range(w):
+            streams.append(_code(planes[j], level))
+    body = sum(len(s) for _, s in streams)
+    head = 1 + 4 + _SEG.size * len(segs) + 1 + _STREAM.size * len(streams)
+    if head + body >= 1 + len(a) or len(streams) > 255:
+        return b"\x00" + a.tobytes()
+    out = bytearray(head + body)
+    out[0] = 1
+    _U32.pack_into(out, 1, len(segs))
+    at = 5
+    for n, w in segs:
+        _SEG.pack_into(out, at, n, w)
+        at += _SEG.size
+    out[at] = len(streams)
+    at += 1
+    for kind, s in streams:
+        _STREAM.pack_into(out, at, kind, len(s))
+        at += _STREAM.size
+    for _kind, s in streams:
+        out[at:at + len(s)] = s
+        at += len(s)
+    return bytes(out)
+
+
+def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None:
+    """Decode one stored frame into ``out`` (exactly its logical length); raises
+    :class:`CorruptCheckpoint` naming ``where`` when the frame is malformed or does not decode to
+    ``len(out)`` bytes (callers check the CRC32C of the result as well)."""
+    s = memoryview(stored).cast("B")
+    n = len(out)
+    if not len(s):
+        raise CorruptCheckpoint(f"{where}: empty frame")
+    if s[0] == 0:
+        if len(s) != n + 1:
+            raise CorruptCheckpoint(f"{where}: raw frame of {len(s) - 1} bytes, expected {n}")
+        out[:] = s[1:]
+        return
+    if s[0] != 1:
+        raise CorruptCheckpoint(f"{where}: unknown frame kind {s[0]}")
+    try:
+        nseg = _U32.unpack_from(s, 1)[0]
+        at = 5
+        if nseg > n + 1:
+            raise ValueError(f"{nseg} segments")
+        segs = [_SEG.unpack_from(s, at + k * _SEG.size) for k in range(nseg)]
+        at += _SEG.size * nseg
+        nstream = s[at]
+        at += 1
+        heads = [_STREAM.unpack_from(s, at + k * _STREAM.size) for k in range(nstream)]
+        at += _STREAM.size * nstream
+        if sum(ln for ln, _ in segs) != n or any(w not in (1, 2, 4, 8) for _, w in segs):
+            raise ValueError("segments do not match the frame")
+        plan = _plan(segs)
+        if nstream != sum(w for w, _, _ in plan):
+            raise ValueError("stream count does not match the segments")
+        dst = np.frombuffer(out, dtype=np.uint8)
+        k = 0
+        d = _decompressor()
+        for w, pieces, count in plan:
+            direct = len(pieces) == 1  # one piece: planes go straight to their place in ``out``
+            if direct:
+                st, ln = pieces[0]
+                group = dst[st:st + ln].reshape(count, w)
+            else:
+                group = np.empty((count, w), dtype=np.uint8)
+            for j in range(w):
+                kind, size = heads[k]
+                k += 1
+                body = s[at:at + size]
+                at += size
+                if len(body) != size:
+                    raise ValueError("truncated stream")
+                if kind == 1:
+                    plane = np.frombuffer(d.decompress(body, max_output_size=count), dtype=np.uint8)
+                elif kind == 0:
+                    plane = np.frombuffer(body, dtype=np.uint8)
+                else:
+                    raise ValueError(f"stream kind {kind}")
+                if len(plane) != count:
+                    raise ValueError(f"a plane of {len(plane)} bytes, expected {count}")
+                group[:, j] = plane
+            if not direct:
+                flat = group.reshape(-1)
+                off = 0
+                for st, ln in pieces:
+                    dst[st:st + ln] = flat[off:off + ln]
+                    off += ln
+        if at != len(s):
+            raise ValueError(f"{len(s) - at} trailing bytes")
+    except CorruptCheckpoint:
+        raise
+    except Exception as e:  # noqa: BLE001 - any malformed frame is corruption (zstd errors, struct errors)
+        raise CorruptCheckpoint(f"{where}: cannot decode frame ({type(e).__name__}: {e})") from None
