@@ -121,6 +121,7 @@ class SaveStats:
             capture_s flush_s commit_s promote_s                        once that stage ran
             capture_bytes_per_s flush_bytes_per_s                       once that stage ran
             hop_<tier>_s                                                each hop that committed
+            compress_cpu_s stored_bytes uploaded_bytes copied_bytes     an encoded hop ran (tierckpt.codec)
 
         each prefixed with ``prefix``. Integers stay ``int``, everything else is ``float``."""
         out: dict[str, float | int] = {"bytes": self.bytes, "items": self.items, "chunks": self.chunks,
@@ -138,6 +139,11 @@ class SaveStats:
                 out[f"{stage}_s"] = float(t)
                 if stage in ("capture", "flush") and t > 0:
                     out[f"{stage}_bytes_per_s"] = self.bytes / t
+        if self.compress_cpu_s:
+            out["compress_cpu_s"] = float(self.compress_cpu_s)
+        for k in ("stored_bytes", "uploaded_bytes", "copied_bytes"):  # an encoded hop ran
+            if getattr(self, k) is not None:
+                out[k] = int(getattr(self, k))
         for p in self.phases.snapshot():
             if p.tier is not None and p.error is None:
                 out[f"hop_{p.tier}_s"] = p.seconds
