@@ -70,7 +70,9 @@ def fit(args: dict, rank: int, world: int) -> dict:
     ckpt_path (e.g. "last"), reference_first (first run the uninterrupted job from scratch in
     this process, Lightning's own path, no checkpoints: the state after loading, the losses, the
     loop state and the final state are compared with it), width (model width), save_every_step
-    (benchmark: ``trainer.save_checkpoint`` after each step, timed, instead of ``ModelCheckpoint``).
+    (benchmark: ``trainer.save_checkpoint`` after each step, timed, instead of ``ModelCheckpoint``),
+    final_model (path: rank 0 writes the final full model state), validate (only
+    ``trainer.validate(ckpt_path=...)``; expect: a model state the loaded one must equal).
     Returns losses, resumed_from (the global step loaded), and with reference_first: loaded (keys
     of the checkpoint dict Lightning loaded that differ from the one it dumped at that step in the
     reference run), check (keys of the live state after loading that differ from the reference's),
@@ -115,14 +117,20 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
             self.losses[str(self.global_step + 1)] = float(loss.detach())
             return loss
 
+        def validation_step(self, batch, idx):  # noqa: ANN001, ANN201
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
         def configure_optimizers(self):  # noqa: ANN201
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def state(trainer) -> dict:  # noqa: ANN001
-        opt = trainer.optimizers[0]
         model = trainer.lightning_module
+        if not trainer.optimizers:  # validating
+            return {"model": _full(model.state_dict())}
+        opt = trainer.optimizers[0]
         if fsdp:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -137,6 +145,10 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
     reference = bool(args.get("reference"))
 
     class Probe(Callback):
+        def on_validation_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            if args.get("expect"):  # trainer.validate(ckpt_path=...): the model loaded is the one expected
+                out["check"] = compare(torch.load(args["expect"], weights_only=True), state(trainer)["model"])
+
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             out["resumed_from"] = trainer.global_step
             if ref and trainer.global_step:
@@ -177,8 +189,9 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
 
         from tierckpt.integrations.lightning import TierckptModelParallelStrategy
 
-        strategy = (ModelParallelStrategy() if args.get("io") == "default"
-                    else TierckptModelParallelStrategy(args["tiers"]))
+        shape = {"data_parallel_size": world, "tensor_parallel_size": 1}
+        strategy = (ModelParallelStrategy(**shape) if args.get("io") == "default"
+                    else TierckptModelParallelStrategy(args["tiers"], **shape))
     else:
         from tierckpt.integrations.lightning import TierckptCheckpointIO
 
@@ -191,10 +204,13 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
                                          monitor="step", mode="max", save_last="link"))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, plugins=plugins, max_steps=args["steps"],
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+                        num_sanity_val_steps=0, limit_val_batches=1 if args.get("validate") else 0, deterministic=True,
                         enable_checkpointing=not (args.get("save_every_step") or reference),
                         default_root_dir=args["dirpath"])
     model = Net()
+    if args.get("validate"):  # load only (e.g. on fewer ranks than saved it)
+        trainer.validate(model, loader, ckpt_path=args.get("ckpt_path"))
+        return out
     t0 = time.perf_counter()
     trainer.fit(model, loader, ckpt_path=args.get("ckpt_path"))
     out["fit_s"] = time.perf_counter() - t0
@@ -204,6 +220,8 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
     final = state(trainer)
     if reference:
         return {"records": records, "final": final, "losses": model.losses, "loops": loops}
+    if args.get("final_model") and rank == 0:
+        torch.save(final["model"], args["final_model"])
     if ref:
         out["final"] = compare(ref["final"], final)
         out["loops"] = compare(_resumed_view(ref["loops"]), _resumed_view(loops))

@@ -72,3 +72,22 @@ def test_ddp_kill_and_resume_last_bit_exact_top_k(tmp_path):
     if res[0]["resumed_from"] == CRASH - 1:  # no pointer was left for a save that never committed
         assert sorted(os.listdir(ck)) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
         assert os.readlink(ck / "last.ckpt") == "epoch=3-step=8.ckpt"
+
+
+def test_fsdp2_model_parallel_kill_resume_then_one_rank_load(tmp_path):
+    """The same with TierckptModelParallelStrategy (FSDP2 over 2 ranks): sharded model and optimizer
+    states and Lightning's metadata in one checkpoint; then a 1-rank job loads the last one (DCP
+    re-shards) and has the 2-rank job's final model."""
+    from tierckpt.checkpoints import list_checkpoints
+
+    tiers = _tiers(tmp_path)
+    ck = tmp_path / "ckpt"
+    base = {"strategy": "fsdp2", "tiers": tiers, "dirpath": str(ck), "steps": STEPS, "interval": INTERVAL}
+    _run(2, base | {"crash_after": CRASH}, tmp_path / "crashed")
+    res = _run(2, base | {"ckpt_path": "last", "reference_first": True, "final_model": str(tmp_path / "final.pt")},
+               tmp_path / "resumed")
+    _check_resumed(res, CRASH)
+    assert [c.id for c in list_checkpoints(tiers)] == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt"]
+    one = _run(1, base | {"validate": True, "ckpt_path": "last", "expect": str(tmp_path / "final.pt")},
+               tmp_path / "one-rank")
+    assert one[0]["check"] == [], one
