@@ -65,7 +65,8 @@ def train(args: dict, rank: int, world: int) -> dict:
     """``args``: io ("tierckpt" | "default"), tiers, dump (project dir), steps, interval,
     crash_after (stop dead after that step), resume (``load_state()`` first), reference_first
     (first the uninterrupted run in this process: the state after loading, the losses and the
-    final state are compared with it), width, save_every_step (benchmark: time every save).
+    final state are compared with it), width, save_every_step (benchmark: time every save),
+    then_resume (benchmark: then a new Accelerator in this process loads the last save, timed).
     Returns losses, resumed_from, ids (checkpoint id of each save and how many tierckpt saves it
     made), check/final (keys that differ from the reference), blocked, load_s."""
     ref = _train(args | {"reference": True, "resume": False}, rank, world, {}) if args.get("reference_first") else {}
@@ -159,6 +160,12 @@ def _train(args: dict, rank: int, world: int, ref: dict) -> dict:
             dist.barrier()
             Path(sys.argv[3]).write_text(json.dumps(out))
             os._exit(0)  # killed: nothing waited for
+    if args.get("save_every_step") and args.get("then_resume"):  # the benchmark: a new Accelerator loads the last save
+        if ckpt is not None:
+            ckpt.close()
+        again = _train(args | {"save_every_step": False, "then_resume": False, "resume": True}, rank, world, {})
+        out["load_s"] = again["load_s"]
+        return out
     final = state()
     if reference:
         return {"records": records, "final": final, "losses": out["losses"], "data": out.get("data")}

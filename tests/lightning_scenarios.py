@@ -72,7 +72,9 @@ def fit(args: dict, rank: int, world: int) -> dict:
     loop state and the final state are compared with it), width (model width), save_every_step
     (benchmark: ``trainer.save_checkpoint`` after each step, timed, instead of ``ModelCheckpoint``),
     final_model (path: rank 0 writes the final full model state), validate (only
-    ``trainer.validate(ckpt_path=...)``; expect: a model state the loaded one must equal).
+    ``trainer.validate(ckpt_path=...)``; expect: a model state the loaded one must equal),
+    then_resume (benchmark, with save_every_step: then a new trainer in this process resumes
+    from the last save; load_s: the seconds its strategy's ``load_checkpoint`` took).
     Returns losses, resumed_from (the global step loaded), and with reference_first: loaded (keys
     of the checkpoint dict Lightning loaded that differ from the one it dumped at that step in the
     reference run), check (keys of the live state after loading that differ from the reference's),
@@ -208,6 +210,16 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
                         enable_checkpointing=not (args.get("save_every_step") or reference),
                         default_root_dir=args["dirpath"])
     model = Net()
+    if args.get("time_load"):  # the benchmark: seconds in the strategy's load_checkpoint (every restore goes there)
+        load = trainer.strategy.load_checkpoint
+
+        def timed_load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            got = load(*a, **k)
+            out["load_s"] = time.perf_counter() - t0
+            return got
+
+        trainer.strategy.load_checkpoint = timed_load  # type: ignore[method-assign]
     if args.get("validate"):  # load only (e.g. on fewer ranks than saved it)
         trainer.validate(model, loader, ckpt_path=args.get("ckpt_path"))
         return out
@@ -219,7 +231,12 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
     loops = json.loads(json.dumps(trainer.fit_loop.state_dict(), default=str))
     final = state(trainer)
     if reference:
-        return {"records": records, "final": final, "losses": model.losses, "loops": loops}
+        return {"records": records, "final": final, "losses": model.losses, "loops": loops, "load_s": out.get("load_s")}
+    if args.get("save_every_step") and args.get("then_resume"):  # the benchmark: a new trainer loads the last save
+        last = os.path.join(args["dirpath"], f"bench-{trainer.global_step}.ckpt")
+        again = _fit(args | {"save_every_step": False, "then_resume": False, "time_load": True, "ckpt_path": last,
+                             "reference": True}, rank, world, {})
+        out["load_s"] = again["load_s"]
     if args.get("final_model") and rank == 0:
         torch.save(final["model"], args["final_model"])
     if ref:
