@@ -154,6 +154,10 @@ class TieredWriter(StorageWriter):
     Args:
         config: a :class:`~tierckpt.config.TierConfig`, a path to a TOML file, or ``None`` to
             read ``$TIERCKPT_CONFIG``.
+        no_dist: every save through this writer is a one-process save (pass
+            ``dcp.save(..., no_dist=True)`` too), also while a process group exists: the state
+            one rank holds whole, saved by that rank alone (Lightning's DDP checkpoints, rank 0).
+            Such saves coordinate with no other rank (DCP gives the writer no way to tell).
 
     **Checkpoint ids** may be paths, as frameworks pass them (``<dump>/checkpoint/step-100``,
     ``os.PathLike``): the last component is the id (:func:`tierckpt.checkpoints.checkpoint_id_of`).
@@ -170,9 +174,10 @@ class TieredWriter(StorageWriter):
     training process completes only then.
     """
 
-    def __init__(self, config: TierConfig | str | None = None) -> None:
+    def __init__(self, config: TierConfig | str | None = None, *, no_dist: bool = False) -> None:
         super().__init__()
         self.cfg = config if isinstance(config, TierConfig) else load_config(config)
+        self.no_dist = no_dist
         self._detached = False  # an unpickled copy, saving in another process (see the class docstring)
         self._closed = False
         self.engine: Engine = get_engine(self.cfg)
@@ -198,7 +203,7 @@ class TieredWriter(StorageWriter):
 
     def __reduce__(self) -> tuple:
         """Pickled as its configuration; the copy is detached (see the class docstring)."""
-        return (_detached_writer, (self.cfg,))
+        return (_detached_writer, (self.cfg, self.no_dist))
 
     def _ctx(self) -> _SaveCtx:
         ctx = getattr(self._tls, "ctx", None)
@@ -226,7 +231,7 @@ class TieredWriter(StorageWriter):
         if kwargs.get("use_collectives") is False:
             raise TierckptError("TieredWriter needs dcp.save(..., use_collectives=True) (the default)")
         ctx.is_coordinator = is_coordinator
-        self._distributed = dist.is_available() and dist.is_initialized()
+        self._distributed = not self.no_dist and dist.is_available() and dist.is_initialized()
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if self._distributed else 0
@@ -611,8 +616,8 @@ class TieredWriter(StorageWriter):
 
 
 
-def _detached_writer(cfg: TierConfig) -> TieredWriter:
+def _detached_writer(cfg: TierConfig, no_dist: bool = False) -> TieredWriter:
     """Unpickling a :class:`TieredWriter`: a detached writer of the same configuration."""
-    w = TieredWriter(cfg)
+    w = TieredWriter(cfg, no_dist=no_dist)
     w._detached = True
     return w

@@ -1,0 +1,145 @@
+"""PyTorch Lightning's checkpoints through tierckpt (``pip install "tierckpt[lightning]"``, Lightning 2.6).
+
+DDP and single-device runs: a ``CheckpointIO`` plugin::
+
+    from tierckpt.integrations.lightning import TierckptCheckpointIO
+
+    trainer = Trainer(strategy="ddp", plugins=[TierckptCheckpointIO("tiers.toml")],
+                      callbacks=[ModelCheckpoint(dirpath="ckpt", every_n_train_steps=500, save_top_k=2,
+                                                 monitor="step", mode="max", save_last="link")])
+    trainer.fit(model, ckpt_path="last")
+
+Sharded runs: :class:`~tierckpt.integrations.lightning_sharded.TierckptModelParallelStrategy`
+(FSDP2) and :class:`~tierckpt.integrations.lightning_sharded.TierckptFSDPStrategy` (FSDP1),
+re-exported here.
+
+What changes against Lightning's ``TorchCheckpointIO`` (``docs/integrations.md`` has the recipes):
+
+* **Saving** (``trainer.save_checkpoint``, ``ModelCheckpoint``; Lightning calls it on rank 0):
+  the checkpoint dict goes through one :class:`~tierckpt.TieredWriter` as a one-process save
+  (``no_dist``): every tensor an item, everything else one pickle
+  (:mod:`tierckpt.integrations.statetree`). It returns once the state is *captured* (copied to
+  host memory): the writes, the commit and the promotion to later tiers run in the background.
+  At the path Lightning gave, a pointer file names the checkpoint
+  (:mod:`tierckpt.integrations.pathmap`: ids, ``ckpt_path="last"``, rewritten names).
+* **Loading** (every rank, ``trainer.fit(ckpt_path=...)``): the checkpoint the path resolves to,
+  from the fastest tier holding it; a path holding an ordinary Lightning checkpoint file is read
+  by Lightning's ``TorchCheckpointIO``. Tensors come back on the CPU (Lightning moves them).
+  ``weights_only=False`` (or ``allow_pickle=True`` here) lets non-tensor values unpickle
+  without ``weights_only``, as ``torch.load`` would.
+* **Deleting** (``save_top_k``, ``remove_checkpoint``): the pointer at once, the checkpoint from
+  every tier in the background, lease-guarded (:mod:`tierckpt.integrations.deletions`).
+* **Teardown** (end of ``fit``/``validate``/...): waits for every save to commit on every tier
+  and every deletion to run; a background failure is raised there (logged instead when the
+  trainer is already handling an exception).
+
+The plugin builds its writer on first use, so it pickles as its configuration (``ddp_spawn``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+try:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.utilities.types import _PATH
+    from lightning.pytorch.plugins.io import CheckpointIO
+except ImportError as e:  # pragma: no cover - depends on the environment
+    from ..errors import TierckptError
+
+    raise TierckptError(f"tierckpt.integrations.lightning needs Lightning ({e}); "
+                        'install it with: pip install "tierckpt[lightning]"') from e
+
+from ..config import TierConfig
+from ..reader import TieredReader
+from ..writer import TieredWriter
+from .pathmap import PathMap
+from .statetree import join, split
+
+__all__ = ["TierckptCheckpointIO", "TierckptModelParallelStrategy", "TierckptFSDPStrategy"]
+
+log = logging.getLogger("tierckpt")
+
+
+class TierckptCheckpointIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` for DDP and single-device runs, through the tiers.
+
+    Args:
+        config: a :class:`~tierckpt.config.TierConfig`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
+        allow_pickle: unpickle non-tensor values without ``weights_only`` on every load (only for
+            checkpoints you trust); otherwise only when Lightning passes ``weights_only=False``.
+
+    Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0,
+    ``load_checkpoint`` on every rank, ``teardown`` on every rank (see the module docstring).
+    """
+
+    def __init__(self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False) -> None:
+        self.config = os.fspath(config) if isinstance(config, os.PathLike) else config
+        self.allow_pickle = allow_pickle
+        self._paths: PathMap | None = None
+
+    @property
+    def paths(self) -> PathMap:
+        """The path map (and its writer), made on first use in this process."""
+        if self._paths is None:
+            self._paths = PathMap(TieredWriter(self.config, no_dist=True))
+        return self._paths
+
+    @property
+    def writer(self) -> TieredWriter:
+        return self.paths.writer
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config, "allow_pickle": self.allow_pickle, "_paths": None}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Rank 0: save ``checkpoint`` as the checkpoint of ``path``; returns once captured."""
+        if storage_options is not None:
+            raise TypeError("`TierckptCheckpointIO.save_checkpoint(..., storage_options=...)` is not supported: "
+                            "the tiers are configured in tierckpt's TOML")
+        paths = self.paths
+        cid, replaces = paths.new_id(path)
+        flat = split(checkpoint)
+        dcp.save(flat, checkpoint_id=cid, storage_writer=paths.writer, no_dist=True)
+        job = paths.writer.last
+        paths.writer.wait_captured()
+        paths.saved(path, cid, job, replaces, step=checkpoint.get("global_step"))
+        log.info("checkpoint %s captured for %s; it commits in the background", cid, path)
+
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Every rank: the checkpoint ``path`` resolves to, whole (tensors on the CPU)."""
+        got = self.paths.resolve(path)
+        if got.foreign:
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        trusted = self.allow_pickle or weights_only is False
+        reader = TieredReader(self.paths.cfg)  # the tensors and the pickled skeleton (bytes)
+        reader.reset(got.id)
+        flat: dict[str, Any] = {}
+        _load_state_dict(flat, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        return join(flat, weights_only=not trusted)
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Rank 0: the pointer at ``path`` now; the checkpoint from every tier in the background."""
+        self.paths.remove(path)
+
+    def teardown(self) -> None:
+        """Every rank: wait for this process's saves to commit and its deletions to run."""
+        if self._paths is not None:
+            self._paths.close(quietly=sys.exc_info()[0] is not None or sys.is_finalizing())
+
+
+def __getattr__(name: str) -> Any:
+    """The sharded strategies live in :mod:`tierckpt.integrations.lightning_sharded`."""
+    if name in ("TierckptModelParallelStrategy", "TierckptFSDPStrategy"):
+        from . import lightning_sharded
+
+        return getattr(lightning_sharded, name)
+    raise AttributeError(name)
