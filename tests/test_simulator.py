@@ -65,6 +65,8 @@ def test_simulator_counts_equal_a_real_runs(moto_endpoint, s3cfg, tmp_path):
         job = build_job_from(tmp_path / "snap", snap, 4, 2)
         sim = simulate_load(job, phase, wants=lambda r: (f"r{r}", "shared", "step"))
         got, want = dict(sim["s3_by_op"]), dict(real["phases"][phase]["s3_by_op"])
-        # a real run may read a lease or retry a GET more, depending on timing; nothing else differs
+        # A real run may send up to one GET more per rank, depending on timing (a lease read, a
+        # retried range, a fill reading the metadata before the peer's copy arrived); every other
+        # operation is the same, and the simulator never counts more than the real run.
         sim_get, real_get = got.pop("GetObject", 0), want.pop("GetObject", 0)
-        assert got == want and sim_get <= real_get <= sim_get + 2, (phase, sim, real["phases"][phase])
+        assert got == want and sim_get <= real_get <= sim_get + 4, (phase, sim, real["phases"][phase])
