@@ -309,9 +309,3 @@ def read_shared_metadata(tiers: list[Tier], verdict: Verdict) -> bytes:
 def done_key(verdict: Verdict) -> str:
     """The store counter every rank increments once its reads are over (phase 5)."""
     return f"tierckpt/load/{verdict.load}/done"
-
-
-def describe_missing(counts: dict[int, Any], world: int) -> str:
-    """``"ranks 3, 7"`` for the ranks of ``range(world)`` absent from ``counts``."""
-    missing = [r for r in range(world) if r not in counts]
-    return "ranks " + ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")

@@ -205,7 +205,7 @@ def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, wh
             if cancelled():
                 raise
             missing = [q for q in range(r, world) if channel.try_get(f"{prefix}/rank{q}") is None]
-            raise CommitError(f"{what}: no report from {_ranks(missing)} within {timeout:.0f} s "
+            raise CommitError(f"{what}: no report from {name_ranks(missing)} within {timeout:.0f} s "
                               "(dead or hung; every other rank reported)") from None
         channel.delete(f"{prefix}/rank{r}")
         rep = decode_report(raw, f"{what} rank {r}")
@@ -216,7 +216,7 @@ def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, wh
 
 
 
-def _ranks(ranks: list[int]) -> str:
+def name_ranks(ranks: list[int]) -> str:
     """``"rank 3"``, ``"ranks 3, 7"``, at most 20 named."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"

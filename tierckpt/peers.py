@@ -195,7 +195,7 @@ def _named(what: str, key: str, rank: int, world: int, fn: "Any") -> Any:
     """``fn()``, every rank marking its arrival under ``key`` on the job's store first; when it
     fails, a :class:`TierckptError` naming the ranks whose mark is missing. Costs two store
     operations per rank (the mark and its deletion); the failure path reads every rank's mark."""
-    from .commit import default_channel
+    from .commit import default_channel, name_ranks
 
     ch = default_channel(True)
     key = f"tierckpt/peers/{key}"
@@ -207,7 +207,7 @@ def _named(what: str, key: str, rank: int, world: int, fn: "Any") -> Any:
         out = fn()
     except Exception as e:
         absent = _absent(ch, key, world)
-        who = (("rank " if len(absent) == 1 else "ranks ") + ", ".join(map(str, absent[:20]))) if absent else "a rank"
+        who = name_ranks(absent) if absent else "a rank"
         err = TierckptError(f"{what}: {who} did not take part (dead, hung, or not loading): {type(e).__name__}: "
                             f"{str(e)[:300]}")
         # Logged too: inside dcp.load, DCP's own collective that follows fails on the same dead rank
