@@ -207,13 +207,47 @@ def staggered_load(args: dict, rank: int, world: int) -> dict:
     return {"mismatches": compare(expected, target), "resolved": r.resolved_id}
 
 
+def _die_at(victim: int, rank: int, phase: str) -> None:
+    """In rank ``victim`` only: make it die (``os._exit(9)``: no cleanup, no atexit) at ``phase`` of
+    ``step-2``, by wrapping the library function that runs that phase in this process."""
+    if rank != victim:
+        return
+    from tierckpt import commit, peercopy, peers, replicate, writer
+
+    def dead(*_a, **_k):
+        os._exit(9)
+
+    if phase == "plan":  # inside dcp.save, before this rank's plan reaches the coordinator
+        writer.TieredWriter.prepare_local_plan = dead
+    elif phase == "commit":  # right after this rank reported its file durable, before the outcome
+        report = commit.Round.report
+
+        def report_then_die(self, ok, **fields):
+            report(self, ok, **fields)
+            if "step-2" in self.what:
+                os._exit(9)
+
+        commit.Round.report = report_then_die
+    elif phase == "hop":  # in the middle of its copy to the second tier (S3)
+        replicate.Replicator._replicate = lambda self, job: dead() if job.id == "step-2" else None
+    elif phase == "peer":  # in the save's peer exchange (copying its file to its partner node)
+        peercopy.PeerHop._exchange = dead
+    elif phase == "exchange":  # in the load's exchange, serving files to a node that lost its disk
+        peers.PeerGroup.exchange = dead
+
+
 def die_in_phase(args: dict, rank: int, world: int) -> dict:
-    """Commit ``step-1``; then rank ``victim`` dies in ``phase``: ``save`` (right after ``dcp.save``
-    of ``step-2`` returns, before its commit) or ``load`` (instead of entering ``dcp.load``). The
-    other ranks report the error they got and how long it took."""
+    """Commit ``step-1``; then rank ``victim`` dies in ``phase`` and the other ranks report the
+    error they got (and the tierckpt errors they logged). Phases of ``step-2``'s save: ``plan``
+    (in DCP's planning), ``save`` (right after ``dcp.save`` returns: its file is being written),
+    ``commit`` (right after its report), ``hop`` (copying to the second tier), ``peer`` (the peer
+    copies). Phases of a load of ``step-1``: ``load`` (instead of entering ``dcp.load``),
+    ``exchange`` (serving files to the ranks of node ``args['wiped']``, whose disk is wiped first)."""
+    import logging
+    import shutil
     import time
 
-    import logging
+    import torch.distributed as dist
 
     cfg = cfg_of(args)
     victim, phase = args["victim"], args["phase"]
@@ -228,16 +262,21 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
     w = TieredWriter(cfg)
     dcp.save(_small_state(rank, 1), checkpoint_id="step-1", storage_writer=w)
     w.wait()
+    _die_at(victim, rank, phase)
     t0 = time.monotonic()
     try:
-        if phase == "save":
+        if phase in ("plan", "save", "commit", "hop", "peer"):
             dcp.save(_small_state(rank, 2), checkpoint_id="step-2", storage_writer=w)
-            if rank == victim:
+            if rank == victim and phase == "save":
                 os._exit(9)
-            t0 = time.monotonic()
             w.wait()
-        elif phase == "load":
-            if rank == victim:
+        else:
+            if phase == "exchange":
+                dist.barrier()  # every rank is done with step-1 before a node's disk goes
+                if os.environ.get("TIERCKPT_NODE") == args["wiped"] and rank % 2 == 0:
+                    shutil.rmtree(args["config"]["local"]["path"].replace("{node}", args["wiped"]))
+                dist.barrier()
+            if rank == victim and phase == "load":
                 os._exit(9)
             target = placeholder(_small_state(rank, 1))
             dcp.load(target, checkpoint_id="latest", storage_reader=TieredReader(cfg))

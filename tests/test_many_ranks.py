@@ -29,21 +29,75 @@ def test_ranks_entering_the_load_seconds_apart_still_load(tmp_path):
     assert all(r["mismatches"] == [] and r["resolved"] == "step-1" for r in res), res
 
 
-@pytest.mark.parametrize("phase", ["save", "load"])
-def test_a_dead_rank_is_named_by_every_other(tmp_path, phase):
-    res = run_world(WORLD, "die_in_phase", {"config": _cfg(tmp_path), "victim": VICTIM, "phase": phase}, tmp_path / "w",
+def _named_in(out: dict, rank: int) -> bool:
+    """Whether this rank's error, or a tierckpt error it logged, names ``rank`` as the one at fault."""
+    texts = [out["error"] or "", *out["logged"]]
+    pats = [r"ranks? ([\d, ]+) did not take part", r"no report from ranks? ([\d, ]+) within",
+            r"(?:from|to) rank (\d+)", r"\(rank (\d+): dead or hung\?\)"]
+    return any(str(rank) in m.group(1).split(", ") for t in texts for p in pats for m in re.finditer(p, t))
+
+
+def _committed(tmp_path, cid: str) -> list[str]:
+    """The nodes whose disk holds ``cid`` committed (its metadata written last, by the commit)."""
+    return [f"n{n}" for n in range(WORLD // 2) if (tmp_path / "ckpt" / f"n{n}" / cid / "metadata.json").exists()]
+
+
+@pytest.mark.parametrize("phase,victim", [("plan", VICTIM), ("save", VICTIM), ("commit", 0), ("load", VICTIM)])
+def test_a_dead_rank_is_named_by_every_other(tmp_path, phase, victim):
+    # The job's store lives outside the ranks, as under torchrun (its agent hosts it): rank 0 may die too.
+    res = run_world(WORLD, "die_in_phase", {"config": _cfg(tmp_path), "victim": victim, "phase": phase}, tmp_path / "w",
+                    node_of=_node, timeout=300, expect_ok=False, agent_store=True)
+    assert res[victim].get("exit") == 9, res[victim]
+    namers = [r for r, out in enumerate(res) if r != victim and _named_in(out, victim)]
+    for r, out in enumerate(res):
+        if r != victim:
+            assert out["error"], (r, out)  # every other rank got an error: none hangs
+    if phase in ("save", "commit"):  # our own waits: every rank names the dead one
+        assert len(namers) == WORLD - 1, res
+    elif phase == "load":  # DCP's own collective raises gloo's error; ours (naming the rank) is logged first,
+        assert namers, res  # except by a rank whose collective broke before the dead one's absence settled
+    # plan: DCP's own collective (gather of the plans) fails with gloo's error, which names no rank
+    if phase != "load":  # nothing half-written became visible
+        assert _committed(tmp_path, "step-2") == [] and len(_committed(tmp_path, "step-1")) == WORLD // 2
+
+
+def test_a_rank_dying_in_the_s3_hop_is_named_and_nothing_is_committed_there(tmp_path, moto_endpoint, s3cfg):
+    import dataclasses
+
+    s3 = dataclasses.asdict(s3cfg(moto_endpoint))
+    cfg = _cfg(tmp_path) | {"s3": s3}
+    res = run_world(WORLD, "die_in_phase", {"config": cfg, "victim": VICTIM, "phase": "hop"}, tmp_path / "w",
                     node_of=_node, timeout=300, expect_ok=False)
     assert res[VICTIM].get("exit") == 9, res[VICTIM]
-    namers = []
     for r, out in enumerate(res):
-        if r == VICTIM:
-            continue
-        assert out["error"], (r, out)  # every other rank got an error: none hangs
-        if phase == "save":  # the commit protocol's own error: the coordinator names the rank
-            assert f"no report from rank {VICTIM} within {TIMEOUT} s" in out["error"], (r, out)
-        else:  # DCP's own collective raises gloo's error; ours (naming the rank) is logged first
-            named = [re.search(r"ranks? ([\d, ]+) did not take part", m) for m in out["logged"]]
-            if any(m and str(VICTIM) in m.group(1).split(", ") for m in named):
-                namers.append(r)
-    if phase == "load":  # a rank whose collective broke before the dead one's absence settled may name none
-        assert namers, res
+        if r != VICTIM:  # the hop's commit names it on every rank, raised by wait()
+            assert out["error"] and _named_in(out, VICTIM), (r, out)
+    assert len(_committed(tmp_path, "step-2")) == WORLD // 2  # committed on the disks before the hop began
+    from tierckpt import list_checkpoints
+    from tierckpt.config import config_from_dict
+
+    on_s3 = [c.id for c in list_checkpoints(config_from_dict({"s3": s3}))]
+    assert on_s3 == ["step-1"], on_s3
+
+
+def test_a_rank_dying_in_the_peer_copies_is_named(tmp_path):
+    cfg = _cfg(tmp_path) | {"peer": {"replicas": 1}}
+    res = run_world(WORLD, "die_in_phase", {"config": cfg, "victim": VICTIM, "phase": "peer"}, tmp_path / "w",
+                    node_of=_node, timeout=300, expect_ok=False)
+    assert res[VICTIM].get("exit") == 9, res[VICTIM]
+    for r, out in enumerate(res):
+        if r != VICTIM:  # the peer hop's commit fails on every rank, naming the dead one
+            assert out["error"] and _named_in(out, VICTIM), (r, out)
+
+
+def test_a_rank_dying_while_serving_a_lost_node_is_named(tmp_path):
+    """Node n3 (ranks 6, 7) lost its disk; its files come from their copies on n4 (ranks 8, 9).
+    Rank 8 dies in that exchange: rank 6, which waited for its bytes, names it."""
+    cfg = _cfg(tmp_path) | {"peer": {"replicas": 1}}
+    res = run_world(WORLD, "die_in_phase", {"config": cfg, "victim": 8, "phase": "exchange", "wiped": "n3"},
+                    tmp_path / "w", node_of=_node, timeout=300, expect_ok=False)
+    assert res[8].get("exit") == 9, res[8]
+    for r, out in enumerate(res):
+        if r != 8:
+            assert out["error"], (r, out)  # none hangs
+    assert _named_in(res[6], 8), res[6]

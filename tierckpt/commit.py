@@ -28,6 +28,7 @@ is an in-memory dict. Keys and tags are defined here only.
 from __future__ import annotations
 
 import abc
+import datetime
 import json
 import logging
 import threading
@@ -151,6 +152,28 @@ class StoreChannel(Channel):
 
     def add(self, key: str, n: int) -> int:
         return int(self._store.add(key, n))
+
+    def wait_get(self, key: str, timeout: float, what: str, cancelled=lambda: False) -> bytes:
+        """Block in the store's own wait (woken when ``key`` is set) in slices of at most a second,
+        checking ``cancelled`` between them: about two store operations per second per waiting
+        rank, where polling cost dozens."""
+        deadline = time.monotonic() + timeout
+        while True:
+            v = self.try_get(key)
+            if v is not None:
+                return v
+            if cancelled():
+                raise CommitError(f"{what}: cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommitError(f"{what}: nothing arrived within {timeout:.0f} s (a rank died or hung?)")
+            t0 = time.monotonic()
+            try:
+                self._store.wait([key], datetime.timedelta(seconds=min(1.0, left)))
+            except Exception:  # noqa: BLE001 - the slice ran out (DistStoreError); a dead store fails try_get
+                pass
+            if time.monotonic() - t0 < 0.01 and self.try_get(key) is None:
+                time.sleep(0.05)  # a store whose wait returns at once: do not spin
 
 
 _local_channel = LocalChannel()

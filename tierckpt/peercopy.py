@@ -143,14 +143,14 @@ class PeerHop(Replicator):
                 works = []
                 for q in incoming:
                     if off < sizes[q]:
-                        works.append(dist.irecv(recv_bufs[q][: min(piece, sizes[q] - off)], src=q, group=group.group))
+                        works.append((f"from rank {q}",
+                                      dist.irecv(recv_bufs[q][: min(piece, sizes[q] - off)], src=q, group=group.group)))
                 if targets and off < job.size:
                     assert send_buf is not None
                     n = min(piece, job.size - off)
                     tier.read_into(mine, off, memoryview(send_buf[:n].numpy()))
-                    works += [dist.isend(send_buf[:n], dst=t, group=group.group) for t in targets]
-                for w in works:
-                    w.wait()
+                    works += [(f"to rank {t}", dist.isend(send_buf[:n], dst=t, group=group.group)) for t in targets]
+                _settle(works, f"checkpoint {cid}: peer copies of rank {job.assign.rank}")
                 for q, (f, _size) in incoming.items():
                     if off < sizes[q]:
                         view = recv_bufs[q][: min(piece, sizes[q] - off)].numpy()
@@ -171,6 +171,20 @@ class PeerHop(Replicator):
         finally:
             if lease is not None:
                 lease.release()
+
+
+def _settle(works: list[tuple[str, Any]], what: str) -> None:
+    """Wait for every transfer of a piece; raise naming the peers whose transfer failed (a peer
+    that died breaks only the transfers with it)."""
+    failed = []
+    for peer, w in works:
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 - reported once all are settled
+            failed.append((peer, e))
+    if failed:
+        raise TierckptError(f"{what}: the transfer {', '.join(p for p, _e in failed[:20])} failed (dead or hung?): "
+                            f"{type(failed[0][1]).__name__}: {str(failed[0][1])[:300]}")
 
 
 def _aligned(n: int) -> torch.Tensor:

@@ -62,10 +62,14 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *, timeout: float,
                  env_of: Callable[[int], dict[str, str]] | None = None,
-                 prefix_of: Callable[[int], list[str]] | None = None) -> tuple[list[int | None], dict[int, str]]:
+                 prefix_of: Callable[[int], list[str]] | None = None,
+                 agent_store: bool = False) -> tuple[list[int | None], dict[int, str]]:
     """Start ``argv(rank)`` for every rank (environment: ours + :func:`rank_env` + ``env_of(rank)``;
     command prefixed by ``prefix_of(rank)``, e.g. :func:`hide_paths`), output to
     ``workdir/rank<r>.log``; wait for all of them.
+
+    ``agent_store``: this process hosts the job's TCPStore, as torchrun's agent does, so the
+    store outlives any rank (rank 0 included); otherwise rank 0's process hosts it.
 
     Returns (exit codes, None for a rank still running after ``timeout`` seconds, which is killed;
     the log of every rank). Every process has exited when it returns.
@@ -73,10 +77,20 @@ def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *,
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     procs = []
+    store = None
+    if agent_store:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
     try:
         for r in range(world):
             env = dict(os.environ)
             env.update(rank_env(r, world, port))
+            if agent_store:
+                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             env.update(env_of(r) if env_of else {})
             out = open(workdir / f"rank{r}.log", "w")
             procs.append((subprocess.Popen((prefix_of(r) if prefix_of else []) + argv(r), env=env, stdout=out, stderr=subprocess.STDOUT), out))
@@ -92,26 +106,29 @@ def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *,
                 p.kill()
                 p.wait()
             out.close()
+        del store
     logs = {r: (workdir / f"rank{r}.log").read_text() for r in range(world)}
     return codes, logs
 
 
 def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *, script: Path,
               node_of: Callable[[int], str] | None = None, timeout: float = 180.0, expect_ok: bool = True,
-              extra_env: dict[str, str] | None = None, prefix_of: Callable[[int], list[str]] | None = None) -> list[dict]:
+              extra_env: dict[str, str] | None = None, prefix_of: Callable[[int], list[str]] | None = None,
+              agent_store: bool = False) -> list[dict]:
     """Run ``scenario`` of the worker module ``script`` on ``world`` ranks; return their results.
 
     ``node_of(rank)`` sets ``TIERCKPT_NODE`` per rank (default ``"node0"``): groups of ranks with
     different values are simulated nodes with their own ``[local] path = ".../{node}"``.
     With ``expect_ok``, any rank exiting non-zero (or timing out) raises AssertionError with every
     rank's log tail; otherwise a rank without a result gives ``{"exit": code, "log": tail}``.
+    ``agent_store``: see :func:`launch_ranks`.
     """
     def env_of(r: int) -> dict[str, str]:
         return {"TIERCKPT_NODE": node_of(r) if node_of else "node0"} | (extra_env or {})
 
     codes, full_logs = launch_ranks(
         world, lambda r: [sys.executable, str(script), scenario, json.dumps(args), str(workdir / f"result{r}.json")],
-        workdir, timeout=timeout, env_of=env_of, prefix_of=prefix_of)
+        workdir, timeout=timeout, env_of=env_of, prefix_of=prefix_of, agent_store=agent_store)
     logs = {r: text[-4000:] for r, text in full_logs.items()}
     if expect_ok and any(c != 0 for c in codes):
         raise AssertionError(f"scenario {scenario} failed: exit codes {codes}\n" + "\n".join(f"--- rank {r}\n{l}" for r, l in logs.items()))
