@@ -274,7 +274,8 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
             if phase == "exchange":
                 dist.barrier()  # every rank is done with step-1 before a node's disk goes
                 if os.environ.get("TIERCKPT_NODE") == args["wiped"] and rank % 2 == 0:
-                    shutil.rmtree(args["config"]["local"]["path"].replace("{node}", args["wiped"]))
+                    for child in Path(args["config"]["local"]["path"].replace("{node}", args["wiped"])).iterdir():
+                        shutil.rmtree(child) if child.is_dir() else child.unlink()
                 dist.barrier()
             if rank == victim and phase == "load":
                 os._exit(9)
@@ -282,7 +283,8 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
             dcp.load(target, checkpoint_id="latest", storage_reader=TieredReader(cfg))
         return {"error": None, "seconds": time.monotonic() - t0, "logged": logged}
     except BaseException as e:  # noqa: BLE001 - the error is the result
-        return {"error": _err(e), "seconds": time.monotonic() - t0, "logged": logged}
+        return {"error": _err(e), "seconds": time.monotonic() - t0, "logged": logged,
+                "tb": traceback.format_exc()[-2500:]}
 
 
 SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase]})

@@ -169,9 +169,16 @@ class PeerGroup:
         import torch.distributed as dist
 
         g = self.transport()
-        works = [("from", peer, dist.irecv(buf, src=peer, group=g, tag=TAG)) for peer, buf in sorted(recvs.items())]
-        works += [("to", peer, dist.isend(buf, dst=peer, group=g, tag=TAG)) for peer, buf in sorted(sends.items())]
-        errors = []
+        ops = [("from", peer, lambda b=buf, p=peer: dist.irecv(b, src=p, group=g, tag=TAG))
+               for peer, buf in sorted(recvs.items())]
+        ops += [("to", peer, lambda b=buf, p=peer: dist.isend(b, dst=p, group=g, tag=TAG))
+                for peer, buf in sorted(sends.items())]
+        errors, works = [], []
+        for way, peer, post in ops:  # posting fails at once when the peer's connection is already gone
+            try:
+                works.append((way, peer, post()))
+            except Exception as e:  # noqa: BLE001 - reported once all are settled
+                errors.append((way, peer, e))
         for way, peer, w in works:
             try:
                 w.wait()
@@ -180,8 +187,12 @@ class PeerGroup:
         if errors:
             way, peer, e = errors[0]
             failed = ", ".join(f"{w} rank {p}" for w, p, _e in errors[:20])
-            raise TierckptError(f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or "
+            err = TierckptError(f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or "
                                 f"hung?): {e}")
+            # Logged too: inside dcp.load, DCP's collective that follows fails on the same dead rank
+            # and its error (naming no rank) is the one raised.
+            log.error("%s", err)
+            raise err
 
     def collective(self, what: str, fn: "Any") -> Any:
         """Run ``fn()`` (a collective of this group) and turn its failure (a rank that died, or that
