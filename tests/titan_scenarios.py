@@ -124,7 +124,9 @@ def train(args: dict, rank: int, world: int) -> dict:
 
     keep = _Keep(logging.WARNING)
     logging.getLogger("tierckpt").addHandler(keep)
+    t_load = time.perf_counter()
     ckpt.load(step=args.get("load_step", -1))
+    out["load_s"] = time.perf_counter() - t_load
     out["resumed_from"] = ts.step
     if args.get("check"):
         rec = torch.load(args["check"], weights_only=True)

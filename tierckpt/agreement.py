@@ -288,9 +288,10 @@ def metadata_source(verdict: Verdict, rank: int, mine: bool) -> str:
     return "shared"
 
 
-def read_shared_metadata(tiers: list[Tier], verdict: Verdict) -> bytes:
+def read_shared_metadata(tiers: list[Tier], verdict: Verdict) -> tuple[str, bytes]:
     """Phase 4 on a rank whose node lacks the checkpoint: its ``metadata.json`` with one bounded
-    GET from the first shared tier holding it (the size comes with the verdict)."""
+    GET from the first shared tier holding it (the size comes with the verdict); that tier's
+    name and the bytes."""
     if verdict.md_size > MAX_METADATA_BYTES:
         raise CorruptCheckpoint(f"checkpoint {verdict.checkpoint_id}: metadata of {verdict.md_size} bytes is larger "
                                 f"than {MAX_METADATA_BYTES} bytes")
@@ -299,7 +300,7 @@ def read_shared_metadata(tiers: list[Tier], verdict: Verdict) -> bytes:
         if tier.name not in verdict.shared:
             continue
         try:
-            return tier.get(metadata_key(verdict.checkpoint_id), 0, verdict.md_size)
+            return tier.name, tier.get(metadata_key(verdict.checkpoint_id), 0, verdict.md_size)
         except TierckptError as e:
             errors.append(f"{tier.url}: {e}")
     raise CheckpointNotFound(f"checkpoint {verdict.checkpoint_id}: cannot read its metadata from a shared tier: "

@@ -100,6 +100,7 @@ class TieredReader(StorageReader):
         self._raw_md: bytes | None = None  # metadata.json of the agreed checkpoint (peers)
         self._peers: peers.PeerGroup | None = None
         self._docs: dict[str, tuple] = {}  # what this rank's node holds: id -> (raw, doc) (agreement phase 1)
+        self._shared_doc: tuple[str, Any] | None = None  # (shared tier, its doc) when the metadata came from it
         self._verdict: agreement.Verdict | None = None  # what every rank agreed to load
         self._decision: agreement.Decision | None = None  # the coordinator's: who holds what, the job's leases
         self._roots: list[str] = []  # the coordinator's: each rank's node
@@ -120,6 +121,7 @@ class TieredReader(StorageReader):
         self._verdict = None  # agreed again by the next resolve()/read_metadata
         self._decision = None
         self._docs = {}
+        self._shared_doc = None
         self._raw_md = None
 
     def release(self) -> None:
@@ -208,8 +210,11 @@ class TieredReader(StorageReader):
             if source == "peer":
                 raw, where = group.recv_bytes(v.md_rank, v.md_size), f"metadata of {cid} from rank {v.md_rank}"
             else:
-                raw, where = agreement.read_shared_metadata(self.tiers, v), f"metadata of {cid} on {', '.join(v.shared)}"
+                from_tier, raw = agreement.read_shared_metadata(self.tiers, v)
+                where = f"metadata of {cid} on {from_tier}"
             doc = parse_checkpoint_doc(raw, where, cid)
+            if source != "peer":
+                self._shared_doc = (from_tier, doc)  # its index of encoded files: not read again
             if doc.manifest.seq != v.seq:
                 raise CorruptCheckpoint(f"{where}: commit seq {doc.manifest.seq}, the job agreed on {v.seq}")
         self._raw_md = raw
@@ -262,7 +267,9 @@ class TieredReader(StorageReader):
                     self._holding, self._leases = hold(self.tiers[:1], self.resolved_id, "load")
                 except CheckpointNotFound as e:
                     log.warning("checkpoint %s: this node's copy is gone (%s); reading from elsewhere", self.resolved_id, e)
-            self._holding += [decoding(t, self.resolved_id) for t in self.tiers[1:] if t.name in v.shared]
+            known = self._shared_doc
+            self._holding += [decoding(t, self.resolved_id, known[1] if known and known[0] == t.name else None)
+                              for t in self.tiers[1:] if t.name in v.shared]
             return
         # A lease on every tier holding a committed copy keeps retention and gc (in any process)
         # away until read_data is done.

@@ -19,7 +19,7 @@ treats it as that tier's read error and serves the item from the next tier.
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..errors import CorruptCheckpoint
 from ..layout import is_data_file, metadata_key, parse_metadata, split_key
@@ -33,24 +33,31 @@ _FLAGS = ("name", "url", "cheap_listing", "node_local", "durable", "conditional_
           "read_concurrency", "keep", "keep_every", "encoding")
 
 
-def decoding(tier: Tier, checkpoint_id: str) -> Tier:
+def decoding(tier: Tier, checkpoint_id: str, doc: Any = None) -> Tier:
     """``tier`` as readers of ``checkpoint_id`` should see it: wrapped when it may hold encoded
-    files (see the module docstring), itself otherwise."""
+    files (see the module docstring), itself otherwise. ``doc``: that checkpoint's metadata
+    document as read from this very tier (:func:`tierckpt.layout.parse_metadata`), when the
+    caller has it: its index is used and the tier's ``metadata.json`` is not read again."""
     if not tier.may_encode or isinstance(tier, DecodingTier):
         return tier
-    return DecodingTier(tier, checkpoint_id)
+    return DecodingTier(tier, checkpoint_id, doc)
+
+
+def _encoded(doc: Any) -> dict[str, StoredFile]:
+    """The encoded files of a parsed metadata document, by data file name."""
+    return {f: s for f, s in doc.manifest.stored.items() if not s.plain}
 
 
 class DecodingTier(Tier):
     """``tier`` with checkpoint ``checkpoint_id``'s encoded data files read as logical bytes."""
 
-    def __init__(self, tier: Tier, checkpoint_id: str) -> None:
+    def __init__(self, tier: Tier, checkpoint_id: str, doc: Any = None) -> None:
         self.inner = tier
         self.checkpoint_id = checkpoint_id
         for f in _FLAGS:
             setattr(self, f, getattr(tier, f))
         self.may_encode = False
-        self._index: dict[str, StoredFile] | None = None
+        self._index: dict[str, StoredFile] | None = None if doc is None else _encoded(doc)
         self._lock = threading.Lock()
 
     # -- the index ------------------------------------------------------------------------------
@@ -61,8 +68,7 @@ class DecodingTier(Tier):
         with self._lock:
             if self._index is None:
                 mkey = metadata_key(self.checkpoint_id)
-                doc = parse_metadata(self.inner.get(mkey), f"{self.inner.url}/{mkey}")
-                self._index = {f: s for f, s in doc.manifest.stored.items() if not s.plain}
+                self._index = _encoded(parse_metadata(self.inner.get(mkey), f"{self.inner.url}/{mkey}"))
             return self._index.get(sk[1])
 
     def _decode(self, key: str, idx: StoredFile, start: int, buf: memoryview) -> None:

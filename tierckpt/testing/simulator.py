@@ -236,7 +236,7 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: "Any" = None) -
                 raw = docs[v.md_rank][cid][0]
                 doc = catalog.parse_checkpoint_doc(raw, "peer", cid)
             else:
-                raw = agreement.read_shared_metadata([job.s3], v)
+                _tier, raw = agreement.read_shared_metadata([job.s3], v)
                 doc = catalog.parse_checkpoint_doc(job.metadata[cid] if raw == job.metadata[cid] else raw, "s3", cid)
             man = doc.manifest
             tiers: list = []

@@ -1,0 +1,79 @@
+"""Resume time through torchtitan's checkpoint path: tierckpt's manager vs torchtitan's own (DCP's
+``FileSystemReader``), side by side in one run, same model, same ranks (issue 21's fixed-cost target).
+
+    python tools/torchtitan_example/bench_resume.py [--rounds 3] [--json out.json]
+
+Per round and manager: one run of tests/titan_scenarios.py (llama3 debugmodel, FSDP2, AdamW, 2 gloo
+ranks on CPU) trains 2 steps and saves step 2 (waited for); a second run in fresh processes resumes
+from it. Reported: the seconds ``CheckpointManager.load`` took on each rank of the resuming run
+(the slower rank counts), as the median over rounds, and their ratio; the CPU seconds of the
+resuming runs (all ranks, whole processes: imports included). Managers alternate within each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tierckpt.testing.launch import run_world  # noqa: E402
+
+SCRIPT = ROOT / "tests" / "titan_scenarios.py"
+
+
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(root: Path, manager: str, tag: str) -> list[dict]:
+    toml = root / "tiers.toml"
+    toml.write_text(f'[host]\nbuffer_size = "128MiB"\nchunk_size = "16MiB"\n[local]\npath = "{root / "tiers"}"\nkeep = 0\n')
+    res = run_world(2, "train", {"tiers": str(toml), "dump": str(root / "dump"), "mode": "disabled", "steps": 2,
+                                 "interval": 2, "manager": manager}, root / tag, script=SCRIPT, timeout=600)
+    for r in res:
+        if "errors" in r:
+            raise SystemExit(f"{manager} {tag} failed: {r['errors']}")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(a.rounds):
+            order = ("torchtitan", "tierckpt") if rnd % 2 == 0 else ("tierckpt", "torchtitan")
+            for manager in order:
+                root = Path(tmp) / f"{rnd}-{manager}"
+                root.mkdir()
+                _run(root, manager, "save")
+                cpu0 = _cpu_children()
+                res = _run(root, manager, "resume")
+                cpu = _cpu_children() - cpu0
+                if any(r["resumed_from"] != 2 for r in res):
+                    raise SystemExit(f"{manager}: resumed from {[r['resumed_from'] for r in res]}, not step 2")
+                rows.append({"round": rnd, "manager": manager, "load_s": max(r["load_s"] for r in res),
+                             "load_s_ranks": [r["load_s"] for r in res], "cpu_s_resume_run": cpu})
+    print(f"{'round':>5} {'manager':11} {'load s':>8} {'CPU s (run)':>12}")
+    for r in rows:
+        print(f"{r['round']:5d} {r['manager']:11} {r['load_s']:8.3f} {r['cpu_s_resume_run']:12.1f}")
+    med = {m: statistics.median(r["load_s"] for r in rows if r["manager"] == m) for m in ("tierckpt", "torchtitan")}
+    print(f"median load: tierckpt {med['tierckpt']:.3f} s, torchtitan (FileSystemReader) {med['torchtitan']:.3f} s: "
+          f"{med['tierckpt'] / med['torchtitan']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "median_load_s": med,
+                                            "ratio": med["tierckpt"] / med["torchtitan"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
