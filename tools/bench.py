@@ -3,7 +3,9 @@
 
     python tools/bench.py [--size-gib 2] [--cpu-gib 0.75] [--out bench-out/bench.json]
                           [--only local,cpu,lazy,e2e,rss] [--dir DIR] [--repeats 3] [--quick] [--nice N]
-                          [--s3-gib 0.5] [--s3-data DIR]   (sections s3, restore, peer: --only s3,restore)
+                          [--s3-gib 0.5] [--s3-data DIR] [--s3-servers moto,seaweedfs]
+                                                            (sections s3, restore, peer: --only s3,restore)
+                          [--lazy-mib 64,128,256] [--e2e-every 1,2,4] [--e2e-iters 8]   (series for plots)
                           [--scale-ranks 2,4,8,16]          (section scale: --only scale)
 
 Sections (each a function returning a dict; ratios are computed within the run). Every section
@@ -119,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="simulated job sizes of section scale (tierckpt.testing.simulator), comma-separated; '' for none")
     ap.add_argument("--scale-ranks", default="2,4,8,16",
                     help="job sizes of section scale, comma-separated (default 2,4,8,16; --quick keeps those <= 4)")
+    ap.add_argument("--lazy-mib", default="",
+                    help="section lazy: target state sizes in MiB, comma-separated (default 320; 64 with --quick); "
+                         "several sizes give the stall-against-state-size series that tools/plot_bench.py draws")
+    ap.add_argument("--e2e-every", default="1",
+                    help="section e2e: checkpoint intervals in iterations, comma-separated (default 1); several give "
+                         "the overhead-against-interval series that tools/plot_bench.py draws")
+    ap.add_argument("--e2e-iters", type=int, default=None,
+                    help="section e2e: timed iterations per block (default 6; 3 with --quick)")
+    ap.add_argument("--s3-servers", default="moto,seaweedfs",
+                    help="sections s3: the servers to measure on, comma-separated (default moto,seaweedfs)")
     ap.add_argument("--cpu-gib", type=float, default=0.75, help="state size of section cpu (default 0.75)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench.json"), help="JSON output path")
     ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),

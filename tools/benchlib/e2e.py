@@ -48,6 +48,10 @@ def section_e2e(ctx: Ctx) -> dict:
         vocab, d, layers, heads, ff, T, B, iters = 4096, 384, 4, 6, 1536, 128, 4, 3
     else:
         vocab, d, layers, heads, ff, T, B, iters = 8192, 768, 8, 12, 3072, 128, 16, 6
+    iters = getattr(ctx.args, "e2e_iters", None) or iters
+    everies = [int(e) for e in str(getattr(ctx.args, "e2e_every", "1") or "1").split(",") if e.strip()] or [1]
+    if min(everies) < 1 or max(everies) > iters:
+        raise ValueError(f"--e2e-every: each interval must be between 1 and the {iters} iterations of a block, got {everies}")
     model = TinyGPT(vocab, d, layers, heads, ff, T)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     nparams = sum(p.numel() for p in model.parameters())
@@ -69,8 +73,12 @@ def section_e2e(ctx: Ctx) -> dict:
     pool = 1 * GiB if state_bytes <= 1 * GiB else 2 * GiB
     cfg = tiered_cfg(root / "tiered", pool, 64 * MiB, keep=2)
 
-    def run_mode(mode: str) -> dict:
-        log(f"e2e: mode {mode}")
+    block_no = [0]  # checkpoint ids are never reused: each block has its own
+
+    def run_mode(mode: str, every: int = 1) -> dict:
+        log(f"e2e: mode {mode}, a checkpoint every {every} iteration(s)")
+        block_no[0] += 1
+        blk = block_no[0]
         mdir = root / mode.replace(" ", "_")
         mdir.mkdir(exist_ok=True)
         writer = TieredWriter(cfg) if mode == "tiered" else None
@@ -89,12 +97,12 @@ def section_e2e(ctx: Ctx) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=False)
             steps_s.append(now() - t0)
-            if mode == "none":
+            if mode == "none" or i % every:
                 return
             sd = train_state(model, opt)
             t0 = now()
             if mode == "tiered":
-                dcp.save(sd, checkpoint_id=f"e2e-{i:04d}", storage_writer=writer)
+                dcp.save(sd, checkpoint_id=f"e2e-b{blk:02d}-{i:04d}", storage_writer=writer)
                 ckpt_s.append(now() - t0)
                 return
             d = mdir / f"step-{i}"
@@ -138,7 +146,7 @@ def section_e2e(ctx: Ctx) -> dict:
         out = {"total_s": total, "fb_s": fbs, "opt_step_s": steps_s, "ckpt_call_s": ckpt_s, "rm_s": rm_s[0],
                "drain_s": now() - t_loop, "cpu_s": cpu_seconds() - c0}
         if writer:
-            hist = writer.history[-iters:]
+            hist = writer.history[-(iters // every):]
             out["lib_capture_s"] = [h.capture_s for h in hist]
             out["lib_durable_s"] = [h.flush_s for h in hist]
             out["lib_prestep_wait_s"] = [h.prestep_wait_s for h in hist]
@@ -154,13 +162,19 @@ def section_e2e(ctx: Ctx) -> dict:
     # drift. With one round (--quick) a last none block is the drift check.
     rounds = 1 if ctx.quick else 2
     order = ("none", "tiered", "async_save", "sync FileSystemWriter")
+    every = everies[0]
     blocks: dict[str, list[dict]] = {m: [] for m in order}
+    more: dict[int, dict[str, list[dict]]] = {e: {m: [] for m in order[1:]} for e in everies[1:]}
     for r in range(rounds):
         for m in order:
             log(f"e2e: round {r + 1}/{rounds}")
-            blocks[m].append(run_mode(m))
+            blocks[m].append(run_mode(m, every if m != "none" else 1))
+        for e in everies[1:]:  # further intervals, interleaved in the same rounds, against the same none blocks
+            for m in order[1:]:
+                more[e][m].append(run_mode(m, e))
     if rounds == 1:
         blocks["none"].append(run_mode("none"))
+    iters_ck = iters // every  # checkpoints per block
     nn_ = len(blocks["none"])
     modes: dict[str, dict] = {}
     for m, bl in blocks.items():
@@ -177,7 +191,7 @@ def section_e2e(ctx: Ctx) -> dict:
     tn = modes["none"]["total_s"] * scale
     cn = modes["none"]["cpu_s"] * scale
     tt = modes["tiered"]["total_s"]
-    ckpt_gib = state_bytes * iters * rounds / GiB
+    ckpt_gib = state_bytes * iters_ck * rounds / GiB
     rows = []
     for m, r in modes.items():
         total = r["total_s"] * (scale if m == "none" else 1)
@@ -194,7 +208,7 @@ def section_e2e(ctx: Ctx) -> dict:
         if r["rm_s"]:
             note += f"; rm of old dirs {r['rm_s']:.2f} s incl."
         rows.append(row(f"total {rounds}x{iters} iters: {m}" + (" (mean of blocks x rounds)" if m == "none" else ""),
-                        [total], state_bytes * iters * rounds if m != "none" else None,
+                        [total], state_bytes * iters_ck * rounds if m != "none" else None,
                         ratio=total / tn, note="ratio: vs none; " + note,
                         cpu_s_per_gib=None if m == "none" else (cpu - cn) / ckpt_gib))
     nb = [b["total_s"] for b in modes["none"]["blocks"]]
@@ -207,15 +221,27 @@ def section_e2e(ctx: Ctx) -> dict:
     notes = [f"GPT {nparams / 1e6:.1f}M params ({layers} x TransformerEncoderLayer d={d}, vocab {vocab}), batch {B}x{T}; "
              f"state+Adam {state_bytes / MiB:.0f} MiB; {rounds} interleaved round(s) of blocks (order: "
              f"{', '.join(order)}{', none' if rounds == 1 else ''}), each block {iters} timed iterations after 1 "
-             f"untimed, a checkpoint every iteration; tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: "
+             f"untimed, a checkpoint every {every} iteration(s); tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: "
              "checkpoint bytes per wall second",
              "CPU-s/GiB column: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint "
              "blocks' (scaled to the same iteration count), per checkpointed GiB: what checkpointing costs on these cores"]
-    notes.append(write_timeline(ctx, "e2e", [root / "tiered"], last=iters, what="the last tiered block, a save every iteration"))
+    series = [{"every": every, "checkpoints_per_block": iters_ck,
+               "ratio_vs_none": {m: modes[m]["total_s"] / tn for m in order[1:]}}]
+    for e, bl in more.items():
+        series.append({"every": e, "checkpoints_per_block": iters // e,
+                       "ratio_vs_none": {m: sum(b["total_s"] for b in bl[m]) / tn for m in order[1:]},
+                       "total_s": {m: [b["total_s"] for b in bl[m]] for m in order[1:]}})
+        rows.append(row(f"a checkpoint every {e} iterations: tiered / async_save / sync, time vs none",
+                        note=", ".join(f"{m} {series[-1]['ratio_vs_none'][m]:.3f}" for m in order[1:])))
+    if len(everies) > 1:
+        notes.append("series (checkpoint interval -> time vs no checkpoint): " + "; ".join(
+            f"every {s_['every']}: " + ", ".join(f"{m} {v:.3f}" for m, v in s_["ratio_vs_none"].items()) for s_ in series))
+    notes.append(write_timeline(ctx, "e2e", [root / "tiered"], last=iters // everies[-1],
+                                what=f"the last tiered block, a save every {everies[-1]} iteration(s)"))
     rm(root)
     del model, opt
     gc.collect()
     return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "modes": modes,
-            "params": nparams, "state_bytes": state_bytes, "iters": iters}
+            "params": nparams, "state_bytes": state_bytes, "iters": iters, "series": series}
 
 

@@ -97,10 +97,30 @@ def _fb(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def section_lazy(ctx: Ctx) -> dict:
-    root = ctx.work / "lazy"
+    """One run of :func:`_lazy_one` per state size of ``--lazy-mib`` (default 320 MiB, 64 with
+    ``--quick``). With one size the result is that run's; with several, the first size's keys plus
+    ``series``: per size, the state bytes and the median blocked time per checkpoint of each mode
+    (what ``tools/plot_bench.py`` draws as stall against state size), and the rows of every size."""
+    sizes = [int(float(m) * MiB) for m in str(getattr(ctx.args, "lazy_mib", "") or "").split(",") if m.strip()]
+    if not sizes:
+        sizes = [(64 if ctx.quick else 320) * MiB]
+    runs = [_lazy_one(ctx, target) for target in sizes]
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    out["rows"] = [dict(r, name=f"[{run['state_bytes'] / MiB:.0f} MiB] {r['name']}") for run in runs for r in run["rows"]]
+    out["series"] = [{"state_bytes": run["state_bytes"], "batch": run["batch"], "null_writer_s": med(run["null_writer_s"]),
+                      "blocked_s": {m: med(run["modes"][m]["blocked_s"]) for m in ("sync FileSystemWriter", "async_save", "tiered")},
+                      "blocked_all_s": {m: run["modes"][m]["blocked_s"] for m in ("sync FileSystemWriter", "async_save", "tiered")}}
+                     for run in runs]
+    out["notes"] = [n for run in runs for n in run["notes"]]
+    return out
+
+
+def _lazy_one(ctx: Ctx, state_target: int) -> dict:
+    root = ctx.work / f"lazy-{state_target // MiB}"
     root.mkdir()
     torch.manual_seed(0)
-    state_target = (64 if ctx.quick else 320) * MiB
     hidden, d_in = 2048, 1024
     layers = max(1, round((state_target / 12 - 2 * d_in * hidden) / (hidden * hidden)))
     model = MLP(d_in, hidden, layers)

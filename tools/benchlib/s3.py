@@ -438,7 +438,11 @@ def section_s3(ctx: Ctx) -> dict:
                      "S3Client(endpoint=..., S3ClientConfig(force_path_style=True, part_size=16MiB)) (private attribute); "
                      "writer thread_count=4; not added to pyproject")
     raw_res: dict[str, Any] = {}
-    for kind in ("moto", "seaweedfs"):
+    series: list[dict[str, Any]] = []  # per server and size: GiB/s of every client (tools/plot_bench.py)
+    kinds = [k.strip() for k in str(getattr(ctx.args, "s3_servers", "moto,seaweedfs")).split(",") if k.strip()]
+    for kind in kinds:
+        if kind not in ("moto", "seaweedfs"):
+            raise ValueError(f"--s3-servers: unknown server {kind!r} (known: moto, seaweedfs)")
         tmp = ctx.work / f"s3-{kind}"
         tmp.mkdir()
         try:
@@ -456,7 +460,9 @@ def section_s3(ctx: Ctx) -> dict:
                 ratios.update(out["ratios"])
                 targets.update(out["targets"])
                 raw_res[f"{kind} {size}"] = out["raw"]
+                series.append({"server": kind, "bytes": out["bytes"], "gib_s": {
+                    r["name"].split(": ", 1)[1]: r["gib_s"] for r in out["rows"] if r.get("gib_s")}})
         finally:
             stop()
             rm(tmp)
-    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "raw": raw_res}
+    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "raw": raw_res, "series": series}
