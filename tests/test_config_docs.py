@@ -1,7 +1,9 @@
-"""docs/configuration.md is generated from the configuration dataclasses and must not drift.
+"""docs/configuration.md is generated from the configuration dataclasses and must not drift; the
+relative links of the README and docs/ must resolve.
 
 The page is regenerated in memory by ``tools/gen_config_docs.py`` and compared with the committed
-file; every key of every section must have a description. Both failures say how to fix them.
+file; every key of every section must have a description; ``tools/check_links.py`` checks every
+relative link and anchor. Each failure says how to fix it.
 """
 
 from __future__ import annotations
@@ -63,3 +65,12 @@ def test_committed_page_matches_the_dataclasses() -> None:
         diff = "".join(list(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
                                                  "docs/configuration.md", "generated"))[:60])
         raise AssertionError(f"docs/configuration.md is stale; regenerate it with `{gen.REGENERATE}` and commit it.\n{diff}")
+
+
+def test_relative_links_in_readme_and_docs_resolve() -> None:
+    spec = importlib.util.spec_from_file_location("check_links", REPO / "tools" / "check_links.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    bad = mod.broken_links(REPO)
+    assert not bad, "broken relative links (run `python tools/check_links.py`):\n" + "\n".join(bad)

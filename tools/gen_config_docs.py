@@ -10,7 +10,7 @@ What comes from where:
   ``sections`` excepted), each typed by its section dataclass;
 * each key, its type and its default: the section dataclass's fields;
 * whether a key is required, and whether it accepts sizes such as ``"64MiB"``: asked of
-  :func:`tierckpt.config.config_from_dict` itself (a probe per key), so the page says what the
+  :func:`tierckpt.config.load_config` itself (a probe per key), so the page says what the
   loader does;
 * each key's meaning: the ``Attributes:`` block of the section's docstring; a key documented there
   under a shared entry (``connect_timeout, read_timeout: seconds.``) gets that entry. A key the
@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import re
 import sys
+import tempfile
 import textwrap
-import tomllib
 import types
 import typing
 from pathlib import Path
@@ -150,7 +151,7 @@ def _rst_to_md(text: str) -> str:
 def docstring_attributes(cls: type) -> dict[str, str]:
     """Key -> description from the ``Attributes:`` block of ``cls``'s docstring (Google style)."""
     doc = textwrap.dedent("\n".join((cls.__doc__ or "").splitlines()[1:]))
-    m = re.search(r"^Attributes:\n((?:[ \t]+.*\n?|\n)*)", doc, re.M)
+    m = re.search(r"^Attributes:\n((?:[ \t]+.*\n?|\n)*)", doc, re.MULTILINE)
     if not m:
         return {}
     out: dict[str, str] = {}
@@ -167,9 +168,27 @@ def docstring_attributes(cls: type) -> dict[str, str]:
     return out
 
 
+def _toml(data: dict[str, dict[str, Any]]) -> str:
+    """Scalar-valued sections as TOML text (strings, ints, floats, bools: all a probe needs)."""
+    lines = []
+    for name, body in data.items():
+        lines.append(f"[{name}]")
+        for k, v in body.items():
+            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else json.dumps(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _load_text(text: str) -> None:
+    """``tierckpt.config.load_config`` on ``text`` (through a temporary file: the public loader)."""
+    with tempfile.TemporaryDirectory(prefix="gen-config-docs-") as d:
+        path = Path(d) / "tiers.toml"
+        path.write_text(text)
+        tc.load_config(path)
+
+
 def _probe(data: dict) -> str | None:
     try:
-        tc.config_from_dict(data)
+        _load_text(_toml(data))
     except ConfigError as e:
         return str(e)
     return None
@@ -258,7 +277,7 @@ def render() -> str:
         raise ValueError(
             f"no description for {', '.join(missing)}: add an entry to the section dataclass's 'Attributes:' "
             f"docstring block (or to EXTRA_DOCS in tools/gen_config_docs.py), then run {REGENERATE}")
-    tc.config_from_dict(tomllib.loads(EXAMPLE), source="the example in tools/gen_config_docs.py")  # must load
+    _load_text(EXAMPLE)  # the example must load
     parts = [HEADER.format(regen=REGENERATE, example=EXAMPLE)]
     parts.append("## Every key\n\n")
     for name, cls in sections():
