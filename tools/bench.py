@@ -5,7 +5,7 @@
                           [--only local,cpu,lazy,e2e,rss] [--dir DIR] [--repeats 3] [--quick] [--nice N]
                           [--s3-gib 0.5] [--s3-data DIR] [--s3-servers moto,seaweedfs]
                                                             (sections s3, restore, peer: --only s3,restore)
-                          [--lazy-mib 64,128,256] [--e2e-every 1,2,4] [--e2e-iters 8]   (series for plots)
+                          [--lazy-mib 96,192] [--e2e-every 1,2,4] [--e2e-iters 8] [--e2e-rounds 3]   (plot series)
                           [--scale-ranks 2,4,8,16]          (section scale: --only scale)
 
 Sections (each a function returning a dict; ratios are computed within the run). Every section
@@ -24,14 +24,18 @@ times something; tables show a CPU-s/GiB column when measured.
   are interleaved (A B C A B C ...); median and min are reported.
 * ``lazy``: an MLP trained with Adam, a checkpoint after every optimizer step; the time the
   training thread is blocked per checkpoint with sync ``dcp.save(FileSystemWriter)``,
-  ``dcp.async_save`` (its default stager) and ``TieredWriter`` + ``attach(optimizer)``.
+  ``dcp.async_save`` (its default stager) and ``TieredWriter`` + ``attach(optimizer)``. With
+  ``--lazy-mib 96,192,...`` once per state size (a ``series``: stall against state size).
 * ``cpu``: CPU seconds per checkpointed GiB in steady state: a ~``--cpu-gib`` state saved again
   and again (each save waited for), newest 2 kept (TieredWriter ``keep=2``; DCP directories
   removed), blocks of saves interleaved over TieredWriter, sync ``FileSystemWriter`` and
   ``dcp.async_save``; per-thread breakdown from ``/proc/self/task`` and ``writer.stats``.
 * ``e2e``: a small GPT-style model trained on random tokens, a checkpoint every iteration: total
   wall time with no checkpoint, TieredWriter, ``dcp.async_save``, sync FileSystemWriter, in
-  interleaved rounds (the no-checkpoint blocks of different rounds give the drift).
+  interleaved rounds (the no-checkpoint blocks of different rounds give the drift). With
+  ``--e2e-every 1,2,4`` also with a checkpoint every k iterations, in the same rounds (a ``series``:
+  overhead against the checkpoint interval); ``--e2e-iters``/``--e2e-rounds`` set the block length
+  and the number of rounds.
 * ``s3`` (only with ``--only``): per server (moto in a subprocess, SeaweedFS ``weed mini``), on a
   ~256 MiB state (64 MiB ``--quick``), interleaved: raw boto3 multipart upload of our data file
   (same part size/concurrency, no checksums) vs our promotion (``promote_s``); TieredReader from
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                          "the overhead-against-interval series that tools/plot_bench.py draws")
     ap.add_argument("--e2e-iters", type=int, default=None,
                     help="section e2e: timed iterations per block (default 6; 3 with --quick)")
+    ap.add_argument("--e2e-rounds", type=int, default=None,
+                    help="section e2e: interleaved rounds of blocks (default 2; 1 with --quick)")
     ap.add_argument("--s3-servers", default="moto,seaweedfs",
                     help="sections s3: the servers to measure on, comma-separated (default moto,seaweedfs)")
     ap.add_argument("--cpu-gib", type=float, default=0.75, help="state size of section cpu (default 0.75)")

@@ -160,7 +160,7 @@ def section_e2e(ctx: Ctx) -> dict:
     # Interleaved rounds (none, tiered, async, sync, none, tiered, ...), so that a change in what
     # else runs on the machine hits every mode alike; the none blocks of different rounds give the
     # drift. With one round (--quick) a last none block is the drift check.
-    rounds = 1 if ctx.quick else 2
+    rounds = getattr(ctx.args, "e2e_rounds", None) or (1 if ctx.quick else 2)
     order = ("none", "tiered", "async_save", "sync FileSystemWriter")
     every = everies[0]
     blocks: dict[str, list[dict]] = {m: [] for m in order}
