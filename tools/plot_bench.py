@@ -87,26 +87,47 @@ def e2e_points(docs: list[dict]) -> tuple[list[int], dict[str, list[float]], lis
             continue
         used.append(d)
         first = first or sec
-        series = sec.get("series") or [{"every": 1, "ratio_vs_none": {
-            "tiered": sec["ratios"]["tiered/none"], "async_save": sec["ratios"]["async/none"],
-            "sync FileSystemWriter": sec["ratios"]["sync/none"]}}]
-        for s in series:
-            by_every[int(s["every"])] = s["ratio_vs_none"]
+        by_every.update(e2e_ratios(sec))
     xs = sorted(by_every)
     return xs, {m: [by_every[x][m] for x in xs] for m, _, _ in MODES}, used, first
 
 
-S3_CLIENTS = (  # label in the JSON (after "<server> <size>: ") -> (legend, style)
-    ("raw boto3 upload, tier's client config", "raw boto3 multipart upload (same client settings)", "o--"),
-    ("raw boto3 upload, boto3 defaults", "raw boto3 multipart upload (boto3 defaults)", "o:"),
-    ("tierckpt promotion (promote_s)", "tierckpt promotion (local -> S3)", "^-"),
-    ("tierckpt save->promoted (dcp.save..wait)", "tierckpt dcp.save until promoted", "v-"),
-    ("s3torchconnector S3StorageWriter", "s3torchconnector S3StorageWriter", "x-"),
-    ("raw awscrt upload (send_filepath, direct_io)", "raw awscrt upload", "+--"),
-    ("raw boto3 ranged GETs", "raw boto3 ranged GETs (download)", "s--"),
-    ("TieredReader from S3 only", "tierckpt dcp.load from S3", "D-"),
-    ("s3torchconnector S3StorageReader", "s3torchconnector S3StorageReader", "x:"),
-    ("raw awscrt GETs", "raw awscrt GETs", "+:"),
+def e2e_ratios(sec: dict) -> dict[int, dict[str, float]]:
+    """{interval: {mode: time vs no checkpoint}} of one e2e section.
+
+    Each ratio is the median block of the mode over the median no-checkpoint block (blocks are
+    interleaved, one per round): robust to one outlier block, such as the first block of a process
+    that pays torch's warm-up. Sections without per-block times give the section's own ratios.
+    """
+    modes = sec.get("modes", {})
+    none = [b["total_s"] for b in modes.get("none", {}).get("blocks", [])]
+    out: dict[int, dict[str, float]] = {}
+    series = sec.get("series") or [{"every": 1}]
+    for s in series:
+        e = int(s["every"])
+        if none and e == int(series[0]["every"]) and all(modes.get(m, {}).get("blocks") for m, _, _ in MODES):
+            out[e] = {m: _median([b["total_s"] for b in modes[m]["blocks"]]) / _median(none) for m, _, _ in MODES}
+        elif none and s.get("total_s"):
+            out[e] = {m: _median(s["total_s"][m]) / _median(none) for m, _, _ in MODES}
+        elif "ratio_vs_none" in s:
+            out[e] = dict(s["ratio_vs_none"])
+        else:
+            out[e] = {"tiered": sec["ratios"]["tiered/none"], "async_save": sec["ratios"]["async/none"],
+                      "sync FileSystemWriter": sec["ratios"]["sync/none"]}
+    return out
+
+
+S3_CLIENTS = (  # label in the JSON (after "<server> <size>: ") -> (legend, style, panel)
+    ("raw boto3 upload, tier's client config", "raw boto3 multipart upload (same client settings)", "o--", "write"),
+    ("raw boto3 upload, boto3 defaults", "raw boto3 multipart upload (boto3 defaults)", "o:", "write"),
+    ("tierckpt promotion (promote_s)", "tierckpt promotion (local -> S3)", "^-", "write"),
+    ("tierckpt save->promoted (dcp.save..wait)", "tierckpt dcp.save until promoted", "v-", "write"),
+    ("s3torchconnector S3StorageWriter", "s3torchconnector S3StorageWriter", "x-", "write"),
+    ("raw awscrt upload (send_filepath, direct_io)", "raw awscrt upload", "+--", "write"),
+    ("raw boto3 ranged GETs", "raw boto3 ranged GETs", "s--", "read"),
+    ("TieredReader from S3 only", "tierckpt dcp.load from S3 (CRC-checked)", "D-", "read"),
+    ("s3torchconnector S3StorageReader", "s3torchconnector S3StorageReader", "x:", "read"),
+    ("raw awscrt GETs", "raw awscrt GETs", "+:", "read"),
 )
 
 
@@ -166,7 +187,7 @@ def plot_all(docs: list[dict], out: Path) -> list[Path]:
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(ex)
         ax.set_xlabel("checkpoint interval, training iterations")
-        ax.set_ylabel("wall-time overhead vs no checkpoint, %")
+        ax.set_ylabel("wall-time overhead vs no checkpoint, %\n(median block / median no-checkpoint block)")
         what = ""
         if first:
             what = f" ({first.get('params', 0) / 1e6:.0f}M-param GPT + Adam, {first.get('state_bytes', 0) / MiB:.0f} MiB)"
@@ -181,20 +202,22 @@ def plot_all(docs: list[dict], out: Path) -> list[Path]:
 
     s3, used = s3_points(docs)
     if s3:
-        fig, axes = plt.subplots(1, len(s3), figsize=(7.5 * len(s3), 5.2), squeeze=False)
-        for ax, (server, clients) in zip(axes[0], sorted(s3.items())):
-            for key, label, style in S3_CLIENTS:
-                pts = clients.get(key)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-            sizes = sorted({p[0] for pts in clients.values() for p in pts})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sizes, [f"{s:.0f}" for s in sizes])
-            ax.set_xlabel("data file size (one rank), MiB")
-            ax.set_ylabel("GiB/s (median of repeats)")
-            ax.set_title(f"S3 throughput against other clients: {server}", fontsize=10)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+        fig, axes = plt.subplots(len(s3), 2, figsize=(12, 4.6 * len(s3)), squeeze=False)
+        for row, (server, clients) in zip(axes, sorted(s3.items())):
+            for ax, panel, what in ((row[0], "write", "writes (upload)"), (row[1], "read", "reads (download)")):
+                for key, label, style, kind in S3_CLIENTS:
+                    pts = clients.get(key)
+                    if pts and kind == panel:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+                sizes = sorted({p[0] for pts in clients.values() for p in pts})
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(sizes, [f"{s:.0f}" for s in sizes])
+                ax.set_ylim(bottom=0)
+                ax.set_xlabel("data file size (one rank), MiB")
+                ax.set_ylabel("GiB/s (median of repeats)")
+                ax.set_title(f"S3 {what} against other clients: {server}", fontsize=10)
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=7)
         fig.text(0.01, 0.005, _caption(used), fontsize=6, family="monospace", va="bottom")
         fig.tight_layout(rect=(0, 0.06, 1, 1))
         written.append(out / "s3_throughput.png")

@@ -1,4 +1,4 @@
-"""Example torchtitan config functions with tierckpt checkpointing (the README's torchtitan recipe).
+"""Example torchtitan config functions with tierckpt checkpointing (the torchtitan recipe in docs/integrations.md).
 
     PYTHONPATH=tools/torchtitan_example torchrun --nproc_per_node 8 -m torchtitan.train \
         --module tierckpt_llama3 --config llama3_8b_tierckpt \
