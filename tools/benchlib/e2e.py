@@ -166,7 +166,7 @@ def section_e2e(ctx: Ctx) -> dict:
     blocks: dict[str, list[dict]] = {m: [] for m in order}
     more: dict[int, dict[str, list[dict]]] = {e: {m: [] for m in order[1:]} for e in everies[1:]}
     if len(everies) > 1:
-        run_mode("none")  # discarded: the process's first block pays torch's warm-up (seen: 6x a later one)
+        run_mode("none")  # discarded: a first block ran 3-6x slower than later ones (warm-up, or the load at start)
     for r in range(rounds):
         for m in order:
             log(f"e2e: round {r + 1}/{rounds}")
