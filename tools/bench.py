@@ -36,6 +36,8 @@ times something; tables show a CPU-s/GiB column when measured.
   ``--e2e-every 1,2,4`` also with a checkpoint every k iterations, in the same rounds (a ``series``:
   overhead against the checkpoint interval); ``--e2e-iters``/``--e2e-rounds`` set the block length
   and the number of rounds.
+  Then (``--e2e-s3``, SeaweedFS by default) the same training with [local] + [s3] on a loopback
+  server, ``[s3] compression`` "none" vs "zstd" side by side (``tools/benchlib/e2e_s3.py``).
 * ``s3`` (only with ``--only``): per server (moto in a subprocess, SeaweedFS ``weed mini``), on a
   ~256 MiB state (64 MiB ``--quick``), interleaved: raw boto3 multipart upload of our data file
   (same part size/concurrency, no checksums) vs our promotion (``promote_s``); TieredReader from
@@ -144,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="a temp dir is created (and removed) under it")
     ap.add_argument("--throttle-mbs", default="250",
                     help="section compress: upload bandwidths of the throttled S3 endpoint, MB/s, comma-separated (default 250)")
+    ap.add_argument("--e2e-s3", default="seaweedfs", choices=("seaweedfs", "moto", "off"),
+                    help="section e2e: also train with an S3 hop on this loopback server, [s3] compression none vs zstd")
     ap.add_argument("--s3-data", default=None,
                     help="where SeaweedFS keeps its data (default: under --dir, the local tier's disk; /dev/shm "
                          "models an object store on other machines, whose disks this node does not share)")

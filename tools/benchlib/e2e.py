@@ -244,6 +244,16 @@ def section_e2e(ctx: Ctx) -> dict:
     rm(root)
     del model, opt
     gc.collect()
+    server = getattr(ctx.args, "e2e_s3", "off")
+    if server != "off":
+        from benchlib.e2e_s3 import e2e_s3_rows
+
+        try:
+            s3rows, s3notes = e2e_s3_rows(ctx, server)
+            rows += s3rows
+            notes += s3notes
+        except (OSError, RuntimeError, FileNotFoundError) as e:  # no server binary here: the rest still stands
+            notes.append(f"e2e with S3 hop skipped: {type(e).__name__}: {e}")
     return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "modes": modes,
             "params": nparams, "state_bytes": state_bytes, "iters": iters, "series": series}
 
