@@ -146,23 +146,25 @@ def _gather(a: np.ndarray, pieces: list[tuple[int, int]]) -> np.ndarray:
     return out
 
 
-def _code(plane: np.ndarray, level: int, entropy: bool, out: np.ndarray) -> tuple[int, int]:
-    """Code one plane into ``out`` (at least ``len(plane)`` bytes): (kind, bytes written).
-    ``entropy``: a byte plane of wider elements, coded with :data:`PLANE_PARAMS` at level 1."""
+def _code(out: np.ndarray, src: int, count: int, at: int, level: int, entropy: bool) -> tuple[int, int]:
+    """Code the plane at ``out[src:src + count]`` and leave its stream at ``out[at:]`` (``at <=
+    src``; the bytes after ``src + count`` are not touched): (kind, stream size). ``entropy``: a
+    byte plane of wider elements, coded with :data:`PLANE_PARAMS` at levels <= 1."""
+    plane = out[src:src + count]
     c = _compressor(level, entropy)
-    n = len(plane)
-    if n >= 4 * PROBE:
-        mid = n // 2
-        sample = plane[mid:mid + PROBE]
-        if len(c.compress(sample)) > KEEP * PROBE:
-            out[:n] = plane
-            return 0, n
-    z = c.compress(plane)
-    if len(z) < n:
-        out[:len(z)] = np.frombuffer(z, dtype=np.uint8)
-        return 1, len(z)
-    out[:n] = plane
-    return 0, n
+    coded = None
+    if count >= 4 * PROBE:
+        mid = count // 2
+        if len(c.compress(plane[mid:mid + PROBE])) <= KEEP * PROBE:
+            coded = c.compress(plane)
+    else:
+        coded = c.compress(plane)
+    if coded is not None and len(coded) < count:
+        out[at:at + len(coded)] = np.frombuffer(coded, dtype=np.uint8)
+        return 1, len(coded)
+    if at != src:  # a coded plane before this one: move it down (numpy buffers the overlap)
+        out[at:at + count] = plane
+    return 0, count
 
 
 def encode(data: memoryview | bytes | np.ndarray, segs: list[tuple[int, int]], level: int = 1) -> bytes:
@@ -176,16 +178,17 @@ def encode(data: memoryview | bytes | np.ndarray, segs: list[tuple[int, int]], l
     head = 1 + 4 + _SEG.size * len(segs) + 1 + _STREAM.size * nstream
     if nstream > 255 or head >= len(a):
         return b"\x00" + a.tobytes()
-    # The coded form is built in this thread's scratch (streams written in place as they are
-    # coded, raw planes copied once) and copied out once at its final size.
+    # The coded form is built in this thread's scratch: each group is split into planes right
+    # where its streams go, a raw plane stays where it is (or moves down past the coded planes
+    # before it), a coded one is written over its own plane; the result is copied out once.
     out = scratch("frame", head + len(a) + 1)
     kinds: list[tuple[int, int]] = []
     at = head
-    for w, pieces, _count in plan:
-        g = _gather(a, pieces)
-        planes = split(g, w)
+    for w, pieces, count in plan:
+        base = at
+        split(_gather(a, pieces), w, out[base:base + w * count])
         for j in range(w):
-            kind, size = _code(planes[j], level, w > 1, out[at:])
+            kind, size = _code(out, base + j * count, count, at, level, w > 1)
             kinds.append((kind, size))
             at += size
     if at >= 1 + len(a):

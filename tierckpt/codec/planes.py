@@ -37,13 +37,17 @@ def scratch(name: str, count: int, dtype: np.dtype | type = np.uint8) -> np.ndar
     return b[:count]
 
 
-def split(group: np.ndarray, w: int) -> np.ndarray:
-    """The ``(w, count)`` byte planes of ``group`` (contiguous ``uint8``, ``count * w`` bytes), in
+def split(group: np.ndarray, w: int, dst: np.ndarray | None = None) -> np.ndarray:
+    """The ``(w, count)`` byte planes of ``group`` (contiguous ``uint8``, ``count * w`` bytes),
+    written into ``dst`` (``count * w`` bytes, not overlapping ``group``) or, without it, into
     this thread's scratch (see the module docstring)."""
     count = len(group) // w
-    if w == 1:
+    if w == 1 and dst is None:
         return group.reshape(1, count)
-    out = scratch("planes", w * count).reshape(w, count)
+    out = (scratch("planes", w * count) if dst is None else dst[:w * count]).reshape(w, count)
+    if w == 1:
+        out[0] = group
+        return out
     if w == 8:
         rows = group.reshape(count, 8)
         for j in range(8):
