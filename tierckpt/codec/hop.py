@@ -14,7 +14,8 @@ has an :attr:`~tierckpt.tiers.base.Tier.encoding`:
    ahead of the stream, or stored as they are (``"none"``);
 4. frames go to ``dst.open_stream(key)`` in order; its close makes the object visible.
 
-Memory: at most ``2 * threads + 2`` frames (logical and coded) per copy. Any failure aborts the
+Memory: ``2 * threads + 3`` logical frames (read buffers reused round robin) and at most
+``2 * threads + 2`` coded frames per copy. Any failure aborts the
 stream: nothing is visible under the key. Returns the :class:`~tierckpt.codec.index.StoredFile`
 that the hop records in ``dst``'s metadata, and the figures of the copy.
 """
@@ -104,6 +105,10 @@ def copy_encoded(src: Tier, dst: Tier, key: str, *, size: int, frame: int, runs:
     cpu_lock = threading.Lock()
     pool = _codec_pool(nice) if zstd else None
     ahead = 2 * (codec_threads() if zstd else 1) + 2
+    # Read buffers, reused round robin: frame i's buffer is next used by frame i + len(ring), read
+    # only after frame i left ``pending`` (at most ``ahead - 1`` frames wait there), so its coding
+    # has finished. Fresh memory per frame would be first-touched each time.
+    ring = [bytearray(min(frame, size)) for _ in range(min(n, ahead + 1))]
     sizes: list[int] = [0] * n
     hashes: list[bytes] = [b""] * n
     stream = dst.open_stream(key, size)
@@ -111,7 +116,7 @@ def copy_encoded(src: Tier, dst: Tier, key: str, *, size: int, frame: int, runs:
     pending: deque[tuple[str, int, Any]] = deque()
     run: list[int] = []  # [start, end) of a run of copied bytes in prev's object
 
-    def coded(data: bytearray, segs: list[tuple[int, int]]) -> bytes:
+    def coded(data: memoryview, segs: list[tuple[int, int]]) -> bytes:
         t0 = time.thread_time()
         out = encode(data, segs, level)
         with cpu_lock:
@@ -144,8 +149,8 @@ def copy_encoded(src: Tier, dst: Tier, key: str, *, size: int, frame: int, runs:
     try:
         for i in range(n):
             a, b = i * frame, min(size, (i + 1) * frame)
-            buf = bytearray(b - a)
-            src.read_into(key, a, memoryview(buf))
+            buf = memoryview(ring[i % len(ring)])[:b - a]
+            src.read_into(key, a, buf)
             h = hashes[i] = frame_hash(buf)
             if usable is not None and i < usable.index.frames and usable.index.span(i) == (a, b) and usable.index.hashes[i] == h:
                 o = usable.index.offsets
