@@ -169,7 +169,9 @@ class S3Config:
             byte planes + zstd (:mod:`tierckpt.codec`, ``docs/compression.md``); ``"none"``
             (default): as written.
         compression_level: the zstd level (-7..22; 1 by default: higher levels gain little on
-            model state and cost much CPU).
+            model state and cost much CPU). At levels <= 1 the byte planes of multi-byte items
+            are coded with near-entropy-only zstd parameters (faster than level 1 at the same
+            ratio; ``tierckpt.codec.frames.PLANE_PARAMS``), other bytes at the level.
         copy_unchanged: frames byte-identical (128-bit hash) to the same rank's file in the
             previous checkpoint on this tier are copied by the server (``UploadPartCopy``), not
             uploaded again. Either this or ``compression`` switches the hop to the encoded copy.
