@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["split", "merge", "scratch"]
+__all__ = ["merge", "scratch", "split"]
 
 _local = threading.local()
 _WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}

@@ -171,8 +171,9 @@ def _ratios(name: str, state: dict, repeats: int = 3) -> list[dict]:
         n = len(data)
         if n < 4096:
             continue
-        for method, fn in (("tierckpt planes+zstd-1", lambda: _ours(data, runs)), ("zstd-1, no planes", lambda: _plain_zstd(data)),
-                           ("blosc2 shuffle+zstd-1", lambda: _blosc2(ts)), ("ZipNN Huffman", lambda: _zipnn(ts))):
+        for method, fn in (("tierckpt planes+zstd-1", lambda d=data, r=runs: _ours(d, r)),
+                           ("zstd-1, no planes", lambda d=data: _plain_zstd(d)),
+                           ("blosc2 shuffle+zstd-1", lambda t=ts: _blosc2(t)), ("ZipNN Huffman", lambda t=ts: _zipnn(t))):
             res = _best(fn, repeats)
             if res is None:
                 continue

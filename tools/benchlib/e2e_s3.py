@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
+from torch import nn
 
 from benchlib.common import Ctx, MiB, cpu_seconds, log, med, now, rm, row, tensor_bytes
 from benchlib.lazy import train_state
