@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import CorruptCheckpoint
 from .planes import merge, scratch, split
 
-__all__ = ["encode", "decode_into", "segments_of", "PROBE"]
+__all__ = ["PROBE", "decode_into", "encode", "segments_of"]
 
 PROBE = 64 << 10
 """Bytes of a plane coded first: a plane whose sample shrinks by less than 2% is kept raw."""
@@ -193,7 +193,7 @@ def encode(data: memoryview | bytes | np.ndarray, segs: list[tuple[int, int]], l
             at += size
     if at >= 1 + len(a):
         return b"\x00" + a.tobytes()
-    hv = memoryview(out[:head])
+    hv = out[:head].data  # a writable memoryview of the scratch
     hv[0] = 1
     _U32.pack_into(hv, 1, len(segs))
     p = 5

@@ -21,7 +21,7 @@ import numpy as np
 __all__ = ["merge", "scratch", "split"]
 
 _local = threading.local()
-_WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def scratch(name: str, count: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
