@@ -61,11 +61,13 @@ def test_a_dead_rank_is_named_by_every_other(tmp_path, phase, victim):
         assert _committed(tmp_path, "step-2") == [] and len(_committed(tmp_path, "step-1")) == WORLD // 2
 
 
+@pytest.mark.timeout(600)
 def test_a_rank_dying_in_the_s3_hop_is_named_and_nothing_is_committed_there(tmp_path, moto_endpoint, s3cfg):
     import dataclasses
 
     s3 = dataclasses.asdict(s3cfg(moto_endpoint))
-    cfg = _cfg(tmp_path) | {"s3": s3}
+    # 16 uploads to one single-threaded moto server must all report within the commit timeout
+    cfg = _cfg(tmp_path) | {"s3": s3, "job": {"commit_timeout": 45}}
     res = run_world(WORLD, "die_in_phase", {"config": cfg, "victim": VICTIM, "phase": "hop"}, tmp_path / "w",
                     node_of=_node, timeout=300, expect_ok=False)
     assert res[VICTIM].get("exit") == 9, res[VICTIM]

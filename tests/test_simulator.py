@@ -75,9 +75,7 @@ def test_simulator_counts_equal_a_real_runs(moto_endpoint, s3cfg, tmp_path):
 def test_simulator_counts_equal_the_recorded_real_runs_up_to_16_ranks():
     """The real runs of ``python tools/bench.py --only scale --scale-ranks 4,8,16`` (16 processes
     at most, moto; recorded in docs/data/scale.json): the simulator, given a job of the same shape,
-    counts the same S3 requests by operation in every load, at every recorded N (16 included).
-    A real run recorded before the load stopped re-reading a shared tier's metadata for its frame
-    index may show one more GET per rank that read from S3; never fewer than the simulator."""
+    counts the same S3 requests, operation by operation, in every load, at every recorded N."""
     import json
     from pathlib import Path
 
@@ -87,8 +85,4 @@ def test_simulator_counts_equal_the_recorded_real_runs_up_to_16_ranks():
     for n, run in sorted(real.items()):
         for phase in ("restart", "node_loss", "full_loss"):
             sim = dict(simulate_load(build_job(n, run["ranks_per_node"]), phase)["s3_by_op"])
-            want = dict(run["phases"][phase]["s3_by_op"])
-            sim_get, real_get = sim.pop("GetObject", 0), want.pop("GetObject", 0)
-            assert sim == want and sim_get <= real_get <= sim_get + (n if phase == "full_loss" else 1), (n, phase, sim, want)
-            if n == 16:
-                assert real_get == sim_get, (phase, sim_get, real_get)
+            assert sim == dict(run["phases"][phase]["s3_by_op"]), (n, phase, sim, run["phases"][phase]["s3_by_op"])

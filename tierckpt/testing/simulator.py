@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import agreement, catalog, peers
+from ..codec.view import decoding
 from ..checksum import crc32c
 from ..layout import (CheckpointManifest, ItemRecord, data_key, metadata_key, metadata_to_json, padded,
                       piece_bounds)
@@ -101,6 +102,7 @@ def _metadata(world: int, cid: str, seq: int, token: str) -> tuple[bytes, dict[s
 def build_job(world: int, per_node: int = 2, checkpoints: int = 2) -> SimJob:
     """``checkpoints`` committed checkpoints of a ``world``-rank job on every node's disk and on S3."""
     s3 = MemoryTier("s3", "s3://sim/ckpt")
+    s3.may_encode = True  # as an S3 tier: its files may be stored encoded (read through codec.decoding)
     nnodes = -(-world // per_node)
     nodes = [MemoryTier("local", f"/sim/n{n}", node_local=True, cheap_listing=True, root=f"/sim/n{n}")
              for n in range(nnodes)]
@@ -128,6 +130,7 @@ def build_job_from(local_root: "Any", s3_objects: dict[str, bytes], world: int, 
 
     root = Path(local_root)
     s3 = MemoryTier("s3", "s3://sim/ckpt")
+    s3.may_encode = True  # as an S3 tier: its files may be stored encoded (read through codec.decoding)
     for key, data in s3_objects.items():
         s3.seed(key, data)
     nnodes = -(-world // per_node)
@@ -244,7 +247,8 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: "Any" = None) -
                 tiers, lease_list = hold([job.nodes[job.node_of(r)]], cid, "load")
                 for lease in lease_list:
                     lease.release()
-            tiers += [job.s3] if "s3" in v.shared else []
+            # as TieredReader.set_up_storage_reader: the index of encoded files comes with metadata read from S3
+            tiers += [decoding(job.s3, cid, doc if src not in ("local", "peer") else None)] if "s3" in v.shared else []
             holding.append(tiers)
         assert man is not None
         doc_items = _items(docs, v, job)
