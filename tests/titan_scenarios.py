@@ -166,12 +166,14 @@ def train(args: dict, rank: int, world: int) -> dict:
 
     gc.callbacks.append(_gc_cb)
     threads0 = _thread_cpu()
+    gc0 = [g["collections"] for g in gc.get_stats()]
     t_load, c_load = time.perf_counter(), time.process_time()
     ckpt.load(step=args.get("load_step", -1))
     out["load_s"] = time.perf_counter() - t_load
     out["load_cpu_s"] = time.process_time() - c_load
     gc.callbacks.remove(_gc_cb)
     out["load_gc_s"] = gc_s
+    out["load_gc_collections"] = [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)]
     threads1 = _thread_cpu()
     out["load_cpu_threads"] = {k: round(v - threads0.get(k, 0.0), 3) for k, v in threads1.items()
                                if v - threads0.get(k, 0.0) > 0.005}

@@ -10,6 +10,10 @@ from it. Reported: the seconds ``CheckpointManager.load`` took on each rank of t
 rank's process during that load (all its threads; the ranks summed); the CPU seconds of the resuming
 runs (all ranks, whole processes: imports included). Managers alternate within each round.
 ``--profile DIR``: a cProfile of each rank's load in DIR (``load-<manager>-<rank>.prof``, last round).
+``--cold``: before each resume, the checkpoint's files are dropped from the page cache
+(``posix_fadvise(DONTNEED)``), as on a restart on another node: both managers read from the disk.
+Without it, DCP's ``FileSystemWriter`` (buffered writes) leaves its files in the page cache while
+tierckpt writes with ``O_DIRECT`` (``[local] direct_io = "auto"``): tierckpt reads from the disk.
 """
 
 from __future__ import annotations
@@ -47,11 +51,23 @@ def _run(root: Path, manager: str, tag: str) -> list[dict]:
     return res
 
 
+def _drop_cached(root: Path) -> None:
+    """Drop every file under ``root`` from the page cache (clean pages only: the saves fsynced)."""
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="directory for cProfile dumps of each rank's load")
+    ap.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each resume")
     a = ap.parse_args()
     if a.profile:
         Path(a.profile).mkdir(parents=True, exist_ok=True)
@@ -64,6 +80,8 @@ def main() -> None:
                 root = Path(tmp) / f"{rnd}-{manager}"
                 root.mkdir()
                 _run(root, manager, "save")
+                if a.cold:
+                    _drop_cached(root)
                 cpu0 = _cpu_children()
                 res = _run(root, manager, "resume")
                 cpu = _cpu_children() - cpu0
@@ -82,7 +100,7 @@ def main() -> None:
           f"{med['tierckpt'] / med['torchtitan']:.2f}x; load CPU s (ranks summed): {cpu['tierckpt']:.3f} vs "
           f"{cpu['torchtitan']:.3f}: {cpu['tierckpt'] / cpu['torchtitan']:.2f}x; load average {os.getloadavg()[0]:.1f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "median_load_s": med, "ratio": med["tierckpt"] / med["torchtitan"],
+        Path(a.json).write_text(json.dumps({"cold": a.cold, "rows": rows, "median_load_s": med, "ratio": med["tierckpt"] / med["torchtitan"],
                                             "median_load_cpu_s": cpu, "cpu_ratio": cpu["tierckpt"] / cpu["torchtitan"],
                                             "loadavg": os.getloadavg()}, indent=1))
 
