@@ -7,6 +7,7 @@ touch waits between slots while a load is in flight, so the resume has the cores
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -26,8 +27,10 @@ MiB = 1 << 20
 @pytest.fixture
 def cfg(tmp_path):
     # a pool size no other test uses: this test's engine allocates (and touches) its own pool
-    c = TierConfig(host=HostConfig(buffer_size=3 * MiB + 4 * 4096, chunk_size=MiB + 4096),
-                   local=LocalConfig(path=str(tmp_path / "ckpt"), fsync=False))
+    c = TierConfig(
+        host=HostConfig(buffer_size=3 * MiB + 4 * 4096, chunk_size=MiB + 4096),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), fsync=False),
+    )
     yield c
     try:
         get_engine(c).close()
@@ -44,7 +47,9 @@ def test_pool_touch_waits_while_a_load_is_in_flight():
 
     box: list[HostPool] = []
     with loading.loading():
-        t = threading.Thread(target=lambda: box.append(HostPool(4 * MiB, MiB, False, pause)))
+        t = threading.Thread(
+            target=lambda: box.append(HostPool(4 * MiB, MiB, False, pause))
+        )
         t.start()
         assert asked.wait(60)
         t.join(0.2)
@@ -57,9 +62,9 @@ def test_pool_touch_waits_while_a_load_is_in_flight():
 class _Probe(DefaultLoadPlanner):
     """Records whether a load was in flight when read_data resolved its destinations."""
 
-    seen: list[bool] = []
+    seen: ClassVar[list[bool]] = []
 
-    def resolve_tensor(self, read_item):  # noqa: ANN001, ANN201
+    def resolve_tensor(self, read_item):
         _Probe.seen.append(loading.in_flight())
         return super().resolve_tensor(read_item)
 
@@ -71,12 +76,22 @@ def test_a_reader_counts_from_metadata_to_the_end_of_read_data(cfg):
     w.wait()
     out = {"w": torch.zeros(1000)}
     _Probe.seen = []
-    dcp.load(out, checkpoint_id="step-1", storage_reader=TieredReader(cfg), planner=_Probe(), no_dist=True)
+    dcp.load(
+        out,
+        checkpoint_id="step-1",
+        storage_reader=TieredReader(cfg),
+        planner=_Probe(),
+        no_dist=True,
+    )
     assert torch.equal(out["w"], sd["w"])
     assert _Probe.seen and all(_Probe.seen)
     assert not loading.in_flight()
-    with pytest.raises(CheckpointException, match="step-9 is not committed"):  # a failed load stops counting too
-        dcp.load(out, checkpoint_id="step-9", storage_reader=TieredReader(cfg), no_dist=True)
+    with pytest.raises(
+        CheckpointException, match="step-9 is not committed"
+    ):  # a failed load stops counting too
+        dcp.load(
+            out, checkpoint_id="step-9", storage_reader=TieredReader(cfg), no_dist=True
+        )
     assert not loading.in_flight()
 
 
@@ -89,5 +104,7 @@ def test_a_save_during_a_load_does_not_wait_for_it(cfg):
         w.wait(timeout=120)
         assert loading.in_flight()
     out = {"w": torch.zeros(300, 1000)}
-    dcp.load(out, checkpoint_id="step-1", storage_reader=TieredReader(cfg), no_dist=True)
+    dcp.load(
+        out, checkpoint_id="step-1", storage_reader=TieredReader(cfg), no_dist=True
+    )
     assert torch.equal(out["w"], sd["w"])

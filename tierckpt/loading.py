@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["begin", "end", "in_flight", "loading"]
 
 _lock = threading.Lock()
-_active: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_active: weakref.WeakSet[Any] = weakref.WeakSet()
 _scopes = 0
 
 
