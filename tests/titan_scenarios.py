@@ -83,6 +83,24 @@ def _full(x):  # noqa: ANN001, ANN202
     return x
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process (``name/tid``), from /proc (Linux)."""
+    import threading
+
+    out: dict[str, float] = {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[f"{names.get(int(task.name), name)}/{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def train(args: dict, rank: int, world: int) -> dict:
     """``args``: tiers (TOML path), dump, mode, steps, crash_after (step or 0), interval, keep,
     record (path: write the full model+optimizer state after each checkpoint step, rank 0),
@@ -124,9 +142,45 @@ def train(args: dict, rank: int, world: int) -> dict:
 
     keep = _Keep(logging.WARNING)
     logging.getLogger("tierckpt").addHandler(keep)
-    t_load = time.perf_counter()
+    prof_to = os.environ.get("TIERCKPT_PROFILE_LOAD")  # a directory: cProfile of each rank's load
+    prof = None
+    if prof_to:
+        import cProfile
+
+        # TIERCKPT_PROFILE_CLOCK=thread: the main thread's CPU time (wall time otherwise)
+        prof = cProfile.Profile(time.thread_time) if os.environ.get("TIERCKPT_PROFILE_CLOCK") == "thread" else cProfile.Profile()
+        prof.enable()
+    import threading
+
+    out["threads_at_load"] = sorted(t.name for t in threading.enumerate())
+    gc_s = [0.0, 0.0, 0.0]  # seconds in the garbage collector during the load, per generation
+    gc_t: list[float] = []
+
+    def _gc_cb(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_t.append(time.thread_time())
+        elif gc_t:
+            gc_s[info["generation"]] += time.thread_time() - gc_t.pop()
+
+    import gc
+
+    gc.callbacks.append(_gc_cb)
+    threads0 = _thread_cpu()
+    gc0 = [g["collections"] for g in gc.get_stats()]
+    t_load, c_load = time.perf_counter(), time.process_time()
     ckpt.load(step=args.get("load_step", -1))
     out["load_s"] = time.perf_counter() - t_load
+    out["load_cpu_s"] = time.process_time() - c_load
+    gc.callbacks.remove(_gc_cb)
+    out["load_gc_s"] = gc_s
+    out["load_gc_collections"] = [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)]
+    threads1 = _thread_cpu()
+    out["load_cpu_threads"] = {k: round(v - threads0.get(k, 0.0), 3) for k, v in threads1.items()
+                               if v - threads0.get(k, 0.0) > 0.005}
+    out["gc_objects"] = len(gc.get_objects())
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(str(Path(prof_to) / f"load-{args.get('manager') or 'tierckpt'}-{rank}.prof"))
     out["resumed_from"] = ts.step
     if args.get("check"):
         rec = torch.load(args["check"], weights_only=True)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from . import agreement
 from . import lease as leases
+from . import loading
 from . import peers
 from . import telemetry
 from .catalog import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
@@ -185,6 +186,7 @@ class TieredReader(StorageReader):
             # DCP's second try ("rank local metadata") after our first failed: the same answer,
             # without another collective that some ranks would not join
             raise self._failed
+        loading.begin(self)  # until read_data is done: the host pool's first touch waits
         try:
             group = self._peer_group()
             if group is not None:
@@ -193,6 +195,7 @@ class TieredReader(StorageReader):
             return self._finish_metadata(cid, self._read_local_metadata(cid))
         except BaseException as e:
             self._failed = e
+            loading.end(self)
             raise
 
     def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
@@ -379,6 +382,7 @@ class TieredReader(StorageReader):
                 self.fill.finish(ok)
             self._reads_done()
             self.release()
+            loading.end(self)
             telemetry.loaded(self, t_load, error, items)
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 from typing import Callable, ClassVar
 
 import torch
@@ -30,6 +31,9 @@ __all__ = ["HostPool", "get_pool", "POOL_ALIGN", "aligned_buffer"]
 log = logging.getLogger("tierckpt.capture")
 
 POOL_ALIGN = max(4096, mmap.PAGESIZE)  # the pool's start; O_DIRECT needs (at most) this alignment
+MAX_PAUSE_S = 60.0  # the most the pool's first touch waits for loads in flight, in all
+PAUSE_POLL_S = 0.01  # how often a paused touch looks again
+TOUCH_STEP = 2 << 20  # bytes of the first touch between looks (one transparent huge page on x86-64)
 
 
 def aligned_buffer(nbytes: int, pinned: bool = False) -> tuple[torch.Tensor, object]:
@@ -65,7 +69,11 @@ class HostPool:
 
     allocations: ClassVar[int] = 0
 
-    def __init__(self, buffer_size: int, chunk_size: int, pinned: bool) -> None:
+    def __init__(self, buffer_size: int, chunk_size: int, pinned: bool,
+                 pause: Callable[[], bool] | None = None) -> None:
+        """``pause``: asked before touching each :data:`TOUCH_STEP` bytes; while it answers true (a load in flight and
+        no save waiting, see :mod:`tierckpt.loading`) the touch waits, at most
+        :data:`MAX_PAUSE_S` seconds in all."""
         if chunk_size <= 0 or buffer_size < chunk_size:
             raise CaptureError(f"host pool: buffer_size {buffer_size} is smaller than chunk_size {chunk_size}")
         self.chunk_size = chunk_size
@@ -75,8 +83,13 @@ class HostPool:
             raise CaptureError(f"host pool: chunk_size {chunk_size} is not a multiple of 4 KiB (direct I/O needs it)")
         self.buffer, self._owner = aligned_buffer(self.nslots * chunk_size, self.pinned)
         # First touch of fresh memory is slow (1-4 GiB/s on some hosts): pay it here, once, before
-        # any slot is handed out (so that no capture ever races the zero-fill).
-        self.buffer.fill_(0)
+        # any slot is handed out (so that no capture ever races the zero-fill); TOUCH_STEP bytes
+        # at a time, yielding the cores to a load in flight (a restart's resume) in between.
+        deadline = time.monotonic() + MAX_PAUSE_S
+        for at in range(0, self.size, TOUCH_STEP):
+            while pause is not None and time.monotonic() < deadline and pause():
+                time.sleep(PAUSE_POLL_S)
+            self.buffer[at:at + TOUCH_STEP].fill_(0)
         HostPool.allocations += 1
         self._free = list(range(self.nslots - 1, -1, -1))
         self._cv = threading.Condition()
@@ -114,11 +127,12 @@ _pools: dict[tuple[int, int, bool], HostPool] = {}
 _pools_lock = threading.Lock()
 
 
-def get_pool(buffer_size: int, chunk_size: int, pinned: bool) -> HostPool:
-    """The process-wide pool for these settings, allocated on first use."""
+def get_pool(buffer_size: int, chunk_size: int, pinned: bool, pause: Callable[[], bool] | None = None) -> HostPool:
+    """The process-wide pool for these settings, allocated on first use (``pause``: see
+    :class:`HostPool`; only the call that allocates uses it)."""
     key = (buffer_size, chunk_size, bool(pinned))
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = _pools[key] = HostPool(buffer_size, chunk_size, pinned)
+            pool = _pools[key] = HostPool(buffer_size, chunk_size, pinned, pause)
         return pool

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .. import lease as leases
+from .. import loading
 from ..checksum import crc32c
 from ..config import Config
 from ..errors import TornCaptureError
@@ -59,7 +60,9 @@ class CaptureStream:
     def pool(self) -> HostPool:
         """The host pool, allocated on the first save (readers and tools never allocate it)."""
         if self._pool is None:
-            self._pool = get_pool(self.cfg.host.buffer_size, self.chunk_size, self.cfg.host.pinned)
+            # the first touch yields to a load in flight (a resume), never to a save waiting for it
+            self._pool = get_pool(self.cfg.host.buffer_size, self.chunk_size, self.cfg.host.pinned,
+                                  pause=lambda: loading.in_flight() and self._capture_q.empty())
         return self._pool
 
     @property

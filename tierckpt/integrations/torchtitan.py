@@ -82,6 +82,7 @@ from ..checkpoints import checkpoint_id_of, latest
 from ..config import Config, load_config
 from ..errors import CheckpointNotFound, CorruptCheckpoint, find_error
 from ..layout import is_valid_checkpoint_id, step_of
+from ..loading import loading
 from ..reader import TieredReader
 from ..writer import TieredWriter
 
@@ -230,7 +231,12 @@ class TierckptCheckpointManager(CheckpointManager):
     def _load(self, step: int = -1) -> bool:
         """Every rank (the trainer, before training): ``step`` (-1: the newest committed
         checkpoint over all tiers) through :class:`~tierckpt.TieredReader`; with none, torchtitan's
-        own initial load (``initial_load_path``, HF weights) or a fresh start."""
+        own initial load (``initial_load_path``, HF weights) or a fresh start. The host pool's
+        first touch waits meanwhile (:mod:`tierckpt.loading`)."""
+        with loading():
+            return self._load_newest(step)
+
+    def _load_newest(self, step: int) -> bool:
         if step != -1:
             self._load_one(f"step-{step}")
             return True

@@ -6,14 +6,21 @@
 Per round and manager: one run of tests/titan_scenarios.py (llama3 debugmodel, FSDP2, AdamW, 2 gloo
 ranks on CPU) trains 2 steps and saves step 2 (waited for); a second run in fresh processes resumes
 from it. Reported: the seconds ``CheckpointManager.load`` took on each rank of the resuming run
-(the slower rank counts), as the median over rounds, and their ratio; the CPU seconds of the
-resuming runs (all ranks, whole processes: imports included). Managers alternate within each round.
+(the slower rank counts), as the median over rounds, and their ratio; the CPU seconds of each
+rank's process during that load (all its threads; the ranks summed); the CPU seconds of the resuming
+runs (all ranks, whole processes: imports included). Managers alternate within each round.
+``--profile DIR``: a cProfile of each rank's load in DIR (``load-<manager>-<rank>.prof``, last round).
+``--cold``: before each resume, the checkpoint's files are dropped from the page cache
+(``posix_fadvise(DONTNEED)``), as on a restart on another node: both managers read from the disk.
+Without it, DCP's ``FileSystemWriter`` (buffered writes) leaves its files in the page cache while
+tierckpt writes with ``O_DIRECT`` (``[local] direct_io = "auto"``): tierckpt reads from the disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -44,11 +51,27 @@ def _run(root: Path, manager: str, tag: str) -> list[dict]:
     return res
 
 
+def _drop_cached(root: Path) -> None:
+    """Drop every file under ``root`` from the page cache (clean pages only: the saves fsynced)."""
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="directory for cProfile dumps of each rank's load")
+    ap.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each resume")
     a = ap.parse_args()
+    if a.profile:
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        os.environ["TIERCKPT_PROFILE_LOAD"] = str(Path(a.profile).resolve())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(a.rounds):
@@ -57,22 +80,29 @@ def main() -> None:
                 root = Path(tmp) / f"{rnd}-{manager}"
                 root.mkdir()
                 _run(root, manager, "save")
+                if a.cold:
+                    _drop_cached(root)
                 cpu0 = _cpu_children()
                 res = _run(root, manager, "resume")
                 cpu = _cpu_children() - cpu0
                 if any(r["resumed_from"] != 2 for r in res):
                     raise SystemExit(f"{manager}: resumed from {[r['resumed_from'] for r in res]}, not step 2")
                 rows.append({"round": rnd, "manager": manager, "load_s": max(r["load_s"] for r in res),
-                             "load_s_ranks": [r["load_s"] for r in res], "cpu_s_resume_run": cpu})
-    print(f"{'round':>5} {'manager':11} {'load s':>8} {'CPU s (run)':>12}")
+                             "load_s_ranks": [r["load_s"] for r in res],
+                             "load_cpu_s": sum(r["load_cpu_s"] for r in res), "cpu_s_resume_run": cpu})
+    print(f"{'round':>5} {'manager':11} {'load s':>8} {'load CPU s':>11} {'CPU s (run)':>12}")
     for r in rows:
-        print(f"{r['round']:5d} {r['manager']:11} {r['load_s']:8.3f} {r['cpu_s_resume_run']:12.1f}")
-    med = {m: statistics.median(r["load_s"] for r in rows if r["manager"] == m) for m in ("tierckpt", "torchtitan")}
+        print(f"{r['round']:5d} {r['manager']:11} {r['load_s']:8.3f} {r['load_cpu_s']:11.3f} {r['cpu_s_resume_run']:12.1f}")
+    ms = ("tierckpt", "torchtitan")
+    med = {m: statistics.median(r["load_s"] for r in rows if r["manager"] == m) for m in ms}
+    cpu = {m: statistics.median(r["load_cpu_s"] for r in rows if r["manager"] == m) for m in ms}
     print(f"median load: tierckpt {med['tierckpt']:.3f} s, torchtitan (FileSystemReader) {med['torchtitan']:.3f} s: "
-          f"{med['tierckpt'] / med['torchtitan']:.2f}x")
+          f"{med['tierckpt'] / med['torchtitan']:.2f}x; load CPU s (ranks summed): {cpu['tierckpt']:.3f} vs "
+          f"{cpu['torchtitan']:.3f}: {cpu['tierckpt'] / cpu['torchtitan']:.2f}x; load average {os.getloadavg()[0]:.1f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "median_load_s": med,
-                                            "ratio": med["tierckpt"] / med["torchtitan"]}, indent=1))
+        Path(a.json).write_text(json.dumps({"cold": a.cold, "rows": rows, "median_load_s": med, "ratio": med["tierckpt"] / med["torchtitan"],
+                                            "median_load_cpu_s": cpu, "cpu_ratio": cpu["tierckpt"] / cpu["torchtitan"],
+                                            "loadavg": os.getloadavg()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""Loads in flight (tierckpt.loading): the host pool's first touch yields to them, never to a save.
+
+A restart builds its writer (whose capture thread touches the host pool) and then resumes; the
+touch waits between slots while a load is in flight, so the resume has the cores to itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from tierckpt import TieredReader, TieredWriter, loading
+from tierckpt.capture.pool import HostPool
+from tierckpt.config import HostConfig, LocalConfig, TierConfig
+from tierckpt.engine import get_engine
+from tierckpt.errors import TierckptError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    # a pool size no other test uses: this test's engine allocates (and touches) its own pool
+    c = TierConfig(
+        host=HostConfig(buffer_size=3 * MiB + 4 * 4096, chunk_size=MiB + 4096),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), fsync=False),
+    )
+    yield c
+    try:
+        get_engine(c).close()
+    except TierckptError:
+        pass
+
+
+def test_pool_touch_waits_while_a_load_is_in_flight():
+    asked = threading.Event()
+
+    def pause() -> bool:
+        asked.set()
+        return loading.in_flight()
+
+    box: list[HostPool] = []
+    with loading.loading():
+        t = threading.Thread(
+            target=lambda: box.append(HostPool(4 * MiB, MiB, False, pause))
+        )
+        t.start()
+        assert asked.wait(60)
+        t.join(0.2)
+        assert t.is_alive() and not box  # paused before its first slot
+    t.join(60)
+    assert box and box[0].nslots == 4 and int(box[0].buffer.sum()) == 0
+    assert not loading.in_flight()
+
+
+class _Probe(DefaultLoadPlanner):
+    """Records whether a load was in flight when read_data resolved its destinations."""
+
+    seen: ClassVar[list[bool]] = []
+
+    def resolve_tensor(self, read_item):
+        _Probe.seen.append(loading.in_flight())
+        return super().resolve_tensor(read_item)
+
+
+def test_a_reader_counts_from_metadata_to_the_end_of_read_data(cfg):
+    sd = {"w": torch.arange(1000, dtype=torch.float32)}
+    w = TieredWriter(cfg)
+    dcp.save(sd, checkpoint_id="step-1", storage_writer=w)
+    w.wait()
+    out = {"w": torch.zeros(1000)}
+    _Probe.seen = []
+    dcp.load(
+        out,
+        checkpoint_id="step-1",
+        storage_reader=TieredReader(cfg),
+        planner=_Probe(),
+        no_dist=True,
+    )
+    assert torch.equal(out["w"], sd["w"])
+    assert _Probe.seen and all(_Probe.seen)
+    assert not loading.in_flight()
+    with pytest.raises(
+        CheckpointException, match="step-9 is not committed"
+    ):  # a failed load stops counting too
+        dcp.load(
+            out, checkpoint_id="step-9", storage_reader=TieredReader(cfg), no_dist=True
+        )
+    assert not loading.in_flight()
+
+
+def test_a_save_during_a_load_does_not_wait_for_it(cfg):
+    """The touch stops yielding once a save waits for the pool: a save inside a load completes."""
+    sd = {"w": torch.randn(300, 1000)}
+    with loading.loading():
+        w = TieredWriter(cfg)
+        dcp.save(sd, checkpoint_id="step-1", storage_writer=w)
+        w.wait(timeout=120)
+        assert loading.in_flight()
+    out = {"w": torch.zeros(300, 1000)}
+    dcp.load(
+        out, checkpoint_id="step-1", storage_reader=TieredReader(cfg), no_dist=True
+    )
+    assert torch.equal(out["w"], sd["w"])
