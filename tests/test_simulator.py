@@ -15,8 +15,8 @@ def test_per_rank_cost_is_flat(scenario):
     if scenario == "full_loss":  # a load from S3: the metadata GET and the ranged GETs of its files
         assert big["s3_requests"] <= 3 * 256 + 8, big
         assert big["s3_requests"] / 256 <= small["s3_requests"] / 16 + 0.1, (small, big)
-    else:  # the bucket is read once per job, not once per rank
-        assert big["s3_requests"] == small["s3_requests"] <= 10, (small, big)
+    else:  # the bucket is read once per job (and by the ranks of the lost node), not once per rank
+        assert big["s3_requests"] == small["s3_requests"] <= (10 if scenario == "restart" else 12), (small, big)
     # object-collective bytes grow linearly: the same per rank (within the longer rank names)
     assert big["collective_bytes"] / 256 <= 1.2 * small["collective_bytes"] / 16, (small, big)
     assert big["collective_rounds"] == small["collective_rounds"] == 2
