@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tierckpt.redact import redact
+from tierckpt.config.redact import redact
 
 from . import cmd_advise, cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_timeline, cmd_verify
 from .errors import EXIT_OK, EXIT_USAGE, PROG, report

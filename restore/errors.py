@@ -35,7 +35,7 @@ from tierckpt.errors import (
     TierError,
     TierUnavailable,
 )
-from tierckpt.redact import redact
+from tierckpt.config.redact import redact
 
 __all__ = [
     "DEBUG_ENV",

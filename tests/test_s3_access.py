@@ -37,7 +37,7 @@ from tierckpt.testing import find_error as find
 from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter, TierError, load_config
 from tierckpt.config import MiB, S3Config
 from tierckpt.errors import TierAccessDenied
-from tierckpt.redact import redact, redact_url
+from tierckpt.config.redact import redact, redact_url
 from tierckpt.tiers.s3 import S3Tier
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

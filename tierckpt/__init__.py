@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import moved
 from .lazyexports import lazy_exports
+
+moved.install()  # the old flat module paths (tierckpt.writer, ...) keep importing, with a warning
 
 if TYPE_CHECKING:
     from .config import Config, HostConfig, JobConfig, LocalConfig, PeerConfig, S3Config, TierConfig, load_config, parse_size

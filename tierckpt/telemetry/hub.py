@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..configvalues import node_name
+from ..config.values import node_name
 from ..config import Config
 from ..errors import ConfigError
 from ..tiers.base import Tier

@@ -114,7 +114,7 @@ def make_node_tiers(cfg: "Config", nodes: "Iterable[str]" = ()) -> "dict[str, Ti
     node's own name is left out; invalid names (:func:`is_node_name`) are ignored. Empty when
     the first tier is not node-local or its kind cannot be built for another node.
     """
-    from ..configvalues import node_name
+    from ..config.values import node_name
 
     kinds = tier_kinds(cfg)
     if not kinds or kinds[0].for_node is None:

@@ -26,7 +26,7 @@ from ...errors import (
     TierError,
     TierUnavailable,
 )
-from ...redact import redact, redact_url
+from ...config.redact import redact, redact_url
 from ..base import Tier, check_key
 
 try:  # boto3 is a hard dependency; keep the import error readable if it is missing.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from ...checksum import crc32c
 from ...config import MiB, S3_MAX_PART
 from ...errors import CorruptCheckpoint, TierError
-from ...redact import redact
+from ...config.redact import redact
 from ..base import DataSink
 from .client import ClientError, log
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ...errors import CheckpointNotFound, CorruptCheckpoint, TierError
-from ...redact import redact
+from ...config.redact import redact
 from .client import (
     _OWN_ATTEMPTS,
     _READ_CHUNK,

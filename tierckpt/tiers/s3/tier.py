@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 from ...config import S3Config
 from ...errors import ConfigError, CorruptCheckpoint, TierAccessDenied, TierError
-from ...redact import redact
+from ...config.redact import redact
 from ..base import Encoding, ObjectInfo, Tier, check_key
 from ..streams import StreamSink
 from .client import _DELETE_BATCH, _DENIED, ClientError, _is_not_found, log, make_client

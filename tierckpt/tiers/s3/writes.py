@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any, Callable, Collection
 
 from ...errors import CommitConflict, TierError
-from ...redact import redact
+from ...config.redact import redact
 from ..base import DataSink
 from .client import (
     BotoCoreError,

@@ -14,7 +14,7 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .redact import redact_url
 
 __all__ = ["parse_size", "check_endpoint_url", "node_name", "KiB", "MiB", "GiB", "MAX_SIZE", "MAX_TIMEOUT_S"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .redact import redact_url
 
 __all__ = [
@@ -46,7 +46,7 @@ CONFIG_ENV = "TIERCKPT_CONFIG"
 TELEMETRY_MODES = ("none", "otel")
 MAX_HISTORY = 1024
 
-from .configvalues import (  # noqa: F401 - the public names are re-exported
+from .values import (  # noqa: F401 - the public names are re-exported
     _ARN_RE,
     _BUCKET_RE,
     _REGION_RE,
