@@ -18,7 +18,7 @@ from typing import Any
 from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_doc, read_checkpoint_metadata
 from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from tierckpt.layout import (PEERS, CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key,
+from tierckpt.format.layout import (PEERS, CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key,
                              rank_of_file)
 from tierckpt.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers

@@ -61,7 +61,7 @@ from tierckpt.codec import strip_stored
 from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError, TierError
-from tierckpt.layout import MAX_METADATA_BYTES, CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
+from tierckpt.format.layout import MAX_METADATA_BYTES, CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
 from tierckpt.readback import TRIES, range_size, read_checked, workers
 from tierckpt.tiers.base import ResumableSink, Tier
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierckpt.errors import CorruptCheckpoint
-from tierckpt.layout import check_checkpoint_id
+from tierckpt.format.layout import check_checkpoint_id
 
 __all__ = ["EXAMPLES_HEAD", "add_json", "add_tier", "checkpoint_ref", "human_age", "human_size", "print_json", "table"]
 

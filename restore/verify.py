@@ -22,7 +22,7 @@ import numpy as np
 from tierckpt import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from tierckpt.layout import CheckpointManifest, data_key
+from tierckpt.format.layout import CheckpointManifest, data_key
 from tierckpt.catalog import read_checkpoint_doc
 from tierckpt.codec.view import decoding
 from tierckpt.readback import range_size

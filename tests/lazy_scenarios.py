@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from tierckpt import TieredReader, TieredWriter  # noqa: E402
 from tierckpt.config import config_from_dict  # noqa: E402
-from tierckpt.layout import metadata_key  # noqa: E402
+from tierckpt.format.layout import metadata_key  # noqa: E402
 
 
 # -- scenarios (run on every rank after the gloo process group is up) ------------------------

@@ -13,7 +13,7 @@ import torch
 from tierckpt.codec import add_stored, frame_size, strip_stored
 from tierckpt.codec.frames import decode_into, encode, segments_of
 from tierckpt.codec.hop import Previous, copy_encoded, width_runs
-from tierckpt.codec.index import StoredFile, parse_stored
+from tierckpt.format.stored import StoredFile, parse_stored
 from tierckpt.codec.view import decoding
 from tierckpt.errors import CorruptCheckpoint
 from tierckpt.tiers.base import Encoding
@@ -134,7 +134,7 @@ def test_index_json_round_trip_and_hostile_entries() -> None:
 
 
 def test_add_and_strip_stored_keep_the_first_tiers_metadata_byte_identical(tmp_path: Path) -> None:
-    from tierckpt.layout import parse_metadata
+    from tierckpt.format.layout import parse_metadata
 
     raw = _saved_metadata(tmp_path)
     doc = parse_metadata(raw, "md")

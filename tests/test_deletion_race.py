@@ -32,7 +32,7 @@ from tierckpt import HostConfig, JobConfig, LocalConfig, TierConfig, TieredReade
 from tierckpt import lease as leases
 from tierckpt.catalog import find_latest, list_checkpoints
 from tierckpt.engine import Engine, close_all, register_engine
-from tierckpt.layout import data_key, metadata_key
+from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.retention import apply_retention, plan_retention
 from tierckpt.tiers.local import LocalTier, drain_deletions
 

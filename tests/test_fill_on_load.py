@@ -18,7 +18,7 @@ from s3servers import s3_client
 from test_s3_promotion import local_files, make_cfg, md_doc, s3_get, state
 
 from tierckpt import TieredReader, TieredWriter
-from tierckpt.layout import data_key, metadata_key
+from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.testing import compare, placeholder
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -30,7 +30,7 @@ from tierckpt import CheckpointNotFound, HostConfig, LocalConfig, TierConfig, Ti
 from tierckpt import lease as leases
 from tierckpt.catalog import find_latest, list_checkpoints, resolve_latest
 from tierckpt.config import JobConfig
-from tierckpt.layout import data_key, metadata_key
+from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.engine import close_all
 from tierckpt.retention import enforce, plan_retention
 from tierckpt.tiers.local import LocalTier, drain_deletions
@@ -309,7 +309,7 @@ import os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from tierckpt import lease
 from tierckpt.tiers.local import LocalTier
-from tierckpt.layout import data_key
+from tierckpt.format.layout import data_key
 t = LocalTier({str(root)!r})
 l = lease.acquire(t, "other-9", kind="save", require_committed=False, check_tombs=False)
 p = t.root / data_key("other-9", "rank-00000-0badf00d.data.partial")

@@ -179,7 +179,7 @@ def ids_on(root: Path) -> list[str]:
 
 
 def data_path(root: Path, checkpoint_id: str, file: str) -> Path:
-    from tierckpt.layout import data_key
+    from tierckpt.format.layout import data_key
 
     return root.joinpath(*data_key(checkpoint_id, file).split("/"))
 
@@ -598,7 +598,7 @@ def test_fetch_errors(s3_ckpt, tmp_path):
     assert_one_line_error(cli("fetch", "step-6", config=cfg_b), 1, "step-6", "not committed")
     assert_one_line_error(cli("fetch", "step-5", "--rank", "3", config=cfg_b), 2, "--rank 3", "1 rank")
     from tierckpt.catalog import read_checkpoint_metadata
-    from tierckpt.layout import data_key
+    from tierckpt.format.layout import data_key
     from tierckpt.tiers import make_local, make_s3
 
     conf = load_config(cfg_b)
@@ -623,7 +623,7 @@ def test_s3_corruption_is_caught(s3_ckpt, tmp_path):
     import s3servers
 
     from restore import fetch_checkpoint
-    from tierckpt.layout import data_key
+    from tierckpt.format.layout import data_key
 
     cfg_a, cfg_b, root_b, _sd = s3_ckpt
     s3 = load_config(cfg_a).s3

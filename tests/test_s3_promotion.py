@@ -31,7 +31,7 @@ from s3servers import s3_client
 
 from tierckpt import TierckptError, TieredReader, TieredWriter
 from tierckpt.config import S3Config, config_from_dict
-from tierckpt.layout import data_key, split_key
+from tierckpt.format.layout import data_key, split_key
 from tierckpt.testing import errors_in
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

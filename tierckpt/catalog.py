@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointDoc, CheckpointManifest, CommitHeader, check_checkpoint_id,
+from .format.layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointDoc, CheckpointManifest, CommitHeader, check_checkpoint_id,
                      metadata_key, parse_metadata, read_header, split_key, step_of)
 from .tiers.base import ObjectInfo, Tier
 

@@ -119,7 +119,7 @@ def list_checkpoints(cfg: "Config | str | os.PathLike | None" = None) -> list[Ch
     ``tierckpt-restore list``, in its order); checkpoints whose headers no tier can read come
     first (by id). Partial (uncommitted) checkpoints are left out."""
     from .catalog import list_checkpoints as list_tier
-    from .layout import PEERS
+    from .format.layout import PEERS
 
     tiers = _tiers(cfg)
     try:

@@ -21,9 +21,9 @@ from . import lease as leases
 from .catalog import committed_in_order, read_checkpoint_doc
 from .codec import frame_size
 from .codec.hop import CopyFigures, Previous, copy_encoded, width_runs
-from .codec.index import StoredFile
+from .format.stored import StoredFile
 from .errors import TierckptError
-from .layout import CheckpointDoc, data_key, padded, rank_of_file
+from .format.layout import CheckpointDoc, data_key, padded, rank_of_file
 from .tiers.base import Tier
 
 __all__ = ["EncodedCopies"]

@@ -36,7 +36,7 @@ from .catalog import max_seq
 from .commit import Channel, Round, default_channel, run_commit
 from .config import Config
 from .errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError
-from .layout import data_key, metadata_key
+from .format.layout import data_key, metadata_key
 from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce

@@ -39,6 +39,11 @@ MOVED: dict[str, tuple[str, ...]] = {
     # old module path -> the module(s) that hold its names now (looked up in this order)
     "tierckpt.configvalues": ("tierckpt.config.values",),
     "tierckpt.redact": ("tierckpt.config.redact",),
+    "tierckpt.layout": ("tierckpt.format.layout",),
+    "tierckpt.dcpjson": ("tierckpt.format.dcpjson",),
+    "tierckpt.jsonvalues": ("tierckpt.format.jsonvalues",),
+    "tierckpt.safejson": ("tierckpt.format.safejson",),
+    "tierckpt.codec.index": ("tierckpt.format.stored",),
 }
 
 

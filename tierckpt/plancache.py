@@ -45,7 +45,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from .dcpjson import decode_metadata, decode_plan, digest, encode_metadata, encode_plan, plan_hash
+from .format.dcpjson import decode_metadata, decode_plan, digest, encode_metadata, encode_plan, plan_hash
 from .errors import CheckpointNotFound, CorruptCheckpoint
 from .tiers.base import Tier
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .capture.copier import Piece, Source
 from .errors import CaptureError
-from .layout import ALIGN, DTYPES, ItemRecord, padded, rank_file
+from .format.layout import ALIGN, DTYPES, ItemRecord, padded, rank_file
 
 __all__ = ["RankLayout", "LayoutCache", "SaveInputs", "RankResult", "expand_results", "layout_cache"]
 

@@ -40,7 +40,7 @@ from typing import Any
 from . import lease as leases
 from .codec.view import decoding
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file
+from .format.layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file
 from .tiers.base import Tier
 
 __all__ = [

@@ -44,7 +44,7 @@ from .checkpoints import checkpoint_id_of
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .fill import LoadFill
-from .layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, padded as _padded
+from .format.layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, padded as _padded
 from .readback import Readback, Request, hold
 from .tiers import make_tiers
 from .tiers.base import Tier

@@ -56,7 +56,7 @@ from .commit import Channel, LocalChannel, Round, run_commit
 from .config import Config
 from .encodedhop import EncodedCopies
 from .errors import CommitConflict, TierckptError
-from .layout import data_key, is_data_file, metadata_from_json, metadata_key, parse_metadata
+from .format.layout import data_key, is_data_file, metadata_from_json, metadata_key, parse_metadata
 from .save import RankSave
 from .tiers.base import Tier
 

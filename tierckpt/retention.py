@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .catalog import CheckpointInfo, list_checkpoints
 from .errors import TierckptError
-from .layout import METADATA, check_checkpoint_id, checkpoint_prefixes, metadata_key, split_key
+from .format.layout import METADATA, check_checkpoint_id, checkpoint_prefixes, metadata_key, split_key
 from .lease import guarded_delete, live_leases
 from .tiers.base import ObjectInfo, Tier
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import lease as leases
 from .capture.copier import Piece, Source
 from .errors import CommitError, TornCaptureError
-from .layout import CheckpointManifest, metadata_to_json, read_header, step_of
+from .format.layout import CheckpointManifest, metadata_to_json, read_header, step_of
 from .planning import SaveInputs
 from .telemetry.phases import PhaseLog
 from .tiers.base import DataSink

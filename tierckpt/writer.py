@@ -54,7 +54,7 @@ from .commit import default_channel
 from .config import TierConfig, load_config
 from .tiers.base import Tier
 from .errors import CommitConflict, CorruptCheckpoint, TierckptError
-from .layout import check_checkpoint_id, rank_file, step_of
+from .format.layout import check_checkpoint_id, rank_file, step_of
 from .engine import Engine, get_engine
 from .save import RankAssign, RankSave, SaveStats
 from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session

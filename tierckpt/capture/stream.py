@@ -28,7 +28,7 @@ from .. import loading
 from ..checksum import crc32c
 from ..config import Config
 from ..errors import TornCaptureError
-from ..layout import data_key
+from ..format.layout import data_key
 from ..background import Workers
 from ..save import RankSave
 from ..tiers.base import Tier

@@ -32,7 +32,7 @@ Design (the whole of it; the modules below hold the parts):
 
 from __future__ import annotations
 
-from .index import CODECS, StoredFile, add_stored, frame_hash, parse_stored, strip_stored
+from ..format.stored import CODECS, StoredFile, add_stored, frame_hash, parse_stored, strip_stored
 
 __all__ = ["CODECS", "FRAME", "StoredFile", "add_stored", "frame_hash", "frame_size", "parse_stored", "strip_stored"]
 

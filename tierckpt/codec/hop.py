@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..background import lower_priority
-from ..jsonvalues import DTYPE_SIZES
+from ..format.jsonvalues import DTYPE_SIZES
 from ..tiers.base import Encoding, Tier
 from .frames import encode, segments_of
-from .index import StoredFile, frame_hash
+from ..format.stored import StoredFile, frame_hash
 
 __all__ = ["Previous", "CopyFigures", "copy_encoded", "width_runs", "codec_threads"]
 

@@ -22,10 +22,10 @@ import threading
 from typing import Any, Iterator
 
 from ..errors import CorruptCheckpoint
-from ..layout import is_data_file, metadata_key, parse_metadata, split_key
+from ..format.layout import is_data_file, metadata_key, parse_metadata, split_key
 from ..tiers.base import ObjectInfo, Tier
 from .frames import decode_into
-from .index import StoredFile
+from ..format.stored import StoredFile
 
 __all__ = ["decoding", "DecodingTier"]
 

@@ -85,7 +85,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..checkpoints import checkpoint_id_of, list_checkpoints
 from ..config import TierConfig
 from ..errors import CommitConflict, ConfigError
-from ..layout import check_checkpoint_id
+from ..format.layout import check_checkpoint_id
 from ..reader import TieredReader
 from ..save import RankSave
 from ..writer import TieredWriter

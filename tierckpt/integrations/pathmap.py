@@ -42,7 +42,7 @@ from typing import Any
 from ..catalog import is_committed
 from ..checkpoints import checkpoint_id_of, latest
 from ..errors import CheckpointNotFound, TierckptError
-from ..layout import check_checkpoint_id
+from ..format.layout import check_checkpoint_id
 from ..save import RankSave
 from ..writer import TieredWriter
 from .deletions import Deletions

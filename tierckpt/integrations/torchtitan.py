@@ -81,7 +81,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..checkpoints import checkpoint_id_of, latest
 from ..config import Config, load_config
 from ..errors import CheckpointNotFound, CorruptCheckpoint, find_error
-from ..layout import is_valid_checkpoint_id, step_of
+from ..format.layout import is_valid_checkpoint_id, step_of
 from ..loading import loading
 from ..reader import TieredReader
 from ..writer import TieredWriter

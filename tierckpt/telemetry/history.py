@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointNotFound, TierckptError
-from ..safejson import JSONRejected, loads
+from ..format.safejson import JSONRejected, loads
 from ..tiers.base import Tier
 from .phases import BLOCKED, Phase
 

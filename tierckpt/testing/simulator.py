@@ -33,7 +33,7 @@ from typing import Any
 from .. import agreement, catalog, peers
 from ..codec.view import decoding
 from ..checksum import crc32c
-from ..layout import (CheckpointManifest, ItemRecord, data_key, metadata_key, metadata_to_json, padded,
+from ..format.layout import (CheckpointManifest, ItemRecord, data_key, metadata_key, metadata_to_json, padded,
                       piece_bounds)
 from ..readback import Readback, Request, hold
 from .memtier import MemoryTier

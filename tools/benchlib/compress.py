@@ -38,7 +38,7 @@ from benchlib.common import REPO, log, med, row
 from benchlib.realstate import frozen_states, gpt_state, tensors, titan_state
 from tierckpt.codec.frames import decode_into, encode, segments_of
 from tierckpt.codec.hop import width_runs
-from tierckpt.layout import padded
+from tierckpt.format.layout import padded
 
 FRAME = 4 << 20
 MB = 1e6

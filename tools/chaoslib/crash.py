@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from tierckpt import TieredReader
 from tierckpt.catalog import list_checkpoints
 from tierckpt.config import TierConfig, config_from_dict
-from tierckpt.layout import step_of
+from tierckpt.format.layout import step_of
 from tierckpt.tiers import make_local, make_s3
 from train_gpt import read_events
 

@@ -37,7 +37,7 @@ from tierckpt import lease as leases
 from tierckpt.catalog import list_checkpoints
 from tierckpt.config import config_from_dict
 from tierckpt.engine import close_all
-from tierckpt.layout import data_key
+from tierckpt.format.layout import data_key
 from tierckpt.retention import apply_retention, plan_retention
 from tierckpt.testing import clone_state, find_error
 from tierckpt.tiers import make_tiers

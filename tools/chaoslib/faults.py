@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import chaos_tiers
 from tierckpt import TierckptError, TieredWriter
 from tierckpt.config import TierConfig, config_from_dict
-from tierckpt.layout import split_key
+from tierckpt.format.layout import split_key
 from tierckpt.testing import clone_state, raw
 from tierckpt.testing import compare as diff
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tierckpt.config import config_from_dict
-from tierckpt.layout import step_of
+from tierckpt.format.layout import step_of
 
 
 from chaoslib.core import CaseResult, is_not_found, short, toml_text

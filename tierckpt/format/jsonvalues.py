@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
 
 __all__ = ["DTYPE_SIZES", "MEMFMTS", "METADATA_VALUES", "ValueCodec", "CheckedEntry", "check_entry"]
 

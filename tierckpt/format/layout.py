@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from . import safejson
-from .checksum import crc32c
-from .codec.index import StoredFile, parse_stored
-from .errors import CorruptCheckpoint
+from ..checksum import crc32c
+from .stored import StoredFile, parse_stored
+from ..errors import CorruptCheckpoint
 from .jsonvalues import (
     DTYPE_SIZES,
     METADATA_VALUES,

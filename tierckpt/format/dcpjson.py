@@ -43,7 +43,7 @@ try:
 except ImportError:  # a torch without it: its WriteItems have no bytes_io_data either
     BytesIOWriteData = None  # type: ignore[assignment,misc]
 
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
 from .jsonvalues import (  # noqa: F401 - the checked-value helpers are re-exported (layout, plancache use them)
     _MAX_INT,
     _NONE,
