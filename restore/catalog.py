@@ -15,7 +15,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierckpt.catalog import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_doc, read_checkpoint_metadata
+from tierckpt.catalog.listing import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_doc, read_checkpoint_metadata
 from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.format.layout import (PEERS, CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key,
@@ -24,7 +24,7 @@ from tierckpt.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import Tier
 
-from tierckpt.nodes import PeerNode, find_latest_here, node_files, open_peer_nodes
+from tierckpt.catalog.nodes import PeerNode, find_latest_here, node_files, open_peer_nodes
 
 from .errors import UsageError
 

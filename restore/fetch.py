@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierckpt import lease as leases
-from tierckpt.catalog import find_latest, read_checkpoint_doc
+from tierckpt.catalog import lease as leases
+from tierckpt.catalog.listing import find_latest, read_checkpoint_doc
 from tierckpt.codec import strip_stored
 from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig

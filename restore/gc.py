@@ -20,10 +20,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from tierckpt.catalog import committed_in_order, list_checkpoints
+from tierckpt.catalog.listing import committed_in_order, list_checkpoints
 from tierckpt.config import TierConfig
 from tierckpt.errors import TierckptError
-from tierckpt.lease import live_leases
+from tierckpt.catalog.lease import live_leases
 from tierckpt.retention import RetentionPlan, apply_retention, plan_retention
 from tierckpt.tiers.base import Tier
 

@@ -13,7 +13,7 @@ import logging
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from tierckpt import lease as leases
+from tierckpt.catalog import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.format.layout import CheckpointManifest
 from tierckpt.readback import MAX_GAP, RUN_BYTES, Readback, Request, hold

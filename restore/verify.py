@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from tierckpt import lease as leases
+from tierckpt.catalog import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.format.layout import CheckpointManifest, data_key
-from tierckpt.catalog import read_checkpoint_doc
+from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.view import decoding
 from tierckpt.readback import range_size
 from tierckpt.tiers.base import Tier

@@ -28,7 +28,7 @@ def _run(world: int, args: dict, wd: Path) -> list[dict]:
 
 
 def test_fsdp2_kill_and_resume_bit_exact_one_id_per_save(tmp_path):
-    from tierckpt.checkpoints import list_checkpoints
+    from tierckpt.catalog.checkpoints import list_checkpoints
 
     toml = tmp_path / "tiers.toml"
     toml.write_text(f'[host]\nbuffer_size = "16MiB"\nchunk_size = "4MiB"\n'

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierckpt import TieredReader, TieredWriter
-from tierckpt.checkpoints import checkpoint_id_of, latest, list_checkpoints
+from tierckpt.catalog.checkpoints import checkpoint_id_of, latest, list_checkpoints
 from tierckpt.config import config_from_dict
 from tierckpt.testing.bitexact import compare
 from tierckpt.testing.launch import run_world

@@ -19,7 +19,7 @@ from s3_scenarios import compare, placeholder
 from s3servers import s3_client
 
 from tierckpt import TieredReader, TieredWriter
-from tierckpt.catalog import read_checkpoint_doc
+from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.view import decoding
 from tierckpt.config import S3Config, config_from_dict
 from tierckpt.format.layout import data_key

@@ -29,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 
 import tierckpt
 from tierckpt import HostConfig, JobConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
-from tierckpt import lease as leases
-from tierckpt.catalog import find_latest, list_checkpoints
+from tierckpt.catalog import lease as leases
+from tierckpt.catalog.listing import find_latest, list_checkpoints
 from tierckpt.engine import Engine, close_all, register_engine
 from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.retention import apply_retention, plan_retention

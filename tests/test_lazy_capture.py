@@ -35,7 +35,7 @@ from tierckpt import (
     parse_size,
 )
 from tierckpt.capture.pool import HostPool
-from tierckpt.catalog import resolve_latest
+from tierckpt.catalog.listing import resolve_latest
 from tierckpt.format.layout import metadata_key
 from tierckpt.engine import get_engine
 from tierckpt.tiers.base import DataSink

@@ -52,8 +52,8 @@ def _check_resumed(res: list[dict], crash: int) -> None:
 
 
 def test_ddp_kill_and_resume_last_bit_exact_top_k(tmp_path):
-    from tierckpt.catalog import list_checkpoints as tier_listing
-    from tierckpt.checkpoints import list_checkpoints
+    from tierckpt.catalog.listing import list_checkpoints as tier_listing
+    from tierckpt.catalog.checkpoints import list_checkpoints
     from tierckpt.config import load_config
     from tierckpt.tiers import make_tiers
 
@@ -78,7 +78,7 @@ def test_fsdp2_model_parallel_kill_resume_then_one_rank_load(tmp_path):
     """The same with TierckptModelParallelStrategy (FSDP2 over 2 ranks): sharded model and optimizer
     states and Lightning's metadata in one checkpoint; then a 1-rank job loads the last one (DCP
     re-shards) and has the 2-rank job's final model."""
-    from tierckpt.checkpoints import list_checkpoints
+    from tierckpt.catalog.checkpoints import list_checkpoints
 
     tiers = _tiers(tmp_path)
     ck = tmp_path / "ckpt"

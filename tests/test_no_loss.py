@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 
 import tierckpt
 from tierckpt import CheckpointNotFound, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
-from tierckpt import lease as leases
-from tierckpt.catalog import find_latest, list_checkpoints, resolve_latest
+from tierckpt.catalog import lease as leases
+from tierckpt.catalog.listing import find_latest, list_checkpoints, resolve_latest
 from tierckpt.config import JobConfig
 from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.engine import close_all
@@ -307,7 +307,7 @@ def test_keep_one_while_another_process_saves(tmp_path):
     code = f"""
 import os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
-from tierckpt import lease
+from tierckpt.catalog import lease
 from tierckpt.tiers.local import LocalTier
 from tierckpt.format.layout import data_key
 t = LocalTier({str(root)!r})

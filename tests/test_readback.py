@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierckpt import TierConfig, TieredWriter
-from tierckpt.catalog import read_checkpoint_metadata
+from tierckpt.catalog.listing import read_checkpoint_metadata
 from tierckpt.config import HostConfig, LocalConfig, MiB
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
 from tierckpt.format.layout import data_key, iter_items, metadata_key

@@ -172,7 +172,7 @@ def data_files(root: Path, checkpoint_id: str) -> list[Path]:
 
 
 def ids_on(root: Path) -> list[str]:
-    from tierckpt.catalog import list_checkpoints
+    from tierckpt.catalog.listing import list_checkpoints
     from tierckpt.tiers.local import LocalTier
 
     return sorted(c.checkpoint_id for c in list_checkpoints(LocalTier(root)))
@@ -239,7 +239,7 @@ def test_verify_ok_then_flipped_byte(local_ckpts):
     assert "step-2 on local" in p.stdout and "OK" in p.stdout
 
     from restore import verify_checkpoint
-    from tierckpt.catalog import read_checkpoint_metadata
+    from tierckpt.catalog.listing import read_checkpoint_metadata
     from tierckpt.tiers.local import LocalTier
 
     md, _man = read_checkpoint_metadata(LocalTier(root), "step-2")
@@ -275,7 +275,7 @@ def test_gc_dry_run_then_delete(tmp_path):
     stale.mkdir()
     (stale / "rank-00000-00000000.data").write_bytes(b"x" * 10)
     os.utime(stale / "rank-00000-00000000.data", (1_000_000, 1_000_000))
-    from tierckpt import lease
+    from tierckpt.catalog import lease
     from tierckpt.tiers.local import LocalTier
 
     # a save in flight (in this process): it holds a lease from before its first file, so it stays
@@ -597,7 +597,7 @@ def test_fetch_errors(s3_ckpt, tmp_path):
     _cfg_a, cfg_b, _root_b, _sd = s3_ckpt
     assert_one_line_error(cli("fetch", "step-6", config=cfg_b), 1, "step-6", "not committed")
     assert_one_line_error(cli("fetch", "step-5", "--rank", "3", config=cfg_b), 2, "--rank 3", "1 rank")
-    from tierckpt.catalog import read_checkpoint_metadata
+    from tierckpt.catalog.listing import read_checkpoint_metadata
     from tierckpt.format.layout import data_key
     from tierckpt.tiers import make_local, make_s3
 

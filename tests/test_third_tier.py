@@ -21,7 +21,7 @@ import archive_tier
 from test_chain import ChainContract
 from test_tier_contract import TierContract
 from tierckpt import TieredReader, TieredWriter, load_config
-from tierckpt.catalog import committed_in_order
+from tierckpt.catalog.listing import committed_in_order
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import Tier
 

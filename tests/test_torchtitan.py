@@ -71,7 +71,7 @@ def test_s3_only_initial_load_and_keep_latest_k(tmp_path, reference, moto_endpoi
     DCP checkpoint written by torchtitan's own manager (initial_load_path, read by DCP's reader);
     a fresh job resumes from S3; keep_latest_k = 2 is tierckpt's
     retention on S3 (what tierckpt.list_checkpoints reports), no directory is deleted."""
-    from tierckpt.checkpoints import list_checkpoints
+    from tierckpt.catalog.checkpoints import list_checkpoints
 
     plain = tmp_path / "plain"
     _run(2, {"tiers": "", "manager": "torchtitan", "dump": str(plain), "mode": "disabled", "steps": 2,
@@ -99,7 +99,7 @@ def test_resume_skips_a_newest_checkpoint_bad_on_every_tier(tmp_path, reference)
     """step-4 (the newest) has a flipped byte on the only tier: the manager logs it and resumes
     from step-2, bit-exact; step 4 is saved again as step-04 and training ends as the
     uninterrupted run does."""
-    from tierckpt.checkpoints import latest, list_checkpoints
+    from tierckpt.catalog.checkpoints import latest, list_checkpoints
 
     tiers = _tiers(tmp_path)
     base = {"tiers": tiers, "dump": str(tmp_path / "dump"), "mode": "disabled", "steps": STEPS, "interval": INTERVAL}

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
         TierUnavailable,
         TornCaptureError,
     )
-    from .checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
+    from .catalog.checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
     from .preempt import DrainReport, drain
     from .reader import TieredReader
     from .save import SaveStats
@@ -74,10 +74,10 @@ _LAZY: dict[str, str] = {
     "TornCaptureError": ".errors",
     "TierError": ".errors",
     "TierUnavailable": ".errors",
-    "latest": ".checkpoints",
-    "list_checkpoints": ".checkpoints",
-    "Checkpoint": ".checkpoints",
-    "checkpoint_id_of": ".checkpoints",
+    "latest": ".catalog.checkpoints",
+    "list_checkpoints": ".catalog.checkpoints",
+    "Checkpoint": ".catalog.checkpoints",
+    "checkpoint_id_of": ".catalog.checkpoints",
     "drain": ".preempt",
     "DrainReport": ".preempt",
 }

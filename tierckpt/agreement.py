@@ -38,8 +38,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import lease as leases
-from .catalog import committed_headers, committed_in_order, read_checkpoint_raw
+from .catalog import lease as leases
+from .catalog.listing import committed_headers, committed_in_order, read_checkpoint_raw
 from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from .format.layout import CheckpointDoc, MAX_METADATA_BYTES, metadata_key
 from .tiers.base import Tier

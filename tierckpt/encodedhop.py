@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from . import lease as leases
-from .catalog import committed_in_order, read_checkpoint_doc
+from .catalog import lease as leases
+from .catalog.listing import committed_in_order, read_checkpoint_doc
 from .codec import frame_size
 from .codec.hop import CopyFigures, Previous, copy_encoded, width_runs
 from .format.stored import StoredFile

@@ -32,7 +32,7 @@ from typing import Any
 
 from .capture.pool import HostPool
 from .capture.stream import CaptureStream
-from .catalog import max_seq
+from .catalog.listing import max_seq
 from .commit import Channel, Round, default_channel, run_commit
 from .config import Config
 from .errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError
@@ -40,7 +40,7 @@ from .format.layout import data_key, metadata_key
 from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce
-from .lease import live_leases
+from .catalog.lease import live_leases
 from .save import RankAssign, RankSave, SaveStats, build_metadata
 from .telemetry.hub import EngineTelemetry
 from .tiers import Chain

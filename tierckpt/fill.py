@@ -47,7 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from . import lease as leases
+from .catalog import lease as leases
 from .codec import strip_stored
 from .errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
 from .format.layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file

@@ -44,6 +44,9 @@ MOVED: dict[str, tuple[str, ...]] = {
     "tierckpt.jsonvalues": ("tierckpt.format.jsonvalues",),
     "tierckpt.safejson": ("tierckpt.format.safejson",),
     "tierckpt.codec.index": ("tierckpt.format.stored",),
+    "tierckpt.checkpoints": ("tierckpt.catalog.checkpoints",),
+    "tierckpt.nodes": ("tierckpt.catalog.nodes",),
+    "tierckpt.lease": ("tierckpt.catalog.lease",),
 }
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import lease as leases
+from .catalog import lease as leases
 from .checksum import crc32c
 from .commit import Round, run_commit
 from .errors import ChecksumMismatch, TierckptError

@@ -37,7 +37,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import lease as leases
+from .catalog import lease as leases
 from .codec.view import decoding
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .format.layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file

@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from . import agreement
-from . import lease as leases
+from .catalog import lease as leases
 from . import loading
 from . import peers
 from . import telemetry
-from .catalog import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
+from .catalog.listing import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
 from .codec.view import decoding
 from .commit import default_channel
-from .checkpoints import checkpoint_id_of
+from .catalog.checkpoints import checkpoint_id_of
 from .config import TierConfig, load_config
 from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .fill import LoadFill

@@ -48,9 +48,9 @@ import time
 import uuid
 from typing import Any, Callable, Protocol
 
-from . import lease as leases
+from .catalog import lease as leases
 from .background import lower_priority
-from .catalog import committed_headers, committed_in_order
+from .catalog.listing import committed_headers, committed_in_order
 from .codec import add_stored
 from .commit import Channel, LocalChannel, Round, run_commit
 from .config import Config

@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import lease as leases
+from .catalog import lease as leases
 from .capture.copier import Piece, Source
 from .errors import CommitError, TornCaptureError
 from .format.layout import CheckpointManifest, metadata_to_json, read_header, step_of

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import plancache, preempt
 from .asyncsave import AsyncTickets, LiveState
-from .checkpoints import checkpoint_id_of
-from .catalog import is_committed
+from .catalog.checkpoints import checkpoint_id_of
+from .catalog.listing import is_committed
 from .commit import default_channel
 from .config import TierConfig, load_config
 from .tiers.base import Tier

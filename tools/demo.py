@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 import s3servers  # noqa: E402
 
 from tierckpt import load_config  # noqa: E402
-from tierckpt.catalog import list_checkpoints  # noqa: E402
+from tierckpt.catalog.listing import list_checkpoints  # noqa: E402
 from tierckpt.tiers import make_local, make_s3  # noqa: E402
 from train_gpt import read_events as events  # noqa: E402
 

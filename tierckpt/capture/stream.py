@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .. import lease as leases
+from ..catalog import lease as leases
 from .. import loading
 from ..checksum import crc32c
 from ..config import Config

@@ -82,7 +82,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise TierckptError(f"tierckpt.integrations.accelerate needs Accelerate ({e}); "
                         'install it with: pip install "tierckpt[accelerate]"') from e
 
-from ..checkpoints import checkpoint_id_of, list_checkpoints
+from ..catalog.checkpoints import checkpoint_id_of, list_checkpoints
 from ..config import TierConfig
 from ..errors import CommitConflict, ConfigError
 from ..format.layout import check_checkpoint_id

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
 from ..errors import TierckptError
-from ..lease import guarded_delete
+from ..catalog.lease import guarded_delete
 from ..retention import delete_checkpoint
 from ..writer import TieredWriter
 

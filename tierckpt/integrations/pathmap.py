@@ -39,8 +39,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..catalog import is_committed
-from ..checkpoints import checkpoint_id_of, latest
+from ..catalog.listing import is_committed
+from ..catalog.checkpoints import checkpoint_id_of, latest
 from ..errors import CheckpointNotFound, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..save import RankSave

@@ -78,7 +78,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise TierckptError(f"tierckpt.integrations.torchtitan needs torchtitan ({e}); "
                         'install it with: pip install "tierckpt[torchtitan]"') from e
 
-from ..checkpoints import checkpoint_id_of, latest
+from ..catalog.checkpoints import checkpoint_id_of, latest
 from ..config import Config, load_config
 from ..errors import CheckpointNotFound, CorruptCheckpoint, find_error
 from ..format.layout import is_valid_checkpoint_id, step_of

@@ -30,7 +30,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import agreement, catalog, peers
+from .. import agreement, peers
+from ..catalog import listing as catalog
 from ..codec.view import decoding
 from ..checksum import crc32c
 from ..format.layout import (CheckpointManifest, ItemRecord, data_key, metadata_key, metadata_to_json, padded,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
-from tierckpt.checkpoints import list_checkpoints
+from tierckpt.catalog.checkpoints import list_checkpoints
 from tierckpt.integrations import accelerate as tierckpt_accelerate
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.catalog import committed_in_order
+from tierckpt.catalog.listing import committed_in_order
 from tierckpt.config import config_from_dict
 from tierckpt.testing import run_world
 from tierckpt.tiers import make_tiers

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierckpt import TieredReader
-from tierckpt.catalog import list_checkpoints
+from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import TierConfig, config_from_dict
 from tierckpt.format.layout import step_of
 from tierckpt.tiers import make_local, make_s3

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from tierckpt import TierckptError, TieredWriter
-from tierckpt import lease as leases
-from tierckpt.catalog import list_checkpoints
+from tierckpt.catalog import lease as leases
+from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import config_from_dict
 from tierckpt.engine import close_all
 from tierckpt.format.layout import data_key

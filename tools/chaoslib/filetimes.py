@@ -12,7 +12,7 @@ import torch
 
 from restore import find_latest, gc_checkpoints, list_all, open_tiers
 from restore.catalog import key_path
-from tierckpt.catalog import committed_in_order, list_checkpoints
+from tierckpt.catalog.listing import committed_in_order, list_checkpoints
 from tierckpt.config import TierConfig, config_from_dict
 from tierckpt.testing import compare as diff
 

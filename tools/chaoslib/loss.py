@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tierckpt import TieredWriter
-from tierckpt.catalog import committed_in_order
+from tierckpt.catalog.listing import committed_in_order
 from tierckpt.config import TierConfig
 from tierckpt.tiers import make_local, make_s3
 from tierckpt.testing import clone_state, raw

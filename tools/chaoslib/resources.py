@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierckpt import TierckptError, TieredWriter
-from tierckpt.catalog import list_checkpoints
+from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import config_from_dict
 from tierckpt.tiers import make_s3
 from tierckpt.testing import clone_state

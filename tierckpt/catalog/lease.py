@@ -51,9 +51,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterable
 
-from .errors import CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, TierckptError
-from .format.layout import check_checkpoint_id, metadata_key
-from .tiers.base import Tier
+from ..errors import CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, TierckptError
+from ..format.layout import check_checkpoint_id, metadata_key
+from ..tiers.base import Tier
 
 __all__ = ["LEASE_PREFIX", "LEASE_TTL", "Lease", "LeaseInfo", "live_leases", "acquire", "acquire_for_write",
            "guarded_delete", "CheckpointBeingDeleted"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 __all__ = ["Checkpoint", "checkpoint_id_of", "latest", "list_checkpoints"]
 
@@ -71,13 +71,13 @@ def checkpoint_id_of(checkpoint_id: str | os.PathLike) -> str:
 
 
 def _config(cfg: "Config | str | os.PathLike | None") -> "Config":
-    from .config import Config, load_config
+    from ..config import Config, load_config
 
     return cfg if isinstance(cfg, Config) else load_config(None if cfg is None else os.fspath(cfg))
 
 
 def _tiers(cfg: "Config | str | os.PathLike | None") -> list[Any]:
-    from .tiers import make_tiers
+    from ..tiers import make_tiers
 
     return make_tiers(_config(cfg))
 
@@ -95,8 +95,8 @@ def latest(cfg: "Config | str | os.PathLike | None" = None, *, before: str | Non
 
     ``cfg``: a :class:`~tierckpt.config.Config`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
     """
-    from .catalog import order_of
-    from .errors import CheckpointNotFound
+    from .listing import order_of
+    from ..errors import CheckpointNotFound
     from .nodes import find_latest_here, open_peer_nodes
 
     conf = _config(cfg)
@@ -118,8 +118,8 @@ def list_checkpoints(cfg: "Config | str | os.PathLike | None" = None) -> list[Ch
     """Every checkpoint committed on some tier, oldest commit first (the committed rows of
     ``tierckpt-restore list``, in its order); checkpoints whose headers no tier can read come
     first (by id). Partial (uncommitted) checkpoints are left out."""
-    from .catalog import list_checkpoints as list_tier
-    from .format.layout import PEERS
+    from .listing import list_checkpoints as list_tier
+    from ..format.layout import PEERS
 
     tiers = _tiers(cfg)
     try:

@@ -23,10 +23,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from .format.layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointDoc, CheckpointManifest, CommitHeader, check_checkpoint_id,
+from ..errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
+from ..format.layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointDoc, CheckpointManifest, CommitHeader, check_checkpoint_id,
                      metadata_key, parse_metadata, read_header, split_key, step_of)
-from .tiers.base import ObjectInfo, Tier
+from ..tiers.base import ObjectInfo, Tier
 
 __all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
            "is_committed", "read_checkpoint_metadata", "read_checkpoint_doc", "read_checkpoint_raw",
