@@ -21,9 +21,10 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tierckpt import TieredReader, TieredWriter, plancache  # noqa: E402
+from tierckpt import TieredReader, TieredWriter
+from tierckpt.save import plancache  # noqa: E402
 from tierckpt.config import config_from_dict  # noqa: E402
-from tierckpt.planning import layout_cache  # noqa: E402
+from tierckpt.capture.planning import layout_cache  # noqa: E402
 from tierckpt.testing.errors import err_text  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def _load_back(cfg, rank: int, cid: str, sd: dict) -> list[str]:
 def _watch_cached_plans(w: TieredWriter) -> list[bool]:
     """Record, per write_data call on this rank, whether DCP handed over a plan from its cache
     (one whose storage data is not this save's decision: the writer then reads it from the store)."""
-    import tierckpt.writer as tw
+    import tierckpt.save.writer as tw
 
     seen: list[bool] = []
     orig = w.write_data
@@ -115,7 +116,7 @@ def cached_saves(args: dict, rank: int, world: int) -> dict:
         except BaseException as e:  # noqa: BLE001 - reported to the test
             out["errors"].append(f"save {s}: {_err(e)}")
             out["saves"].append(None)
-    out["channel"] = __import__("tierckpt.writer", fromlist=["_session"])._session.channel
+    out["channel"] = __import__("tierckpt.save.writer", fromlist=["_session"])._session.channel
     return out
 
 

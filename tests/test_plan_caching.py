@@ -18,8 +18,8 @@ from distrun import run_world
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from tierckpt import HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
-from tierckpt.planning import layout_cache
-from tierckpt.plancache import decode_metadata, decode_plan, encode_metadata, encode_plan, from_bytes, plan_hash
+from tierckpt.capture.planning import layout_cache
+from tierckpt.save.plancache import decode_metadata, decode_plan, encode_metadata, encode_plan, from_bytes, plan_hash
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

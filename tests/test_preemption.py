@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 import tierckpt
 from tierckpt import TieredReader, TieredWriter
-from tierckpt import preempt
+from tierckpt.save import preempt
 from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import ConfigError, config_from_dict
 from tierckpt.engine import close_all

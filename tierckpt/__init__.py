@@ -40,18 +40,18 @@ if TYPE_CHECKING:
         TornCaptureError,
     )
     from .catalog.checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
-    from .preempt import DrainReport, drain
+    from .save.preempt import DrainReport, drain
     from .reader import TieredReader
-    from .save import SaveStats
-    from .writer import TieredWriter
+    from .capture.ranksave import SaveStats
+    from .save.writer import TieredWriter
 
 __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
     # public name -> the module (relative to this package) that defines it
-    "TieredWriter": ".writer",
+    "TieredWriter": ".save.writer",
     "TieredReader": ".reader",
-    "SaveStats": ".save",
+    "SaveStats": ".capture.ranksave",
     "Config": ".config",
     "TierConfig": ".config",
     "HostConfig": ".config",
@@ -78,8 +78,8 @@ _LAZY: dict[str, str] = {
     "list_checkpoints": ".catalog.checkpoints",
     "Checkpoint": ".catalog.checkpoints",
     "checkpoint_id_of": ".catalog.checkpoints",
-    "drain": ".preempt",
-    "DrainReport": ".preempt",
+    "drain": ".save.preempt",
+    "DrainReport": ".save.preempt",
 }
 
 __all__ = list(_LAZY)

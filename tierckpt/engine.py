@@ -41,7 +41,7 @@ from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce
 from .catalog.lease import live_leases
-from .save import RankAssign, RankSave, SaveStats, build_metadata
+from .capture.ranksave import RankAssign, RankSave, SaveStats, build_metadata
 from .telemetry.hub import EngineTelemetry
 from .tiers import Chain
 from .tiers.base import Tier

@@ -47,6 +47,13 @@ MOVED: dict[str, tuple[str, ...]] = {
     "tierckpt.checkpoints": ("tierckpt.catalog.checkpoints",),
     "tierckpt.nodes": ("tierckpt.catalog.nodes",),
     "tierckpt.lease": ("tierckpt.catalog.lease",),
+    "tierckpt.planning": ("tierckpt.capture.planning",),
+    "tierckpt.writer": ("tierckpt.save.writer",),
+    "tierckpt.asyncsave": ("tierckpt.save.asyncsave",),
+    "tierckpt.planchannel": ("tierckpt.save.planchannel",),
+    "tierckpt.plancache": ("tierckpt.save.plancache",),
+    "tierckpt.preempt": ("tierckpt.save.preempt",),
+    "tierckpt.savehold": ("tierckpt.save.hold",),
 }
 
 

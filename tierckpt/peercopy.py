@@ -38,7 +38,7 @@ from .errors import ChecksumMismatch, TierckptError
 from .format.layout import PEERS, data_key, metadata_from_json, padded, piece_bounds, rank_of_file
 from .peers import PeerGroup
 from .replicate import HopOwner, Replicator
-from .save import RankSave
+from .capture.ranksave import RankSave
 from .tiers.base import Tier
 
 __all__ = ["PeerHop", "placement"]

@@ -57,7 +57,7 @@ from .config import Config
 from .encodedhop import EncodedCopies
 from .errors import CommitConflict, TierckptError
 from .format.layout import data_key, is_data_file, metadata_from_json, metadata_key, parse_metadata
-from .save import RankSave
+from .capture.ranksave import RankSave
 from .tiers.base import Tier
 
 __all__ = ["Replicator", "HopOwner"]

@@ -102,7 +102,8 @@ def _tier_config(root: str):
 
 def worker(a: argparse.Namespace) -> None:
     torch, dist, dcp, DefaultSavePlanner, FileSystemWriter, NullWriter, FloorCachePlanner, TierCachePlanner = _worker_imports()
-    from tierckpt import TieredReader, TieredWriter, plancache
+    from tierckpt import TieredReader, TieredWriter
+    from tierckpt.save import plancache
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -30,7 +30,7 @@ from ..config import Config
 from ..errors import TornCaptureError
 from ..format.layout import data_key
 from ..background import Workers
-from ..save import RankSave
+from .ranksave import RankSave
 from ..tiers.base import Tier
 from .copier import Copier, Piece
 from .pool import HostPool, get_pool

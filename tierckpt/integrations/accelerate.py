@@ -87,8 +87,8 @@ from ..config import TierConfig
 from ..errors import CommitConflict, ConfigError
 from ..format.layout import check_checkpoint_id
 from ..reader import TieredReader
-from ..save import RankSave
-from ..writer import TieredWriter
+from ..capture.ranksave import RankSave
+from ..save.writer import TieredWriter
 from .deletions import Deletions
 
 __all__ = ["SUPPORTED", "TierckptState", "enable", "disable"]

@@ -59,7 +59,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..config import TierConfig
 from ..reader import TieredReader
-from ..writer import TieredWriter
+from ..save.writer import TieredWriter
 from .pathmap import PathMap
 from .statetree import join, split
 

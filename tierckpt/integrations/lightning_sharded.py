@@ -45,7 +45,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ..config import TierConfig
 from ..errors import TierckptError
 from ..reader import TieredReader
-from ..writer import TieredWriter
+from ..save.writer import TieredWriter
 from .pathmap import PathMap, Resolved
 
 __all__ = ["TierckptModelParallelStrategy", "TierckptFSDPStrategy", "META_KEY"]

@@ -43,8 +43,8 @@ from ..catalog.listing import is_committed
 from ..catalog.checkpoints import checkpoint_id_of, latest
 from ..errors import CheckpointNotFound, TierckptError
 from ..format.layout import check_checkpoint_id
-from ..save import RankSave
-from ..writer import TieredWriter
+from ..capture.ranksave import RankSave
+from ..save.writer import TieredWriter
 from .deletions import Deletions
 
 __all__ = ["LAST_NAME", "Pointer", "Resolved", "PathMap", "read_pointer", "write_pointer"]

@@ -84,7 +84,7 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, find_error
 from ..format.layout import is_valid_checkpoint_id, step_of
 from ..loading import loading
 from ..reader import TieredReader
-from ..writer import TieredWriter
+from ..save.writer import TieredWriter
 
 __all__ = ["TierckptCheckpointManager", "log_metrics_with", "with_retention"]
 

@@ -23,7 +23,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .save import RankAssign
+    from ..capture.ranksave import RankAssign
 
 __all__ = ["HOLD_TIMEOUT", "Hold", "Release", "hold", "release", "release_all"]
 

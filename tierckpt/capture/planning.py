@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .capture.copier import Piece, Source
-from .errors import CaptureError
-from .format.layout import ALIGN, DTYPES, ItemRecord, padded, rank_file
+from .copier import Piece, Source
+from ..errors import CaptureError
+from ..format.layout import ALIGN, DTYPES, ItemRecord, padded, rank_file
 
 __all__ = ["RankLayout", "LayoutCache", "SaveInputs", "RankResult", "expand_results", "layout_cache"]
 

@@ -17,13 +17,13 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .catalog import lease as leases
-from .capture.copier import Piece, Source
-from .errors import CommitError, TornCaptureError
-from .format.layout import CheckpointManifest, metadata_to_json, read_header, step_of
+from ..catalog import lease as leases
+from .copier import Piece, Source
+from ..errors import CommitError, TornCaptureError
+from ..format.layout import CheckpointManifest, metadata_to_json, read_header, step_of
 from .planning import SaveInputs
-from .telemetry.phases import PhaseLog
-from .tiers.base import DataSink
+from ..telemetry.phases import PhaseLog
+from ..tiers.base import DataSink
 
 __all__ = ["RankAssign", "SaveStats", "RankSave", "build_metadata"]
 

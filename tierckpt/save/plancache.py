@@ -45,9 +45,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from .format.dcpjson import decode_metadata, decode_plan, digest, encode_metadata, encode_plan, plan_hash
-from .errors import CheckpointNotFound, CorruptCheckpoint
-from .tiers.base import Tier
+from ..format.dcpjson import decode_metadata, decode_plan, digest, encode_metadata, encode_plan, plan_hash
+from ..errors import CheckpointNotFound, CorruptCheckpoint
+from ..tiers.base import Tier
 
 __all__ = ["PLAN_DIR", "PersistedPlans", "encode_plan", "decode_plan", "encode_metadata", "decode_metadata",
            "plan_hash", "preload", "seed", "status", "Persister"]

@@ -47,12 +47,12 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .engine import live_engines
-from .peercopy import PeerHop
-from .savehold import release_all
+from ..engine import live_engines
+from ..peercopy import PeerHop
+from .hold import release_all
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
     from .writer import TieredWriter
 
 __all__ = ["DrainReport", "DrainedCheckpoint", "drain", "install", "installed"]

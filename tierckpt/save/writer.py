@@ -46,21 +46,22 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import plancache, preempt
+from . import plancache
+from . import preempt
 from .asyncsave import AsyncTickets, LiveState
-from .catalog.checkpoints import checkpoint_id_of
-from .catalog.listing import is_committed
-from .commit import default_channel
-from .config import TierConfig, load_config
-from .tiers.base import Tier
-from .errors import CommitConflict, CorruptCheckpoint, TierckptError
-from .format.layout import check_checkpoint_id, rank_file, step_of
-from .engine import Engine, get_engine
-from .save import RankAssign, RankSave, SaveStats
+from ..catalog.checkpoints import checkpoint_id_of
+from ..catalog.listing import is_committed
+from ..commit import default_channel
+from ..config import TierConfig, load_config
+from ..tiers.base import Tier
+from ..errors import CommitConflict, CorruptCheckpoint, TierckptError
+from ..format.layout import check_checkpoint_id, rank_file, step_of
+from ..engine import Engine, get_engine
+from ..capture.ranksave import RankAssign, RankSave, SaveStats
 from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session
-from .peers import PeerGroup
-from .planning import SaveInputs, expand_results, layout_cache, patch_dtypes
-from .savehold import HOLD_TIMEOUT, Release, hold, release, release_all
+from ..peers import PeerGroup
+from ..capture.planning import SaveInputs, expand_results, layout_cache, patch_dtypes
+from .hold import HOLD_TIMEOUT, Release, hold, release, release_all
 
 __all__ = ["TieredWriter"]
 

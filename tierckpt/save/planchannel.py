@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .save import RankAssign
+    from ..capture.ranksave import RankAssign
 
 __all__ = ["LocalInfo", "PlanAssign", "Session", "session", "info_key", "assign_key", "multi_get"]
 
