@@ -20,7 +20,7 @@ from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.format.layout import (PEERS, CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key,
                              rank_of_file)
-from tierckpt.retention import checkpoint_objects
+from tierckpt.chain.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import Tier
 

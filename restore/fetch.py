@@ -62,7 +62,7 @@ from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError, TierError
 from tierckpt.format.layout import MAX_METADATA_BYTES, CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
-from tierckpt.readback import TRIES, range_size, read_checked, workers
+from tierckpt.load.readback import TRIES, range_size, read_checked, workers
 from tierckpt.tiers.base import ResumableSink, Tier
 
 from .catalog import PeerNode, as_config, find_latest_here, node_files, open_peer_nodes, open_tiers, rank_of_file

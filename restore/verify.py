@@ -25,7 +25,7 @@ from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.format.layout import CheckpointManifest, data_key
 from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.view import decoding
-from tierckpt.readback import range_size
+from tierckpt.load.readback import range_size
 from tierckpt.tiers.base import Tier
 
 from .catalog import as_config, checkpoint_objects, holding_tiers, open_tiers, resolve_id

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from tierckpt.readback import BUFFER_BUDGET, workers
+from tierckpt.load.readback import BUFFER_BUDGET, workers
 from tierckpt.tiers.base import Tier
 
 __all__ = ["BUFFER_BUDGET", "progress_bar", "run_all", "workers_for"]

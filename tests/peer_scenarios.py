@@ -75,7 +75,7 @@ def save_partner_dies(args: dict, rank: int, world: int) -> dict:
     import json
     import os
 
-    from tierckpt.engine import Engine, register_engine
+    from tierckpt.chain.engine import Engine, register_engine
     from tierckpt.testing import FaultyTier
     from tierckpt.tiers import make_tiers
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import tierckpt
 from tierckpt import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, HostConfig, JobConfig, LocalConfig, TierConfig
 from tierckpt import TieredReader, TieredWriter
-from tierckpt.engine import close_all
+from tierckpt.chain.engine import close_all
 from tierckpt.errors import find_error
 
 from archive_tier import ArchiveConfig

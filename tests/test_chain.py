@@ -26,7 +26,7 @@ import pytest
 from tierckpt.codec import add_stored
 from tierckpt.codec.hop import Previous, copy_encoded
 from tierckpt.codec.view import decoding
-from tierckpt.commit import LocalChannel, Round, run_commit
+from tierckpt.chain.commit import LocalChannel, Round, run_commit
 from tierckpt.errors import CommitConflict, CommitError, TierckptError, TierError
 from tierckpt.testing import FaultyTier
 from tierckpt.tiers.base import Encoding, Tier

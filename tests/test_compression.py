@@ -23,7 +23,7 @@ from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.view import decoding
 from tierckpt.config import S3Config, config_from_dict
 from tierckpt.format.layout import data_key
-from tierckpt.readback import Readback, Request
+from tierckpt.load.readback import Readback, Request
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.s3 import S3Tier
 

@@ -31,9 +31,9 @@ import tierckpt
 from tierckpt import HostConfig, JobConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
 from tierckpt.catalog import lease as leases
 from tierckpt.catalog.listing import find_latest, list_checkpoints
-from tierckpt.engine import Engine, close_all, register_engine
+from tierckpt.chain.engine import Engine, close_all, register_engine
 from tierckpt.format.layout import data_key, metadata_key
-from tierckpt.retention import apply_retention, plan_retention
+from tierckpt.chain.retention import apply_retention, plan_retention
 from tierckpt.tiers.local import LocalTier, drain_deletions
 
 from archive_tier import ArchiveConfig, ArchiveTier

@@ -151,7 +151,7 @@ def test_fill_writes_whole_pages_direct(saved, monkeypatch, direct_io):
     page-aligned staging buffer (several pieces per item here), so the pages of the file go to
     the device directly and only an item's edges are buffered; with ``direct_io = false`` every
     write is buffered. The file is byte-identical to S3's either way."""
-    import tierckpt.fill as fill_mod
+    import tierckpt.load.fill as fill_mod
     import tierckpt.tiers.localsinks as sinks
 
     cfg, sd, local, s3 = saved

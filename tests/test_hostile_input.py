@@ -31,7 +31,7 @@ from tierckpt import CheckpointNotFound, CorruptCheckpoint, HostConfig, LocalCon
 from tierckpt.format import safejson
 from tierckpt.checksum import crc32c
 from tierckpt.format.layout import FORMAT, MAX_METADATA_BYTES, metadata_from_json, metadata_key
-from tierckpt.reader import read_checkpoint_metadata
+from tierckpt.load.reader import read_checkpoint_metadata
 from tierckpt.tiers.local import LocalTier
 
 from test_restore_cli import assert_one_line_error, cli, cli_proc, write_config

@@ -37,7 +37,7 @@ from tierckpt import (
 from tierckpt.capture.pool import HostPool
 from tierckpt.catalog.listing import resolve_latest
 from tierckpt.format.layout import metadata_key
-from tierckpt.engine import get_engine
+from tierckpt.chain.engine import get_engine
 from tierckpt.tiers.base import DataSink
 from tierckpt.tiers.local import LocalTier
 

@@ -31,8 +31,8 @@ from tierckpt.catalog import lease as leases
 from tierckpt.catalog.listing import find_latest, list_checkpoints, resolve_latest
 from tierckpt.config import JobConfig
 from tierckpt.format.layout import data_key, metadata_key
-from tierckpt.engine import close_all
-from tierckpt.retention import enforce, plan_retention
+from tierckpt.chain.engine import close_all
+from tierckpt.chain.retention import enforce, plan_retention
 from tierckpt.tiers.local import LocalTier, drain_deletions
 
 from distrun import run_world
@@ -210,7 +210,7 @@ def test_listing_then_delete_spares_a_save_that_started_in_between(tmp_path):
     lease = leases.acquire(tier, "step-5", kind="save", require_committed=False, check_tombs=False)
     new = tier.root / data_key("step-5", "rank-00000-cafef00d.data")
     new.write_bytes(b"y" * 8192)
-    from tierckpt.retention import apply_retention
+    from tierckpt.chain.retention import apply_retention
 
     assert apply_retention(tier, plan, infos) == []  # leased: skipped
     assert stale.exists() and new.exists()
@@ -225,7 +225,7 @@ def test_retention_spares_a_partial_that_committed_after_the_listing(tmp_path):
     """Retention lists step-6 while its save is between its data and its metadata (no lease seen
     after the save released it); the save commits; the planned "partial" deletion must not touch
     the committed checkpoint (seen once in CI: a committed, unpromoted checkpoint lost)."""
-    from tierckpt.retention import apply_retention
+    from tierckpt.chain.retention import apply_retention
 
     root = tmp_path / "ckpt"
     tier = LocalTier(root)

@@ -225,7 +225,7 @@ def test_store_channel_carries_values_over_the_tcpstore_limit():
     from distrun import free_port
     from torch.distributed import TCPStore
 
-    from tierckpt.commit import StoreChannel
+    from tierckpt.chain.commit import StoreChannel
 
     store = TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
     ch = StoreChannel(store)

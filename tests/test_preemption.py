@@ -28,7 +28,7 @@ from tierckpt import TieredReader, TieredWriter
 from tierckpt.save import preempt
 from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import ConfigError, config_from_dict
-from tierckpt.engine import close_all
+from tierckpt.chain.engine import close_all
 from tierckpt.tiers import make_tiers
 
 HERE = Path(__file__).resolve().parent
@@ -272,7 +272,7 @@ def test_drain_waits_for_the_peer_hop_and_names_later_tiers(tmp_path):
     """With [peer] replicas the drain also waits for the peer hop (in one process it has no
     partner: done at once); a later tier it does not wait for is named."""
     from archive_tier import ArchiveTier
-    from tierckpt.engine import Engine, register_engine
+    from tierckpt.chain.engine import Engine, register_engine
     from tierckpt.tiers.local import LocalTier
 
     d = config(tmp_path)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     )
     from .catalog.checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
     from .save.preempt import DrainReport, drain
-    from .reader import TieredReader
+    from .load.reader import TieredReader
     from .capture.ranksave import SaveStats
     from .save.writer import TieredWriter
 
@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     # public name -> the module (relative to this package) that defines it
     "TieredWriter": ".save.writer",
-    "TieredReader": ".reader",
+    "TieredReader": ".load.reader",
     "SaveStats": ".capture.ranksave",
     "Config": ".config",
     "TierConfig": ".config",

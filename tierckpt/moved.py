@@ -54,6 +54,17 @@ MOVED: dict[str, tuple[str, ...]] = {
     "tierckpt.plancache": ("tierckpt.save.plancache",),
     "tierckpt.preempt": ("tierckpt.save.preempt",),
     "tierckpt.savehold": ("tierckpt.save.hold",),
+    "tierckpt.engine": ("tierckpt.chain.engine",),
+    "tierckpt.commit": ("tierckpt.chain.commit",),
+    "tierckpt.replicate": ("tierckpt.chain.replicate",),
+    "tierckpt.peercopy": ("tierckpt.chain.peercopy",),
+    "tierckpt.encodedhop": ("tierckpt.chain.encodedhop",),
+    "tierckpt.retention": ("tierckpt.chain.retention",),
+    "tierckpt.peers": ("tierckpt.chain.peers",),
+    "tierckpt.reader": ("tierckpt.load.reader",),
+    "tierckpt.readback": ("tierckpt.load.readback",),
+    "tierckpt.fill": ("tierckpt.load.fill",),
+    "tierckpt.agreement": ("tierckpt.load.agreement",),
 }
 
 

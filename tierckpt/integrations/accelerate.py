@@ -86,7 +86,7 @@ from ..catalog.checkpoints import checkpoint_id_of, list_checkpoints
 from ..config import TierConfig
 from ..errors import CommitConflict, ConfigError
 from ..format.layout import check_checkpoint_id
-from ..reader import TieredReader
+from ..load.reader import TieredReader
 from ..capture.ranksave import RankSave
 from ..save.writer import TieredWriter
 from .deletions import Deletions

@@ -32,7 +32,7 @@ from concurrent.futures import wait as futures_wait
 
 from ..errors import TierckptError
 from ..catalog.lease import guarded_delete
-from ..retention import delete_checkpoint
+from ..chain.retention import delete_checkpoint
 from ..save.writer import TieredWriter
 
 __all__ = ["Deletions"]

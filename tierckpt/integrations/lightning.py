@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                         'install it with: pip install "tierckpt[lightning]"') from e
 
 from ..config import TierConfig
-from ..reader import TieredReader
+from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
 from .pathmap import PathMap
 from .statetree import join, split

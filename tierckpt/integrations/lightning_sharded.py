@@ -44,7 +44,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from ..config import TierConfig
 from ..errors import TierckptError
-from ..reader import TieredReader
+from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
 from .pathmap import PathMap, Resolved
 

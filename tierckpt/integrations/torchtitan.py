@@ -82,8 +82,8 @@ from ..catalog.checkpoints import checkpoint_id_of, latest
 from ..config import Config, load_config
 from ..errors import CheckpointNotFound, CorruptCheckpoint, find_error
 from ..format.layout import is_valid_checkpoint_id, step_of
+from ..load.reader import TieredReader
 from ..loading import loading
-from ..reader import TieredReader
 from ..save.writer import TieredWriter
 
 __all__ = ["TierckptCheckpointManager", "log_metrics_with", "with_retention"]

@@ -47,8 +47,8 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..engine import live_engines
-from ..peercopy import PeerHop
+from ..chain.engine import live_engines
+from ..chain.peercopy import PeerHop
 from .hold import release_all
 
 if TYPE_CHECKING:

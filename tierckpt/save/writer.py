@@ -51,15 +51,15 @@ from . import preempt
 from .asyncsave import AsyncTickets, LiveState
 from ..catalog.checkpoints import checkpoint_id_of
 from ..catalog.listing import is_committed
-from ..commit import default_channel
+from ..chain.commit import default_channel
 from ..config import TierConfig, load_config
 from ..tiers.base import Tier
 from ..errors import CommitConflict, CorruptCheckpoint, TierckptError
 from ..format.layout import check_checkpoint_id, rank_file, step_of
-from ..engine import Engine, get_engine
+from ..chain.engine import Engine, get_engine
 from ..capture.ranksave import RankAssign, RankSave, SaveStats
 from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session
-from ..peers import PeerGroup
+from ..chain.peers import PeerGroup
 from ..capture.planning import SaveInputs, expand_results, layout_cache, patch_dtypes
 from .hold import HOLD_TIMEOUT, Release, hold, release, release_all
 

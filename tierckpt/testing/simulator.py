@@ -30,13 +30,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import agreement, peers
+from ..load import agreement
+from ..chain import peers
 from ..catalog import listing as catalog
 from ..codec.view import decoding
 from ..checksum import crc32c
 from ..format.layout import (CheckpointManifest, ItemRecord, data_key, metadata_key, metadata_to_json, padded,
                       piece_bounds)
-from ..readback import Readback, Request, hold
+from ..load.readback import Readback, Request, hold
 from .memtier import MemoryTier
 
 __all__ = ["SimJob", "simulate_load", "build_job", "build_job_from"]

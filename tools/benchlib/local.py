@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierckpt import TierConfig, TieredReader, TieredWriter
-from tierckpt.retention import delete_checkpoint
+from tierckpt.chain.retention import delete_checkpoint
 from tierckpt.tiers.local import drain_deletions
 
 from benchlib.common import Ctx, GiB, MiB, compare_state, cpu_seconds, drop_caches, empty_like_state, log, make_state, med, now, raw_write, rm, row, size_label, tensor_bytes, tiered_cfg, warm_file_tree, zero_state

@@ -36,9 +36,9 @@ from tierckpt import TierckptError, TieredWriter
 from tierckpt.catalog import lease as leases
 from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import config_from_dict
-from tierckpt.engine import close_all
+from tierckpt.chain.engine import close_all
 from tierckpt.format.layout import data_key
-from tierckpt.retention import apply_retention, plan_retention
+from tierckpt.chain.retention import apply_retention, plan_retention
 from tierckpt.testing import clone_state, find_error
 from tierckpt.tiers import make_tiers
 

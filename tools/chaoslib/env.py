@@ -166,7 +166,7 @@ class Env:
 # optimizer / transformer call: seconds per child otherwise)
 PRELOAD = ("torch", "torch._dynamo", "torch._functorch.deprecated", "torch._decomp.decompositions_for_rng",
            "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "numpy.random", "numpy.fft",
-           "statistics", "boto3", "botocore", "psutil", "tierckpt", "tierckpt.replicate", "tierckpt.tiers.local", "tierckpt.tiers.s3",
+           "statistics", "boto3", "botocore", "psutil", "tierckpt", "tierckpt.chain.replicate", "tierckpt.tiers.local", "tierckpt.tiers.s3",
            "train_gpt", "chaos_tiers")
 
 

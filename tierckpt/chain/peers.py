@@ -30,8 +30,8 @@ import datetime
 import logging
 from typing import Any
 
-from .errors import CheckpointNotFound, TierckptError
-from .tiers.base import Tier
+from ..errors import CheckpointNotFound, TierckptError
+from ..tiers.base import Tier
 
 __all__ = ["PeerGroup", "schedule"]
 
@@ -67,7 +67,7 @@ class PeerGroup:
         the group created earlier, or None."""
         import torch.distributed as dist
 
-        from .config import node_name
+        from ..config import node_name
 
         if cfg is None or not (dist.is_available() and dist.is_initialized()):
             return cls._saves if cls._saves_for is (dist.group.WORLD if dist.is_initialized() else None) else None

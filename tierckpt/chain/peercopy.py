@@ -31,15 +31,15 @@ from typing import Any, Callable
 
 import torch
 
-from .catalog import lease as leases
-from .checksum import crc32c
+from ..catalog import lease as leases
+from ..checksum import crc32c
 from .commit import Round, run_commit
-from .errors import ChecksumMismatch, TierckptError
-from .format.layout import PEERS, data_key, metadata_from_json, padded, piece_bounds, rank_of_file
+from ..errors import ChecksumMismatch, TierckptError
+from ..format.layout import PEERS, data_key, metadata_from_json, padded, piece_bounds, rank_of_file
 from .peers import PeerGroup
 from .replicate import HopOwner, Replicator
-from .capture.ranksave import RankSave
-from .tiers.base import Tier
+from ..capture.ranksave import RankSave
+from ..tiers.base import Tier
 
 __all__ = ["PeerHop", "placement"]
 

@@ -37,11 +37,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from .catalog import lease as leases
-from .codec.view import decoding
-from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from .format.layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file
-from .tiers.base import Tier
+from ..catalog import lease as leases
+from ..codec.view import decoding
+from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from ..format.layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file
+from ..tiers.base import Tier
 
 __all__ = [
     "BUFFER_BUDGET",

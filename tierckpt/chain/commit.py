@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from .errors import CommitConflict, CommitError, TierckptError
+from ..errors import CommitConflict, CommitError, TierckptError
 
 __all__ = ["Channel", "LocalChannel", "StoreChannel", "default_channel", "encode_report", "decode_report",
            "gather_reports", "Round", "run_commit"]

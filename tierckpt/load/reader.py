@@ -33,22 +33,22 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from . import agreement
-from .catalog import lease as leases
+from ..catalog import lease as leases
+from ..chain import peers
+from .. import telemetry
+from ..catalog.listing import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
+from ..codec.view import decoding
+from ..chain.commit import default_channel
+from ..catalog.checkpoints import checkpoint_id_of
+from ..config import TierConfig, load_config
+from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from . import loading
-from . import peers
-from . import telemetry
-from .catalog.listing import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
-from .codec.view import decoding
-from .commit import default_channel
-from .catalog.checkpoints import checkpoint_id_of
-from .config import TierConfig, load_config
-from .errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from .fill import LoadFill
-from .format.layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, padded as _padded
+from ..format.layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, padded as _padded
 from .readback import Readback, Request, hold
-from .tiers import make_tiers
-from .tiers.base import Tier
-from .tiers.local import LocalTier
+from ..tiers import make_tiers
+from ..tiers.base import Tier
+from ..tiers.local import LocalTier
 
 __all__ = ["TieredReader", "open_tiers", "read_checkpoint_metadata"]
 

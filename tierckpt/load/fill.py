@@ -47,13 +47,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .catalog import lease as leases
-from .codec import strip_stored
-from .errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
-from .format.layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file
+from ..catalog import lease as leases
+from ..codec import strip_stored
+from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
+from ..format.layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file
 from .readback import Request
-from .tiers.base import DataSink, Tier
-from .tiers.localfs import DIO_ALIGN
+from ..tiers.base import DataSink, Tier
+from ..tiers.localfs import DIO_ALIGN
 
 __all__ = ["THREADS", "LoadFill"]
 

@@ -48,17 +48,17 @@ import time
 import uuid
 from typing import Any, Callable, Protocol
 
-from .catalog import lease as leases
-from .background import lower_priority
-from .catalog.listing import committed_headers, committed_in_order
-from .codec import add_stored
+from ..catalog import lease as leases
+from ..background import lower_priority
+from ..catalog.listing import committed_headers, committed_in_order
+from ..codec import add_stored
 from .commit import Channel, LocalChannel, Round, run_commit
-from .config import Config
+from ..config import Config
 from .encodedhop import EncodedCopies
-from .errors import CommitConflict, TierckptError
-from .format.layout import data_key, is_data_file, metadata_from_json, metadata_key, parse_metadata
-from .capture.ranksave import RankSave
-from .tiers.base import Tier
+from ..errors import CommitConflict, TierckptError
+from ..format.layout import data_key, is_data_file, metadata_from_json, metadata_key, parse_metadata
+from ..capture.ranksave import RankSave
+from ..tiers.base import Tier
 
 __all__ = ["Replicator", "HopOwner"]
 
