@@ -225,7 +225,7 @@ def test_every_stage_states_its_rules():
     for stage in LEVEL:
         if stage in ("base", "api", "restore"):
             continue
-        doc = ast.get_docstring(ast.parse((ROOT / "tierckpt" / stage / "__init__.py").read_text())) or ""
+        doc = " ".join((ast.get_docstring(ast.parse((ROOT / "tierckpt" / stage / "__init__.py").read_text())) or "").split())
         if "May import" not in doc or "May be imported by" not in doc:
             missing.append(stage)
     assert not missing, f"stage packages whose __init__ docstring lacks 'May import' / 'May be imported by': {missing}"

@@ -28,6 +28,10 @@ Design (the whole of it; the modules below hold the parts):
   ranges fetch the stored frames they touch and decode them in the calling (read engine) thread;
   sizes of encoded files are reported logical. ``readback.hold`` wraps every tier that may hold
   encoded files, so ``dcp.load``, verify, fetch and consolidate read them unchanged.
+
+Stage ``codec``: May import ``format`` (the stored index lives in :mod:`tierckpt.format.stored`),
+``tiers``, ``config`` and the base modules. May be imported by ``catalog`` and every stage above
+it (``chain``'s encoded hops, ``load``'s read engine), testing and ``restore/``.
 """
 
 from __future__ import annotations

@@ -12,4 +12,7 @@ Each adapter imports its framework only when imported itself. Shared parts (no f
 :mod:`~tierckpt.integrations.statetree` (a checkpoint dict as DCP items),
 :mod:`~tierckpt.integrations.deletions` (whole-checkpoint deletions on every tier) and
 :mod:`~tierckpt.integrations.pathmap` (framework paths as checkpoints: pointer files).
+
+Stage ``integrations`` (top): May import every stage, preferably the public API only. May be
+imported by nothing in ``tierckpt`` (applications, tests and tools only).
 """

@@ -11,6 +11,10 @@
 
 With ``telemetry = "none"`` (the default) OpenTelemetry is never imported and nothing here runs
 per chunk. This package imports nothing heavy at import time (no torch, no OpenTelemetry).
+
+Stage ``telemetry``: May import ``catalog``, ``codec``, ``format``, ``tiers``, ``config`` and the
+base modules (and the package root's ``__version__``). May be imported by ``capture`` (the phase
+log), ``chain`` (the hub), ``save``, ``load``, integrations, testing and ``restore/``.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ harness that runs a job through save, restart and losses with those counters; it
 No module is named
 like a function it exports (``compare`` lives in ``bitexact``): importing a submodule sets an
 attribute of this package, which would shadow the function.
+
+Stage ``testing`` (top): May import every stage. May be imported by nothing in ``tierckpt``
+(tests and tools only).
 """
 
 from __future__ import annotations
