@@ -11,7 +11,7 @@ boto3 are imported only when an ``[s3]`` section exists).
 Adding a tier: one module implementing :class:`Tier`, one :func:`register_tier` call (with a
 config dataclass when its section is new), and a subclass of the tier contract suite.
 
-Stage ``tiers`` (the byte layer): may import ``config`` and the base modules (:mod:`tierckpt.errors`,
+Stage ``tiers`` (the byte layer). May import ``config`` and the base modules (:mod:`tierckpt.errors`,
 :mod:`tierckpt.checksum`) only; it never sees a ``SavePlan`` or parses a checkpoint. May be
 imported by every stage above it (``format`` upward), integrations, testing and ``restore/``.
 """
