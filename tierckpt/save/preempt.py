@@ -45,24 +45,31 @@ import time
 import weakref
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..chain.engine import live_engines
 from ..chain.peercopy import PeerHop
+from .asyncsave import AsyncTickets
 from .hold import release_all
 
 if TYPE_CHECKING:
     from ..config import Config
-    from .writer import TieredWriter
 
 __all__ = ["DrainReport", "DrainedCheckpoint", "drain", "install", "installed"]
 
 log = logging.getLogger("tierckpt.preempt")
 
+
+class _Writer(Protocol):
+    """What a drain needs of a :class:`~tierckpt.save.writer.TieredWriter`: its ``dcp.async_save``
+    tickets (named here, not imported: the writer imports this module to install the handler)."""
+
+    _tickets: AsyncTickets
+
 _lock = threading.Lock()
 _previous: dict[int, Any] = {}  # signal -> the handler that was installed before tierckpt's
 _timeout = 0.0  # the largest [job] drain_timeout of the writers that installed the handler
-_writers: "weakref.WeakSet[TieredWriter]" = weakref.WeakSet()  # their dcp.async_save tickets are drained
+_writers: "weakref.WeakSet[_Writer]" = weakref.WeakSet()  # their dcp.async_save tickets are drained
 _busy = threading.Event()  # a handler is draining
 _cut = threading.Event()  # a second signal handed over while the first was draining
 _said_off_main = False
@@ -156,7 +163,7 @@ def installed() -> list[int]:
         return sorted(s for s in _previous if signal.getsignal(s) is _handler)
 
 
-def install(cfg: "Config", writer: "TieredWriter | None" = None) -> bool:
+def install(cfg: "Config", writer: "_Writer | None" = None) -> bool:
     """Install the drain handler for ``cfg`` (``[job] on_sigterm``); ``writer``'s pending
     ``dcp.async_save`` calls are drained too. Idempotent; on the main thread only (elsewhere it
     logs once and returns False). Returns whether tierckpt's handler is installed now."""

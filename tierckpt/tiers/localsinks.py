@@ -12,17 +12,30 @@ import logging
 import os
 import threading
 import uuid
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from ..errors import CorruptCheckpoint, TierError
 from .base import DataSink, ResumableSink
 from .localfs import (DIO_ALIGN, PARTIAL, TMP, _address, _REFUSED, _tier_error, _unlink_quietly,
                       fsync_dir, open_new)
 
-if TYPE_CHECKING:
-    from .local import LocalTier
-
 log = logging.getLogger("tierckpt")
+
+
+class LocalFiles(Protocol):
+    """What a sink needs of the tier that opened it: paths, fsync and the direct-I/O state (the
+    members of :class:`~tierckpt.tiers.local.LocalTier` the sinks use; naming them here rather
+    than importing ``LocalTier`` keeps ``local`` -> ``localsinks`` the only import between them)."""
+
+    _direct_ok: bool | None
+    fsync: bool
+
+    def _path(self, key: str) -> Path: ...
+
+    def _open_direct(self, path: Path, flags: int) -> int: ...
+
+    def _direct_refused(self, path: Path, e: OSError) -> None: ...
 
 class _FileSink(DataSink):
     """One ``.partial`` file written at planned offsets by several threads (see the module doc).
@@ -32,7 +45,7 @@ class _FileSink(DataSink):
     transfers: until the device has them); ``close`` fsyncs and renames; ``abort`` unlinks.
     """
 
-    def __init__(self, tier: "LocalTier", key: str, size: int, exclusive: bool = False) -> None:
+    def __init__(self, tier: LocalFiles, key: str, size: int, exclusive: bool = False) -> None:
         self._tier = tier
         self._final = tier._path(key)
         self._partial = self._final.with_name(self._final.name + PARTIAL)
@@ -176,7 +189,7 @@ class _ResumableFile(ResumableSink):
     ``recorded`` (the in-memory set) holds every block that landed, recorded durably or not yet.
     """
 
-    def __init__(self, tier: LocalTier, key: str, size: int, block: int, tag: dict, adopt: bool) -> None:
+    def __init__(self, tier: LocalFiles, key: str, size: int, block: int, tag: dict, adopt: bool) -> None:
         self._tier = tier
         self.size, self.block, self._tag = size, block, tag
         self._final = tier._path(key)
@@ -384,7 +397,7 @@ class _ResumableFile(ResumableSink):
     # ==== end of the resumable-write block ===================================================
 
 
-def _pwrite_direct(tier: "LocalTier", dfd: int, path, mv: memoryview, offset: int) -> int:  # noqa: ANN001
+def _pwrite_direct(tier: LocalFiles, dfd: int, path, mv: memoryview, offset: int) -> int:  # noqa: ANN001
     """Write aligned ``mv`` at ``offset`` through the direct descriptor ``dfd`` of ``path``; return
     the bytes written (the rest, after a refusal or an unaligned short write, is left to the
     caller's buffered descriptor). A refusal is reported to ``tier`` (which raises with

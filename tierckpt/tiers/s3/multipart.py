@@ -16,17 +16,40 @@ import mmap
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from ...checksum import crc32c
-from ...config import MiB, S3_MAX_PART
-from ...errors import CorruptCheckpoint, TierError
+from ...config import MiB, S3_MAX_PART, S3Config
+from ...errors import CorruptCheckpoint, TierckptError, TierError
 from ...config.redact import redact
 from ..base import DataSink
 from .client import ClientError, log
 
-if TYPE_CHECKING:
-    from .writes import S3Writes
+
+
+class Uploads(Protocol):
+    """What an :class:`S3Sink` needs of the tier that opened it: the requests of
+    :class:`~tierckpt.tiers.s3.writes.S3Writes` (named here, not imported: ``writes`` imports this
+    module for the sink and the part arithmetic, and nothing imports back)."""
+
+    cfg: S3Config
+
+    def _full(self, key: str) -> str: ...
+
+    def _url_of(self, full: str) -> str: ...
+
+    def _client_error(self, e: ClientError, what: str, url: str) -> TierckptError: ...
+
+    def _put_object(self, full: str, body: bytes, crc: str, *, if_none_match: bool = False,
+                    tries: list[int] | None = None) -> Any: ...
+
+    def _create_upload(self, full: str) -> str: ...
+
+    def _upload_part(self, full: str, upload_id: str, pn: int, nparts: int, body: Any, crc: str) -> dict[str, Any]: ...
+
+    def _complete_upload(self, full: str, upload_id: str, parts: list[dict[str, Any]], size: int) -> None: ...
+
+    def _abort_upload(self, full: str, upload_id: str) -> bool: ...
 
 MAX_PARTS = 10_000
 """S3's limit on the number of parts of one multipart upload."""
@@ -145,7 +168,7 @@ class S3Sink(DataSink):
     ``close``. Any failed part makes the sink failed: later calls raise, ``close`` aborts.
     """
 
-    def __init__(self, tier: "S3Writes", key: str, size: int) -> None:
+    def __init__(self, tier: Uploads, key: str, size: int) -> None:
         self._tier = tier
         self._full = tier._full(key)
         self._url = tier._url_of(self._full)

@@ -17,15 +17,34 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from ...errors import TierError
 from ..streams import StreamSink
 from .client import ClientError, _err_code, log
-from .multipart import MAX_PARTS, ViewReader, crc32c_b64, effective_part_size
+from .multipart import MAX_PARTS, Uploads, ViewReader, crc32c_b64, effective_part_size
 
-if TYPE_CHECKING:
-    from .tier import S3Tier
+_T = TypeVar("_T")
+
+
+class StreamTier(Uploads, Protocol):
+    """What an :class:`S3Stream` needs of the :class:`~tierckpt.tiers.s3.tier.S3Tier` that opened
+    it (named here, not imported: the tier imports this module to open streams)."""
+
+    bucket: str
+    url: str
+    _client: Any
+    _part_copy: bool
+
+    def _call(self, fn: Callable[[], _T], what: str, url: str, *, own_retry: bool = False) -> _T: ...
+
+    def _executor(self) -> ThreadPoolExecutor: ...
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None: ...
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
 
 MIN_PART = 5 << 20
 MAX_COPY = 5 << 30
@@ -35,7 +54,7 @@ _NO_COPY = ("NotImplemented", "InvalidRequest", "MethodNotAllowed")
 class S3Stream(StreamSink):
     """See the module docstring. One writer thread; parts upload on the tier's pool."""
 
-    def __init__(self, tier: "S3Tier", key: str, size_hint: int = 0) -> None:
+    def __init__(self, tier: StreamTier, key: str, size_hint: int = 0) -> None:
         self._tier = tier
         self._key = key
         self._full = tier._full(key)
