@@ -18,8 +18,8 @@ from typing import Any
 from tierckpt.catalog.listing import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_doc, read_checkpoint_metadata
 from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from tierckpt.format.layout import (PEERS, CheckpointManifest, check_checkpoint_id, is_data_file, metadata_key,
-                             rank_of_file)
+from tierckpt.format.layout import PEERS, check_checkpoint_id, is_data_file, metadata_key, rank_of_file
+from tierckpt.format.metadata import CheckpointManifest
 from tierckpt.chain.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import Tier

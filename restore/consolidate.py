@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from tierckpt.config import TierConfig
 from tierckpt.errors import CorruptCheckpoint
-from tierckpt.format.layout import ItemRecord
+from tierckpt.format.metadata import ItemRecord
 
 from .catalog import as_config
 from .errors import NotFound, UsageError

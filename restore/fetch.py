@@ -61,7 +61,8 @@ from tierckpt.codec import strip_stored
 from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, CorruptCheckpoint, TierckptError, TierError
-from tierckpt.format.layout import MAX_METADATA_BYTES, CheckpointDoc, check_checkpoint_id, data_key, metadata_key, parse_metadata
+from tierckpt.format.layout import MAX_METADATA_BYTES, check_checkpoint_id, data_key, metadata_key
+from tierckpt.format.metadata import CheckpointDoc, parse_metadata
 from tierckpt.load.readback import TRIES, range_size, read_checked, workers
 from tierckpt.tiers.base import ResumableSink, Tier
 

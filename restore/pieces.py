@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tierckpt.checksum import crc32c
-from tierckpt.format.layout import CheckpointDoc, ItemRecord, padded, piece_bounds
+from tierckpt.format.layout import padded, piece_bounds
+from tierckpt.format.metadata import CheckpointDoc, ItemRecord
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

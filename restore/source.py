@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from tierckpt.catalog import lease as leases
 from tierckpt.config import TierConfig
-from tierckpt.format.layout import CheckpointManifest
+from tierckpt.format.metadata import CheckpointManifest
 from tierckpt.load.readback import MAX_GAP, RUN_BYTES, Readback, Request, hold
 from tierckpt.tiers.base import Tier
 

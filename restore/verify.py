@@ -22,7 +22,8 @@ import numpy as np
 from tierckpt.catalog import lease as leases
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from tierckpt.format.layout import CheckpointManifest, data_key
+from tierckpt.format.layout import data_key
+from tierckpt.format.metadata import CheckpointManifest
 from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.view import decoding
 from tierckpt.load.readback import range_size

@@ -134,7 +134,7 @@ def test_index_json_round_trip_and_hostile_entries() -> None:
 
 
 def test_add_and_strip_stored_keep_the_first_tiers_metadata_byte_identical(tmp_path: Path) -> None:
-    from tierckpt.format.layout import parse_metadata
+    from tierckpt.format.metadata import parse_metadata
 
     raw = _saved_metadata(tmp_path)
     doc = parse_metadata(raw, "md")

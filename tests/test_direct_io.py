@@ -30,7 +30,8 @@ from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredRea
 from tierckpt.capture.pool import POOL_ALIGN, HostPool, aligned_buffer
 from tierckpt.config import config_from_dict
 from tierckpt.errors import TierError
-from tierckpt.format.layout import data_key, metadata_from_json, metadata_key
+from tierckpt.format.layout import data_key, metadata_key
+from tierckpt.format.metadata import metadata_from_json
 from tierckpt.tiers.local import DIO_ALIGN, LocalTier
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

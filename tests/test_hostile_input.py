@@ -30,7 +30,8 @@ import torch.distributed.checkpoint as dcp
 from tierckpt import CheckpointNotFound, CorruptCheckpoint, HostConfig, LocalConfig, TierConfig, TieredWriter
 from tierckpt.format import safejson
 from tierckpt.checksum import crc32c
-from tierckpt.format.layout import FORMAT, MAX_METADATA_BYTES, metadata_from_json, metadata_key
+from tierckpt.format.layout import FORMAT, MAX_METADATA_BYTES, metadata_key
+from tierckpt.format.metadata import metadata_from_json
 from tierckpt.load.reader import read_checkpoint_metadata
 from tierckpt.tiers.local import LocalTier
 
@@ -158,7 +159,8 @@ def test_deep_nesting_with_a_high_recursion_limit_does_not_crash(tmp_path):
     code = (
         "import sys, json\n"
         "from tierckpt.checksum import crc32c\n"
-        "from tierckpt.format.layout import metadata_from_json, FORMAT\n"
+        "from tierckpt.format.layout import FORMAT\n"
+        "from tierckpt.format.metadata import metadata_from_json\n"
         "from tierckpt.errors import CorruptCheckpoint\n"
         "sys.setrecursionlimit(10**6)\n"
         "body = b'[' * 2_000_000\n"

@@ -21,7 +21,8 @@ from tierckpt import TierConfig, TieredWriter
 from tierckpt.catalog.listing import read_checkpoint_metadata
 from tierckpt.config import HostConfig, LocalConfig, MiB
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
-from tierckpt.format.layout import data_key, iter_items, metadata_key
+from tierckpt.format.layout import data_key, metadata_key
+from tierckpt.format.metadata import iter_items
 from tierckpt.load.readback import Readback, Request, hold, range_size, read_checked
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.local import LocalTier

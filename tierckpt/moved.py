@@ -39,7 +39,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     # old module path -> the module(s) that hold its names now (looked up in this order)
     "tierckpt.configvalues": ("tierckpt.config.values",),
     "tierckpt.redact": ("tierckpt.config.redact",),
-    "tierckpt.layout": ("tierckpt.format.layout",),
+    "tierckpt.layout": ("tierckpt.format.layout", "tierckpt.format.metadata"),
     "tierckpt.dcpjson": ("tierckpt.format.dcpjson",),
     "tierckpt.jsonvalues": ("tierckpt.format.jsonvalues",),
     "tierckpt.safejson": ("tierckpt.format.safejson",),

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .copier import Piece, Source
 from ..errors import CaptureError
-from ..format.layout import ALIGN, DTYPES, ItemRecord, padded, rank_file
+from ..format.layout import ALIGN, padded, rank_file
+from ..format.metadata import DTYPES, ItemRecord
 
 __all__ = ["RankLayout", "LayoutCache", "SaveInputs", "RankResult", "expand_results", "layout_cache"]
 

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..catalog import lease as leases
 from .copier import Piece, Source
 from ..errors import CommitError, TornCaptureError
-from ..format.layout import CheckpointManifest, metadata_to_json, read_header, step_of
+from ..format.layout import step_of
+from ..format.metadata import CheckpointManifest, metadata_to_json, read_header
 from .planning import SaveInputs
 from ..telemetry.phases import PhaseLog
 from ..tiers.base import DataSink

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from ..format.layout import (HEADER_MAX, MAX_METADATA_BYTES, METADATA, CheckpointDoc, CheckpointManifest, CommitHeader, check_checkpoint_id,
-                     metadata_key, parse_metadata, read_header, split_key, step_of)
+from ..format.layout import MAX_METADATA_BYTES, METADATA, check_checkpoint_id, metadata_key, split_key, step_of
+from ..format.metadata import HEADER_MAX, CheckpointDoc, CheckpointManifest, CommitHeader, parse_metadata, read_header
 from ..tiers.base import ObjectInfo, Tier
 
 __all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",

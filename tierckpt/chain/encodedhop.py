@@ -23,7 +23,8 @@ from ..codec import frame_size
 from ..codec.hop import CopyFigures, Previous, copy_encoded, width_runs
 from ..format.stored import StoredFile
 from ..errors import TierckptError
-from ..format.layout import CheckpointDoc, data_key, padded, rank_of_file
+from ..format.layout import data_key, padded, rank_of_file
+from ..format.metadata import CheckpointDoc
 from ..tiers.base import Tier
 
 __all__ = ["EncodedCopies"]

@@ -35,7 +35,8 @@ from ..catalog import lease as leases
 from ..checksum import crc32c
 from .commit import Round, run_commit
 from ..errors import ChecksumMismatch, TierckptError
-from ..format.layout import PEERS, data_key, metadata_from_json, padded, piece_bounds, rank_of_file
+from ..format.layout import PEERS, data_key, padded, piece_bounds, rank_of_file
+from ..format.metadata import metadata_from_json
 from .peers import PeerGroup
 from .replicate import HopOwner, Replicator
 from ..capture.ranksave import RankSave

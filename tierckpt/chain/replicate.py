@@ -56,7 +56,8 @@ from .commit import Channel, LocalChannel, Round, run_commit
 from ..config import Config
 from .encodedhop import EncodedCopies
 from ..errors import CommitConflict, TierckptError
-from ..format.layout import data_key, is_data_file, metadata_from_json, metadata_key, parse_metadata
+from ..format.layout import data_key, is_data_file, metadata_key
+from ..format.metadata import metadata_from_json, parse_metadata
 from ..capture.ranksave import RankSave
 from ..tiers.base import Tier
 

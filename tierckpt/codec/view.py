@@ -22,7 +22,8 @@ import threading
 from typing import Any, Iterator
 
 from ..errors import CorruptCheckpoint
-from ..format.layout import is_data_file, metadata_key, parse_metadata, split_key
+from ..format.layout import is_data_file, metadata_key, split_key
+from ..format.metadata import parse_metadata
 from ..tiers.base import ObjectInfo, Tier
 from .frames import decode_into
 from ..format.stored import StoredFile

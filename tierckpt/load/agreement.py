@@ -41,7 +41,8 @@ from typing import Any
 from ..catalog import lease as leases
 from ..catalog.listing import committed_headers, committed_in_order, read_checkpoint_raw
 from ..errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from ..format.layout import CheckpointDoc, MAX_METADATA_BYTES, metadata_key
+from ..format.layout import MAX_METADATA_BYTES, metadata_key
+from ..format.metadata import CheckpointDoc
 from ..tiers.base import Tier
 
 __all__ = ["view_to_wire", "view_from_wire", "verdict_to_wire", "verdict_from_wire", "CANDIDATES", "Held", "NodeView", "Verdict", "Decision", "local_view", "decide", "metadata_source",

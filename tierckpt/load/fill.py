@@ -50,7 +50,8 @@ import numpy as np
 from ..catalog import lease as leases
 from ..codec import strip_stored
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
-from ..format.layout import MAX_METADATA_BYTES, ItemRecord, data_key, metadata_key, padded, parse_metadata, rank_of_file
+from ..format.layout import MAX_METADATA_BYTES, data_key, metadata_key, padded, rank_of_file
+from ..format.metadata import ItemRecord, parse_metadata
 from .readback import Request
 from ..tiers.base import DataSink, Tier
 from ..tiers.localfs import DIO_ALIGN

@@ -40,7 +40,8 @@ from typing import Any
 from ..catalog import lease as leases
 from ..codec.view import decoding
 from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from ..format.layout import ItemRecord, data_key, item_intact, metadata_key, padded, rank_of_file
+from ..format.layout import data_key, metadata_key, padded, rank_of_file
+from ..format.metadata import ItemRecord, item_intact
 from ..tiers.base import Tier
 
 __all__ = [

@@ -44,7 +44,8 @@ from ..config import TierConfig, load_config
 from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from . import loading
 from .fill import LoadFill
-from ..format.layout import DTYPES, ItemRecord, check_checkpoint_id, is_valid_checkpoint_id, item_intact, padded as _padded
+from ..format.layout import check_checkpoint_id, is_valid_checkpoint_id, padded as _padded
+from ..format.metadata import DTYPES, ItemRecord, item_intact
 from .readback import Readback, Request, hold
 from ..tiers import make_tiers
 from ..tiers.base import Tier

@@ -35,8 +35,8 @@ from ..chain import peers
 from ..catalog import listing as catalog
 from ..codec.view import decoding
 from ..checksum import crc32c
-from ..format.layout import (CheckpointManifest, ItemRecord, data_key, metadata_key, metadata_to_json, padded,
-                      piece_bounds)
+from ..format.layout import data_key, metadata_key, padded, piece_bounds
+from ..format.metadata import CheckpointManifest, ItemRecord, metadata_to_json
 from ..load.readback import Readback, Request, hold
 from .memtier import MemoryTier
 
