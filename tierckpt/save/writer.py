@@ -27,14 +27,11 @@ tensors match them. One process group per process saves through tierckpt with pl
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import queue
 import sys
 import threading
 import time
-import uuid
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -50,17 +47,17 @@ from . import plancache
 from . import preempt
 from .asyncsave import AsyncTickets, LiveState
 from ..catalog.checkpoints import checkpoint_id_of
-from ..catalog.listing import is_committed
 from ..chain.commit import default_channel
 from ..config import TierConfig, load_config
 from ..tiers.base import Tier
-from ..errors import CommitConflict, CorruptCheckpoint, TierckptError
-from ..format.layout import check_checkpoint_id, rank_file, step_of
+from ..errors import CorruptCheckpoint, TierckptError
+from ..format.layout import check_checkpoint_id
 from ..chain.engine import Engine, get_engine
-from ..capture.ranksave import RankAssign, RankSave, SaveStats
-from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session
+from ..capture.ranksave import RankSave, SaveStats
+from .planchannel import LocalInfo, PlanAssign, session
 from ..chain.peers import PeerGroup
 from ..capture.planning import SaveInputs, expand_results, layout_cache, patch_dtypes
+from .assign import SaveCtx, SavePlanning, global_rank
 from .hold import HOLD_TIMEOUT, Release, hold, release, release_all
 
 __all__ = ["TieredWriter"]
@@ -69,34 +66,6 @@ log = logging.getLogger("tierckpt")
 
 # The plan-channel state and types under their former names here (tests/plan_scenarios.py reads them).
 _session, _PlanAssign, _LocalInfo = session, PlanAssign, LocalInfo
-
-_gen_lock = threading.Lock()
-_gen_count = 0
-
-
-class _SaveCtx:
-    """One ``dcp.save`` call on one thread: what the writer's hooks hand to each other."""
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.requested: str | None = None
-        self.from_reset = False  # made by reset() for the save about to start
-        self.is_coordinator = False
-        self.rank = 0
-        self.info: LocalInfo | None = None
-        self.own_assign: RankAssign | None = None
-        self.job: RankSave | None = None
-        self.coord_global = 0
-        self.members: list[int] = []  # coordinator: the global rank of every group rank
-
-
-def _generate_id() -> str:
-    global _gen_count
-    with _gen_lock:
-        _gen_count += 1
-        n = _gen_count
-    return time.strftime("ckpt-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{n:04d}"
-
 
 _warned_stale: "weakref.WeakSet" = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
 
@@ -133,9 +102,6 @@ class _ResultsWorker:
 _results = _ResultsWorker()
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
 
 _persisters: dict[str, plancache.Persister] = {}
 _persisters_lock = threading.Lock()
@@ -149,7 +115,7 @@ def _persister(tier: Any) -> plancache.Persister:
         return p
 
 
-class TieredWriter(StorageWriter):
+class TieredWriter(SavePlanning, StorageWriter):
     """DCP storage writer for tierckpt. See the module docstring for the call sequence.
 
     Args:
@@ -194,7 +160,7 @@ class TieredWriter(StorageWriter):
         if self._local is not None and plancache.dcp_caches() is not None:
             self._persister = _persister(self._local)
             if not plancache.status().attempted:  # a restarted job: read the plans this rank persisted
-                plancache.preload(self._local, _global_rank())
+                plancache.preload(self._local, global_rank())
         # Per DCP call sequence: dcp.async_save runs each save on its own thread, and two may
         # overlap on one writer, so the save in progress is tracked per thread.
         self._tls = threading.local()
@@ -206,16 +172,10 @@ class TieredWriter(StorageWriter):
         """Pickled as its configuration; the copy is detached (see the class docstring)."""
         return (_detached_writer, (self.cfg, self.no_dist))
 
-    def _ctx(self) -> _SaveCtx:
-        ctx = getattr(self._tls, "ctx", None)
-        if ctx is None:
-            ctx = self._tls.ctx = _SaveCtx()
-        return ctx
-
     # -- DCP StorageWriter ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
         """DCP passes the id of the save about to start (only when ``dcp.save`` got one)."""
-        ctx = self._tls.ctx = _SaveCtx()
+        ctx = self._tls.ctx = SaveCtx()
         self._tickets.bind(ctx)
         cid = None if checkpoint_id is None else check_checkpoint_id(checkpoint_id_of(checkpoint_id))
         ctx.requested = cid
@@ -225,7 +185,7 @@ class TieredWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         ctx = self._ctx()
         if not ctx.from_reset:  # no reset() before this save: a fresh context (no requested id)
-            ctx = self._tls.ctx = _SaveCtx()
+            ctx = self._tls.ctx = SaveCtx()
         self._tickets.bind(ctx)
         ctx.from_reset = False
         ctx.t0 = time.perf_counter()
@@ -248,7 +208,7 @@ class TieredWriter(StorageWriter):
         st = plancache.seed(
             self._local if self._persister is not None else None,
             default_channel(True) if self._distributed else None,
-            distributed=self._distributed, is_coordinator=is_coordinator, global_rank=_global_rank(),
+            distributed=self._distributed, is_coordinator=is_coordinator, global_rank=global_rank(),
             world=dist.get_world_size() if self._distributed else 1,
             timeout=min(plancache.AGREE_TIMEOUT, self.cfg.job.commit_timeout))
         if st.seeded:
@@ -261,138 +221,6 @@ class TieredWriter(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=None)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Every rank: add this rank's root and requested id to its plan and, once a plan channel
-        exists, publish them on the store too (DCP's plan caching may hand the coordinator a
-        cached plan without them). At most one store write; no collective."""
-        ctx = self._ctx()
-        # The id given to reset() is used by this save only: a later save without checkpoint_id
-        # must get a fresh id, never the previous one.
-        requested, ctx.requested = ctx.requested, None
-        committed = False
-        if self._local is not None and requested is not None:
-            committed = is_committed(self._local, requested)
-        seq, channel = session.next_seq()
-        info = ctx.info = LocalInfo(self._root, requested, committed, seq, _global_rank())
-        if channel is not None and self._distributed and not ctx.is_coordinator:
-            default_channel(True).publish(info_key(channel, ctx.rank), info.encode())
-        return dataclasses.replace(plan, storage_data=info)
-
-    def _infos(self, plans: list[SavePlan], ctx: _SaveCtx) -> list[LocalInfo]:
-        """Coordinator: this save's info of every rank: from its plan, or from the store for the
-        ranks whose plan DCP served from its cache."""
-        infos: list[LocalInfo | None] = [None] * len(plans)
-        missing: list[int] = []
-        with session.lock:
-            for r, p in enumerate(plans):
-                sd = p.storage_data
-                if r == ctx.rank and ctx.info is not None:
-                    infos[r] = ctx.info
-                elif isinstance(sd, LocalInfo) and sd.seq > session.seen.get(r, 0):
-                    infos[r] = sd
-                else:
-                    missing.append(r)
-                if isinstance(sd, LocalInfo):
-                    session.seen[r] = max(session.seen.get(r, 0), sd.seq)
-            channel = session.channel
-        if missing:
-            if channel is None or not self._distributed:
-                raise TierckptError(
-                    f"rank(s) {missing} sent a cached DCP plan, but no tierckpt save planned it in this process: "
-                    "DCP's plan cache was filled through another storage writer (use one planner per storage writer)")
-            raws = multi_get([info_key(channel, r) for r in missing])
-            for r, raw in zip(missing, raws):
-                info = LocalInfo.decode(raw) if raw is not None else None
-                with session.lock:
-                    if info is None or info.seq <= session.seen.get(r, 0):
-                        raise TierckptError(
-                            f"rank {r} sent a cached DCP plan but published no plan info for this save on plan "
-                            f"channel {channel} (did it save through another process group?)")
-                    session.seen[r] = info.seq
-                infos[r] = info
-        return infos  # type: ignore[return-value]
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: pick the id and save token, assign files and metadata writers.
-
-        With DCP's plan caching, plans that DCP served from its cache carry no rank info, and
-        their ranks will not see this decision in their plan either: the infos come from the
-        store and the decision goes there (one store read per such rank, one write).
-        """
-        ctx = self._ctx()
-        infos = self._infos(plans, ctx)
-        ids = {i.requested_id for i in infos}
-        if len(ids) != 1:
-            raise TierckptError(f"ranks passed different checkpoint ids to dcp.save: {sorted(map(str, ids))}")
-        cid = ids.pop()
-        if cid is None:
-            cid = _generate_id()
-            log.warning("dcp.save was called without checkpoint_id: saving as %r", cid)
-        for r, i in enumerate(infos):
-            if i.committed_here:
-                raise CommitConflict(f"checkpoint {cid} is already committed at {i.root} (rank {r}); "
-                                     "use a new checkpoint_id (ids are never overwritten)")
-        first = self.engine.first_tier
-        if self._local is None and is_committed(first, cid):
-            raise CommitConflict(f"checkpoint {cid} is already committed at {first.url}")
-        token = uuid.uuid4().hex
-        with session.lock:
-            if session.channel is None:
-                session.channel = uuid.uuid4().hex[:16]
-            channel = session.channel
-        first_rank_of_root: dict[str, int] = {}
-        for r, i in enumerate(infos):
-            first_rank_of_root.setdefault(i.root, r)
-        created = time.time()
-        world = len(plans)
-        step = step_of(cid)
-        mw = [first_rank_of_root[i.root] for i in infos]
-        me = _global_rank()
-        out = []
-        for r, (p, i) in enumerate(zip(plans, infos)):
-            assign = RankAssign(
-                checkpoint_id=cid, token=token, rank=r, world=world, file=rank_file(r, token),
-                meta_writer_rank=mw[r], distributed=self._distributed, created=created, step=step,
-            )
-            if r == ctx.rank:
-                ctx.own_assign = assign
-            out.append(dataclasses.replace(p, storage_data=PlanAssign(assign, i.seq, channel, me)))
-        ctx.coord_global = me
-        ctx.members = [i.global_rank for i in infos]
-        if self._distributed and any(not p.usable for r, p in enumerate(plans) if r != ctx.rank):
-            bundle = {"cid": cid, "token": token, "created": created, "step": step, "world": world, "mw": mw,
-                      "seqs": [i.seq for i in infos], "distributed": self._distributed, "cg": me}
-            default_channel(True).publish(assign_key(channel), json.dumps(bundle).encode())
-        return out
-
-    def _assignment(self, plan: SavePlan, ctx: _SaveCtx) -> RankAssign:
-        """This rank's decision for this save: the coordinator's own, the one in a plan received in
-        full, or (for a plan DCP served from its cache) the one published on the store."""
-        if ctx.own_assign is not None:
-            return ctx.own_assign
-        sd = plan.storage_data
-        if isinstance(sd, PlanAssign) and ctx.info is not None and sd.seq == ctx.info.seq:
-            with session.lock:
-                session.channel = sd.channel
-            ctx.coord_global = sd.coord_global
-            return sd.assign
-        channel = session.channel
-        if channel is None or not self._distributed or ctx.info is None:
-            raise TierckptError(f"rank {ctx.rank}: DCP handed write_data a cached plan, but no tierckpt save "
-                                "planned it in this process (DCP's plan cache was filled through another storage writer)")
-        raw = default_channel(True).try_get(assign_key(channel))
-        b = json.loads(raw) if raw is not None else None
-        if b is None or ctx.rank >= len(b["seqs"]) or b["seqs"][ctx.rank] != ctx.info.seq:
-            raise TierckptError(f"rank {ctx.rank}: the coordinator published no decision for this save on plan "
-                                f"channel {channel} (did this rank save through another process group?)")
-        token = b["token"]
-        ctx.coord_global = int(b["cg"])
-        return RankAssign(
-            checkpoint_id=b["cid"], token=token, rank=ctx.rank, world=int(b["world"]), file=rank_file(ctx.rank, token),
-            meta_writer_rank=int(b["mw"][ctx.rank]), distributed=bool(b["distributed"]), created=float(b["created"]),
-            step=b["step"],
-        )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[list[WriteResult]]":
         """Every rank: lay out this rank's file, enqueue the capture, and return at once with the
@@ -437,7 +265,7 @@ class TieredWriter(StorageWriter):
         self._closed = False  # a save after close(): the next close() waits for it
         job.owner = weakref.ref(self)
         if self._persister is not None:
-            snap = plancache.snapshot(planner, plan, assign.world, assign.rank, _global_rank(), ctx.coord_global)
+            snap = plancache.snapshot(planner, plan, assign.world, assign.rank, global_rank(), ctx.coord_global)
             if snap is not None:
                 coordinator = ctx.own_assign is not None
                 if coordinator:
