@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -36,7 +36,7 @@ from . import agreement
 from ..catalog import lease as leases
 from ..chain import peers
 from .. import telemetry
-from ..catalog.listing import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
+from ..catalog.listing import read_checkpoint_metadata
 from ..codec.view import decoding
 from ..chain.commit import default_channel
 from ..catalog.checkpoints import checkpoint_id_of
@@ -47,6 +47,7 @@ from .fill import LoadFill
 from ..format.layout import check_checkpoint_id, is_valid_checkpoint_id, padded as _padded
 from ..format.metadata import DTYPES, ItemRecord, item_intact
 from .readback import Readback, Request, hold
+from .resolve import MetadataResolution
 from ..tiers import make_tiers
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
@@ -72,7 +73,7 @@ class _Item:
     data: Any = None
 
 
-class TieredReader(StorageReader):
+class TieredReader(MetadataResolution, StorageReader):
     """DCP storage reader for tierckpt.
 
     Args:
@@ -138,7 +139,6 @@ class TieredReader(StorageReader):
         """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers,
         in commit order, whose metadata is valid and whose data a tier can serve (anything newer
         that fails is logged and skipped; see :func:`tierckpt.catalog.find_latest`).
-
         In a distributed job with a node-local first tier the answer is the job's, not this
         node's (:func:`tierckpt.agreement.decide`): then this is a collective of the reader's own
         group, called by every rank, and raises the same :class:`CheckpointNotFound` on every rank."""
@@ -148,12 +148,10 @@ class TieredReader(StorageReader):
         if self.checkpoint_id != "latest":
             return self.checkpoint_id
         return find_latest(self.tiers).checkpoint_id
-
     def _peer_group(self) -> "peers.PeerGroup | None":
         if self._peers is None and self.tiers:
             self._peers = peers.PeerGroup.get(self.tiers[0], self.cfg.job.commit_timeout)
         return self._peers
-
     def _agree(self, group: "peers.PeerGroup") -> "agreement.Verdict":
         """Every rank: agree on the checkpoint (once per load; :mod:`tierckpt.agreement`): this
         rank's view to the coordinator, the coordinator's verdict to every rank. Raises the same
@@ -178,7 +176,6 @@ class TieredReader(StorageReader):
         if self._verdict.error:
             raise CheckpointNotFound(self._verdict.error)
         return self._verdict
-
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
         agree here on the checkpoint and share its metadata (see :mod:`tierckpt.agreement`): this
@@ -198,7 +195,6 @@ class TieredReader(StorageReader):
             self._failed = e
             loading.end(self)
             raise
-
     def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
         v = self._agree(group)
         cid = v.checkpoint_id
@@ -223,7 +219,6 @@ class TieredReader(StorageReader):
                 raise CorruptCheckpoint(f"{where}: commit seq {doc.manifest.seq}, the job agreed on {v.seq}")
         self._raw_md = raw
         return self._finish_metadata(cid, (doc.to_metadata(), doc.manifest))
-
     def _finish_metadata(self, cid: str, got: tuple) -> Metadata:
         md, man = got
         md.storage_meta = StorageMeta(checkpoint_id=cid, save_id=man.save_token, load_id=None, modules=[])
@@ -233,7 +228,6 @@ class TieredReader(StorageReader):
         self.metadata = md
         self._manifest = man
         return md
-
     def _read_local_metadata(self, cid: str) -> tuple:
         errors = []
         for tier in self.tiers:
@@ -249,7 +243,6 @@ class TieredReader(StorageReader):
         if errors:
             raise CorruptCheckpoint(f"checkpoint {cid}: no tier holds valid metadata: " + "; ".join(errors))
         raise CheckpointNotFound(f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers))
-
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.metadata = metadata
         sm = metadata.storage_meta
