@@ -69,12 +69,14 @@ MOVED: dict[str, tuple[str, ...]] = {
 
 
 def _warn(old: str, new: str) -> None:
-    """A DeprecationWarning attributed to the first frame outside the import machinery and this module."""
-    level, frame = 1, sys._getframe(1)
+    """A DeprecationWarning attributed to the first frame outside the import machinery and this
+    module (``warnings.warn`` skips importlib's frames itself when it counts ``stacklevel``)."""
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: the caller of _warn
     while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
                                  or frame.f_code.co_filename == __file__):
+        if frame.f_code.co_filename == __file__:
+            level += 1
         frame = frame.f_back
-        level += 1
     warnings.warn(f"{PREFIX} {old}: use {new} (the old path is removed in the next release)", DeprecationWarning,
                   stacklevel=level)
 
