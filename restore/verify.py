@@ -166,8 +166,8 @@ def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_
                 fc = FileCheck(file, want, by_file.get(file, []), man.chunk_size)
                 if fc.covered != want:
                     rep.problems.append(Problem(t.name, file, "size", f"the CRC pieces cover {fc.covered} of {want} bytes"))
-                for s, e in fc.ranges(rsize):
-                    tasks.append(_Task(t, rep, fc, data_key(cid, file), s, e))
+                for start, end in fc.ranges(rsize):
+                    tasks.append(_Task(t, rep, fc, data_key(cid, file), start, end))
         tokens = {name: m.save_token for name, m in manifests.items()}
         if len(set(tokens.values())) > 1:
             problems.append(Problem(",".join(tokens), "metadata.json", "mismatch",

@@ -72,11 +72,12 @@ def _warn(old: str, new: str) -> None:
     """A DeprecationWarning attributed to the first frame outside the import machinery and this
     module (``warnings.warn`` skips importlib's frames itself when it counts ``stacklevel``)."""
     level, frame = 2, sys._getframe(1)  # stacklevel 2: the caller of _warn
-    while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
-                                 or frame.f_code.co_filename == __file__):
-        if frame.f_code.co_filename == __file__:
+    frame_or_none: types.FrameType | None = frame
+    while frame_or_none is not None and (frame_or_none.f_code.co_filename.startswith("<frozen importlib")
+                                         or frame_or_none.f_code.co_filename == __file__):
+        if frame_or_none.f_code.co_filename == __file__:
             level += 1
-        frame = frame.f_back
+        frame_or_none = frame_or_none.f_back
     warnings.warn(f"{PREFIX} {old}: use {new} (the old path is removed in the next release)", DeprecationWarning,
                   stacklevel=level)
 

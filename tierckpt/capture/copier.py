@@ -97,6 +97,7 @@ class Copier:
             src = p.source
             dst = slot[p.slot_off : p.slot_off + p.n]
             if src.tensor is None:
+                assert src.data is not None  # a Source holds a tensor or bytes
                 if slot_np is None:
                     slot_np = slot.numpy()
                 slot_np[p.slot_off : p.slot_off + p.n] = np.frombuffer(src.data, dtype=np.uint8, count=p.n, offset=p.src_off)

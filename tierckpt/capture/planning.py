@@ -28,7 +28,7 @@ from __future__ import annotations
 import pickle
 import threading
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -43,6 +43,15 @@ from ..format.metadata import DTYPES, ItemRecord
 __all__ = ["RankLayout", "LayoutCache", "SaveInputs", "RankResult", "expand_results", "layout_cache"]
 
 _BYTE_IO = WriteItemType.BYTE_IO
+
+
+_T = TypeVar("_T")
+
+
+def _given(x: _T | None) -> _T:
+    """``x``, which the layout guarantees is set (a None here is a bug in this module)."""
+    assert x is not None
+    return x
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -300,7 +309,7 @@ class SaveInputs:
             if n:
                 s = srcs[k] = Source(item=tidx[k], fqn=fqns[tidx[k]], pos=p, length=n, tensor=t, guard=g, version=v)
                 sources.append(s)
-        chunks = [[Piece(srcs[k], off, slot, n) for k, off, slot, n in spec] for spec in lay.chunk_specs]
+        chunks = [[Piece(_given(srcs[k]), off, slot, n) for k, off, slot, n in spec] for spec in lay.chunk_specs]
         crc_pieces = list(lay.crc_specs)  # shared inner lists: never mutated, replaced where the tail adds
         counts = list(lay.counts)
         nchunks = (self.size + c - 1) // c
@@ -386,7 +395,8 @@ def expand_results(checkpoint_id: str, token: str, results: list[list[WriteResul
             recs[i] = ItemRecord(file=file, pos=p, length=n, dtype=d, shape=s)
         for i, p, n in zip(bidx, rr.byte_pos, rr.byte_len):
             recs[i] = ItemRecord(file=file, pos=p, length=n)
-        out.append([WriteResult(index=wr.index, size_in_bytes=rec.length, storage_data=rec) for wr, rec in zip(res, recs)])
+        done = [_given(rec) for rec in recs]  # every item got its record above (the counts were checked)
+        out.append([WriteResult(index=wr.index, size_in_bytes=rec.length, storage_data=rec) for wr, rec in zip(res, done)])
         if rr.props_stale:
             for i, d in zip(tidx, dtypes):
                 fixes[res[i].index.fqn] = DTYPES[d]

@@ -317,8 +317,8 @@ def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
                 log.error("skipping %s on %s for 'latest': %s", cid, tier.url, why)
                 continue
             ok = [t for t, i in holding if t is tier or servable(t, i, man) is None]
-            for e in unreachable:
-                log.warning("a tier was unreachable while resolving latest: %s", e)
+            for err in unreachable:
+                log.warning("a tier was unreachable while resolving latest: %s", err)
             return Latest(checkpoint_id=cid, committed=man.committed, step=man.step, seq=man.seq,
                           tiers=[t.name for t in ok], holding=ok, manifest=man, doc=doc)
     if unreachable:

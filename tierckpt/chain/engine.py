@@ -23,6 +23,7 @@ Threads here never call collectives; cross-rank agreement goes through a :class:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -74,7 +75,7 @@ class Engine:
         self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)
         self._commit_thread.start()
         chain = self.chain
-        self.hops: list[Replicator] = [Replicator(self, lambda: chain[0], lambda i=i: chain[i], i, chain.names[i])
+        self.hops: list[Replicator] = [Replicator(self, lambda: chain[0], functools.partial(chain.__getitem__, i), i, chain.names[i])
                                        for i in range(1, len(chain))]
         if cfg.peer.replicas:  # copies on other nodes first: the fastest way back after losing a node
             self.hops.insert(0, PeerHop(self, lambda: chain[0], cfg.peer.replicas))

@@ -143,7 +143,8 @@ class PeerGroup:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         works = [dist.isend(buf, dst=d, group=self.transport(), tag=TAG + 1) for d in dsts]
         for w in works:
-            w.wait()
+            if w is not None:  # None only for a rank outside the group
+                w.wait()
 
     def recv_bytes(self, src: int, size: int) -> bytes:
         """``size`` bytes sent by rank ``src`` with :meth:`send_bytes`."""
@@ -181,14 +182,15 @@ class PeerGroup:
                 errors.append((way, peer, e))
         for way, peer, w in works:
             try:
-                w.wait()
+                if w is not None:  # None only for a rank outside the group
+                    w.wait()
             except Exception as e:  # noqa: BLE001 - reported once all are settled
                 errors.append((way, peer, e))
         if errors:
-            way, peer, e = errors[0]
+            way, peer, first = errors[0]
             failed = ", ".join(f"{w} rank {p}" for w, p, _e in errors[:20])
             err = TierckptError(f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or "
-                                f"hung?): {e}")
+                                f"hung?): {first}")
             # Logged too: inside dcp.load, DCP's collective that follows fails on the same dead rank
             # and its error (naming no rank) is the one raised.
             log.error("%s", err)

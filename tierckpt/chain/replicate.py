@@ -204,6 +204,7 @@ class Replicator:
 
         def merge(reports: list[dict]) -> bytes | None:
             stored = {f: d for rep in reports for f, d in (rep.get("stored") or {}).items()}
+            assert job.metadata_json is not None  # a hop runs after the first tier's commit
             return add_stored(job.metadata_json, stored) if stored else None
 
         writer = self._writer(job)
@@ -249,6 +250,7 @@ class Replicator:
             done = parse_metadata(dst.get(mkey), f"{dst.url}/{mkey}").manifest.stored.get(job.assign.file)
             if done is not None:
                 return done.to_json()
+        assert job.metadata_json is not None  # a hop runs after the first tier's commit
         doc = parse_metadata(job.metadata_json, f"metadata of {job.id}")
         idx, figs = self._encoded.copy(src, dst, doc, job.assign.file)
         st = job.stats

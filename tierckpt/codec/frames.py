@@ -167,7 +167,7 @@ def _code(out: np.ndarray, src: int, count: int, at: int, level: int, entropy: b
     return 0, count
 
 
-def encode(data: memoryview | bytes | np.ndarray, segs: list[tuple[int, int]], level: int = 1) -> bytes:
+def encode(data: memoryview | bytes | bytearray | np.ndarray, segs: list[tuple[int, int]], level: int = 1) -> bytes:
     """The stored form of one frame: ``data`` (its logical bytes) cut into ``segs`` ((length,
     width), summing to ``len(data)``), coded as the module docstring says."""
     a = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)

@@ -18,6 +18,8 @@ treats it as that tier's read error and serves the item from the next tier.
 
 from __future__ import annotations
 
+import builtins
+
 import threading
 from typing import Any, Iterator
 
@@ -163,13 +165,13 @@ class DecodingTier(Tier):
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 
-    def delete_many(self, keys: "list[str]") -> int:
+    def delete_many(self, keys: "builtins.list[str]") -> int:
         return self.inner.delete_many(keys)
 
     def delete_prefix(self, prefix: str) -> int:
         return self.inner.delete_prefix(prefix)
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         return self.inner.list_dirs()
 
     def abort_stale(self, older_than_s: float, spare=()) -> int:  # noqa: ANN001

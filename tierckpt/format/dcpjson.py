@@ -133,7 +133,7 @@ class _PlanValues(ValueCodec):
 
 
 _CLASSES: dict[str, type] = {c.__name__: c for c in (StorageMeta,)}
-_ENUMS: dict[str, type] = {"WriteItemType": WriteItemType}
+_ENUMS: dict[str, type[enum.Enum]] = {"WriteItemType": WriteItemType}
 
 
 def _plan_refusal(what: str, where: str) -> Exception:
@@ -228,7 +228,15 @@ _HAS_BYTES_IO = BytesIOWriteData is not None and "bytes_io_data" in getattr(Writ
 def encode_plan(plan: SavePlan) -> dict:
     """A SavePlan, column by column (its storage data is not kept)."""
     table = _PropsTable()
-    fqn, off, hint, typ, prop, size, coff, csz, bio = [], [], [], [], [], [], [], [], []
+    fqn: list[Any] = []
+    off: list[Any] = []
+    hint: list[Any] = []
+    typ: list[Any] = []
+    prop: list[Any] = []
+    size: list[list[int] | None] = []
+    coff: list[list[int] | None] = []
+    csz: list[list[int] | None] = []
+    bio: list[Any] = []
     for it in plan.items:
         ix = it.index
         fqn.append(ix.fqn)
@@ -271,7 +279,10 @@ def decode_plan(d: dict) -> SavePlan:
 def encode_metadata(md: Metadata) -> dict:
     """DCP's global Metadata, column by column (its storage data is not kept)."""
     table = _PropsTable()
-    keys, prop, size, chunks = [], [], [], []
+    keys: list[Any] = []
+    prop: list[Any] = []
+    size: list[list[int] | None] = []
+    chunks: list[list[list[list[int]]] | None] = []
     for k, m in md.state_dict_metadata.items():
         keys.append(k)
         if isinstance(m, TensorStorageMetadata):

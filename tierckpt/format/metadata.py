@@ -98,7 +98,7 @@ class ItemIndex(NamedTuple):
 
     fqn: str
     offset: tuple[int, ...] | None
-    index: int | None
+    index: int | None  # type: ignore[assignment]  # DCP's MetadataIndex field name (shadows tuple.index)
 
 
 @dataclass

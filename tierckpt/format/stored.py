@@ -41,7 +41,7 @@ HASH_BYTES = 16
 _KEY = b'"stored":'
 
 
-def frame_hash(data: memoryview | bytes | np.ndarray) -> bytes:
+def frame_hash(data: memoryview | bytes | bytearray | np.ndarray) -> bytes:
     """The 128-bit hash (xxh3_128) of a frame's logical bytes, deciding whether two frames are equal."""
     import xxhash
 

@@ -59,7 +59,7 @@ import os
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ def _unpickle(raw: Any, what: str, weights_only: bool) -> Any:
 
 def _rng_state() -> dict[str, Any]:
     """This process's RNG states, as Accelerate saves them (NumPy's as plain values)."""
-    name, key, pos, has_gauss, cached = np.random.get_state()
+    name, key, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
     st: dict[str, Any] = {"random_state": random.getstate(),
                           "numpy_random_seed": (name, key.tolist(), int(pos), int(has_gauss), float(cached)),
                           "torch_manual_seed": torch.get_rng_state()}

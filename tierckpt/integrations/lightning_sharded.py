@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -208,7 +208,7 @@ class TierckptFSDPStrategy(_Tiered, FSDPStrategy):
     the rest is ``FSDPStrategy``'s."""
 
     def __init__(self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False,
-                 state_dict_type: str = "sharded", **kwargs: Any) -> None:
+                 state_dict_type: Literal["full", "sharded"] = "sharded", **kwargs: Any) -> None:
         super().__init__(state_dict_type=state_dict_type, **kwargs)
         self._tier_init(config, allow_pickle)
 
@@ -240,7 +240,7 @@ class TierckptFSDPStrategy(_Tiered, FSDPStrategy):
 
         assert self.model is not None and self.lightning_module is not None
         cfg = self.paths.cfg
-        with _get_sharded_state_dict_context(self.model):
+        with _get_sharded_state_dict_context(self.model):  # type: ignore[attr-defined]  # a contextmanager Lightning annotates as a Generator
             state: dict[str, Any] = {"model": self.model.state_dict(), META_KEY: None}
             dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=TieredReader(cfg))
             self.model.load_state_dict(state["model"], strict=self.lightning_module.strict_loading)

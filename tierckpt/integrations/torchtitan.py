@@ -151,7 +151,8 @@ class TierckptCheckpointManager(CheckpointManager):
         self._bad: set[str] = set()  # checkpoints skipped on resume: they failed on every tier
         keep = config.keep_latest_k
         # torchtitan's purge thread deletes step directories; tierckpt's retention replaces it.
-        super().__init__(dataclasses.replace(config, keep_latest_k=0), **kwargs)
+        # keep_latest_k is a field of torchtitan's base Config, which mypy does not see (no stubs)
+        super().__init__(dataclasses.replace(config, keep_latest_k=0), **kwargs)  # type: ignore[call-arg]
         if not self.enable:
             return
         self.keep_latest_k = keep

@@ -235,13 +235,13 @@ def decide(views: list[NodeView], shared_tiers: list[Tier], checkpoint_id: str, 
         nfiles, md_rank, md_size = 0, -1, 0
         lacking: list[int] = []
         for r, v in enumerate(views):
-            h = v.have.get(cid)
-            if h is None or h.seq != seq:
+            got = v.have.get(cid)
+            if got is None or got.seq != seq:
                 lacking.append(r)
                 continue
             if md_rank < 0:
-                md_rank, nfiles, md_size = r, h.nfiles, h.md_size
-            for i in expand(h.ranges):
+                md_rank, nfiles, md_size = r, got.nfiles, got.md_size
+            for i in expand(got.ranges):
                 holders.setdefault(i, []).append(r)
         on = [name for name, listed in shared.items() if listed.get(cid, (None,))[0] == seq]
         missing = [i for i in range(nfiles) if i not in holders]

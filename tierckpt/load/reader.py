@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -337,7 +338,7 @@ class TieredReader(MetadataResolution, StorageReader):
             if it.index in incoming or it.index in outgoing:
                 continue
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
-            requests.append(Request(it.rec, self._buffer(it), what, done=lambda r, it=it: self._done(it, r)))
+            requests.append(Request(it.rec, self._buffer(it), what, done=functools.partial(self._done, it)))
         # each item served to other nodes is read (and verified) once, whatever the number of peers,
         # in the same read as this rank's own items (one request per run of a file)
         unique = sorted(outgoing, key=lambda i: (storage[i].file, storage[i].pos))
@@ -433,6 +434,7 @@ class TieredReader(MetadataResolution, StorageReader):
             return engine is None or local not in engine.tiers_for(file)
 
         shared = [t for t in self._holding if t is not local]
+        assert self.resolved_id is not None  # read_data runs after read_metadata resolved the id
         return LoadFill.plan(local, self.resolved_id, requests, received, dict(man.files), man.save_token, rank,
                              lacks, shared, self._raw_md)
 
@@ -485,7 +487,7 @@ class TieredReader(MetadataResolution, StorageReader):
                     self.from_peers[rec.file] = self.from_peers.get(rec.file, 0) + rec.length
                     continue
                 log.error("checkpoint %s: item %r from rank %d (data file %s) failed its checksum", cid, i.fqn, p, rec.file)
-                damaged.append(Request(rec, dst, f"item {i.fqn!r}", done=lambda r, it=it: self._done(it, r)))
+                damaged.append(Request(rec, dst, f"item {i.fqn!r}", done=functools.partial(self._done, it)))
         if damaged:
             shared = [t for t in self._holding if not t.node_local]
             if not shared:

@@ -63,7 +63,7 @@ class Hold:
 
                 store = c10d._get_default_store()
                 if not self.coordinator:
-                    store.set(self._key(self.rank), b"1")
+                    store.set(self._key(self.rank), "1")
                 elif not self.urgent:
                     others = [self._key(r) for r in range(self.world) if r != self.rank]
                     store.wait(others, timedelta(seconds=timeout))

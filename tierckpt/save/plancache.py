@@ -112,7 +112,7 @@ def to_bytes(snap: "Snapshot") -> bytes:
     """The file of a snapshot: a header line (format, SHA-256 and length of the body), the body."""
     body: dict[str, Any] = {"key": snap.key, "torch": torch.__version__, "world": snap.world, "rank": snap.rank,
                             "global_rank": snap.global_rank, "coord_global": snap.coord_global}
-    if snap.all_plans is not None and snap.global_plans is not None:
+    if snap.all_plans is not None and snap.global_plans is not None and snap.metadata is not None:
         alls = [encode_plan(x) for x in snap.all_plans]
         globs = [encode_plan(x) for x in snap.global_plans]
         body |= {"members": snap.members, "all": alls, "global": globs, "metadata": encode_metadata(snap.metadata),
@@ -135,7 +135,7 @@ def from_bytes(raw: bytes, where: str) -> PersistedPlans:
         if h.get("length") != len(body_raw) or h.get("sha256") != hashlib.sha256(body_raw).hexdigest():
             raise CorruptCheckpoint(f"{where}: failed its SHA-256 check")
         body = json.loads(body_raw)
-        common = dict(key=str(body["key"]), torch_version=str(body["torch"]), world=int(body["world"]),
+        common: dict[str, Any] = dict(key=str(body["key"]), torch_version=str(body["torch"]), world=int(body["world"]),
                       rank=int(body["rank"]), global_rank=int(body["global_rank"]), coord_global=int(body["coord_global"]))
         if "all" in body:
             alls = [decode_plan(x) for x in body["all"]]

@@ -232,7 +232,8 @@ def _read_file(tier: Tier, key: str) -> list[RankRecord]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("records"), list):
         raise ValueError(f"{where}: not a {FORMAT} file")
     g = _num(doc.get("global_rank"), int, f"{where}: global_rank")
-    node = doc.get("node") if isinstance(doc.get("node"), str) else ""
+    raw_node = doc.get("node")
+    node = raw_node if isinstance(raw_node, str) else ""
     return [_record(r, g, node[:200], f"{where}: record {i}") for i, r in enumerate(doc["records"])]
 
 

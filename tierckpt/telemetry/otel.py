@@ -124,7 +124,7 @@ class OtelExport:
     def load(self, checkpoint_id: str, phase: Phase, nbytes: int, tiers: Iterable[str]) -> Any:
         """A load (``read_data``) on this rank; returns its span's context (for :meth:`fill`)."""
         try:
-            attrs = {"tierckpt.checkpoint_id": checkpoint_id, "tierckpt.bytes": nbytes, "tierckpt.phase": "load",
+            attrs: dict[str, Any] = {"tierckpt.checkpoint_id": checkpoint_id, "tierckpt.bytes": nbytes, "tierckpt.phase": "load",
                      "tierckpt.blocked": True, "tierckpt.tiers": sorted(set(tiers))}
             span = self.tracer.start_span("tierckpt.load", start_time=_ns(phase.start), attributes=attrs)
             if phase.error:

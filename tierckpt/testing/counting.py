@@ -46,10 +46,12 @@ outside any phase, counts go under ``"-"``. Every counter is updated under one l
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import pickle
 import sys
+import types
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -196,8 +198,9 @@ def _site() -> str:
     """The tierckpt call chain of the current S3 call: the tier method called from outside
     ``tierckpt/tiers`` (the outermost tier frame), then up to :data:`_SITE_DEPTH` frames of its
     callers, innermost first (``"tiers/s3/reads.py:get < catalog.py:commit_header < ..."``)."""
-    tier, rest = "", []
-    f = sys._getframe(2)
+    tier = ""
+    rest: list[str] = []
+    f: types.FrameType | None = sys._getframe(2)
     while f is not None and len(rest) < _SITE_DEPTH:
         fn = f.f_code.co_filename
         if fn.startswith(_PKG) and not fn.startswith(_TESTING):
@@ -343,7 +346,7 @@ def _hook_dist(c: Counters) -> None:
         for mod in (dist, c10d):
             if getattr(mod, name, None) is orig:
                 setattr(mod, name, new)
-                _undo.append(lambda mod=mod, orig=orig: setattr(mod, name, orig))
+                _undo.append(functools.partial(setattr, mod, name, orig))
 
     for n in OBJECT_COLLECTIVES:
         patch(n, "obj")
@@ -358,8 +361,8 @@ def _hook_dist(c: Counters) -> None:
 
     for mod in (dist, c10d):
         if getattr(mod, "new_group", None) is orig_ng:
-            setattr(mod, "new_group", new_group)
-            _undo.append(lambda mod=mod: setattr(mod, "new_group", orig_ng))
+            mod.new_group = new_group  # type: ignore[attr-defined]  # torch.distributed re-exports it at runtime
+            _undo.append(functools.partial(setattr, mod, "new_group", orig_ng))
 
     orig_store = c10d._get_default_store
 

@@ -25,6 +25,8 @@ file-system operations (``ops``), never as requests. Never used by the library i
 
 from __future__ import annotations
 
+import builtins
+
 import threading
 import time
 from collections import Counter
@@ -155,7 +157,7 @@ class MemoryTier(Tier):
         self._count("ListObjectsV2", max(1, -(-len(found) // PAGE)))
         return iter(found)
 
-    def list_tops(self) -> list[str]:
+    def list_tops(self) -> builtins.list[str]:
         with self._lock:
             tops = sorted({k.split("/", 1)[0] for k in self._objects if "/" in k})
         self._count("ListObjectsV2", max(1, -(-len(tops) // PAGE)))
@@ -166,7 +168,7 @@ class MemoryTier(Tier):
         with self._lock:
             self._objects.pop(key, None)
 
-    def delete_many(self, keys: "list[str]") -> int:
+    def delete_many(self, keys: "builtins.list[str]") -> int:
         self._count("DeleteObjects", max(1, -(-len(keys) // PAGE)))
         with self._lock:
             return sum(self._objects.pop(k, None) is not None for k in keys)
@@ -184,6 +186,6 @@ class MemoryTier(Tier):
         with self._lock:
             self._objects.clear()
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:
         with self._lock:
             return list(self._objects)

@@ -201,16 +201,16 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: "Any" = None) -
     world = job.world
     t0 = time.perf_counter()
     job.s3.requests.clear()
-    coll_bytes = Counter()  # rank -> object-collective bytes received
-    p2p_bytes = Counter()
+    coll_bytes: Counter[int] = Counter()  # rank -> object-collective bytes received
+    p2p_bytes: Counter[int] = Counter()
     rounds = 0
     with _Memo():
         # phase 1 + 2: views, gathered to the coordinator
         views, docs = [], []
         for r in range(world):
-            v, d = agreement.local_view(job.nodes[job.node_of(r)], "latest")
+            view, d = agreement.local_view(job.nodes[job.node_of(r)], "latest")
             docs.append(d)
-            w = agreement.view_to_wire(v)
+            w = agreement.view_to_wire(view)
             if r:
                 coll_bytes[0] += _size(w)
             views.append(agreement.view_from_wire(w))

@@ -121,12 +121,13 @@ def make_node_tiers(cfg: "Config", nodes: "Iterable[str]" = ()) -> "dict[str, Ti
     from ..config.values import node_name
 
     kinds = tier_kinds(cfg)
-    if not kinds or kinds[0].for_node is None:
+    for_node = kinds[0].for_node if kinds else None
+    if for_node is None:
         return {}
     kind = kinds[0]
     names = set(nodes) | set(kind.nodes(cfg) if kind.nodes is not None else [])
     me = node_name()
-    return {n: kind.for_node(cfg, n) for n in sorted(names) if is_node_name(n) and n != me}
+    return {n: for_node(cfg, n) for n in sorted(names) if is_node_name(n) and n != me}
 
 
 def make_local(cfg: "Config") -> Tier | None:

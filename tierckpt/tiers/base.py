@@ -13,6 +13,8 @@ Thread safety: every method may be called from several threads at once.
 
 from __future__ import annotations
 
+import builtins
+
 import abc
 import errno
 import re
@@ -365,11 +367,11 @@ class Tier(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix``, in no particular order."""
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         """The first path components of all keys (checkpoint ids), sorted."""
         return sorted({info.key.split("/", 1)[0] for info in self.list("") if "/" in info.key})
 
-    def list_tops(self) -> list[str]:
+    def list_tops(self) -> builtins.list[str]:
         """The first path components of all keys, sorted; may include a name with nothing under it
         any more. A tier with a delimited listing answers with one request per 1,000 names,
         whatever the number of objects (the default lists every key)."""
@@ -387,7 +389,7 @@ class Tier(abc.ABC):
     def delete(self, key: str) -> None:
         """Delete one object; a missing key is not an error."""
 
-    def delete_many(self, keys: "list[str]") -> int:
+    def delete_many(self, keys: "builtins.list[str]") -> int:
         """Delete exactly these objects (missing ones are skipped); return how many existed.
 
         Unlike :meth:`delete_prefix`, objects created under the same prefix after the caller

@@ -19,6 +19,8 @@ in both modes.
 """
 from __future__ import annotations
 
+import builtins
+
 import errno
 import logging
 import os
@@ -355,7 +357,7 @@ class LocalTier(Tier):
                         continue
                     yield ObjectInfo(key, st.st_size, st.st_mtime)
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         if not self.root.is_dir():
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(TRASH))
@@ -381,7 +383,7 @@ class LocalTier(Tier):
                 return
             d = d.parent
 
-    def delete_many(self, keys: "list[str]") -> int:
+    def delete_many(self, keys: "builtins.list[str]") -> int:
         """Move exactly these files into a ``.trash-*`` directory at the root (one rename each,
         cheap and atomic), remove directories left empty, and let the background janitor unlink
         the bytes (slow for large files) at background priority."""

@@ -3,6 +3,8 @@ writing halves (:mod:`.reads`, :mod:`.writes`) and the request layer (:mod:`.cli
 
 from __future__ import annotations
 
+import builtins
+
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -102,19 +104,19 @@ class S3Tier(S3Reads, S3Writes):
                 return True
         return False
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         """The first path components of all keys, sorted (ListObjectsV2 with ``Delimiter="/"``).
 
         A common prefix with no object under it (SeaweedFS keeps empty directories) is left out.
         """
         return [name for name, prefix in self._tops() if self._has_objects(prefix)]
 
-    def list_tops(self) -> list[str]:
+    def list_tops(self) -> builtins.list[str]:
         """The first path components of all keys, sorted: one delimited ListObjectsV2 per 1,000
         names, whatever the number of objects (a name may have nothing under it any more)."""
         return [name for name, _prefix in self._tops()]
 
-    def _tops(self) -> list[tuple[str, str]]:
+    def _tops(self) -> builtins.list[tuple[str, str]]:
         found: dict[str, str] = {}
         n = len(self._root)
         for page in self._list_raw(self._root, Delimiter="/"):
@@ -140,7 +142,7 @@ class S3Tier(S3Reads, S3Writes):
             if not _is_not_found(e):
                 raise self._client_error(e, "delete", url) from e
 
-    def _delete_keys(self, keys: list[str], *, best_effort: bool = False) -> None:
+    def _delete_keys(self, keys: builtins.list[str], *, best_effort: bool = False) -> None:
         """DeleteObjects in batches of 1000 full keys."""
         for i in range(0, len(keys), _DELETE_BATCH):
             batch = keys[i : i + _DELETE_BATCH]
@@ -168,7 +170,7 @@ class S3Tier(S3Reads, S3Writes):
                 message = " ".join(redact(first.get("Message", "")).split())[:300]
                 raise TierError(f"delete {url} failed: {redact(code)}: {message}{more}")
 
-    def delete_many(self, keys: list[str]) -> int:
+    def delete_many(self, keys: builtins.list[str]) -> int:
         """Delete exactly these keys with DeleteObjects (missing ones are not an error), then the
         empty directory entries some servers (SeaweedFS) keep for their parents. Returns how many
         keys were asked for (S3 does not tell which existed)."""
