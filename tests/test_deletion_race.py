@@ -212,7 +212,7 @@ def test_a_save_waits_for_a_deletion_of_the_same_id_under_way(tmp_path, monkeypa
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"x" * 4096)
     infos = list_checkpoints(tier)
-    plan = plan_retention(infos, keep=0, protect=set())
+    plan_retention(infos, keep=0, protect=set())
     entered, leave = threading.Event(), threading.Event()
     waited: list[str] = []
 

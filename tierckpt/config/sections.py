@@ -25,6 +25,25 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from .redact import redact_url
+from .values import (  # noqa: F401 - the public names are re-exported
+    _ARN_RE,
+    _BUCKET_RE,
+    _REGION_RE,
+    GiB,
+    KiB,
+    MAX_SIZE,
+    MAX_TIMEOUT_S,
+    MiB,
+    S3_MAX_ATTEMPTS,
+    S3_MAX_PART,
+    S3_MIN_PART,
+    _brief,
+    check_compression,
+    _nm,
+    check_endpoint_url,
+    node_name,
+    parse_size,
+)
 
 __all__ = [
     "HostConfig",
@@ -46,25 +65,6 @@ CONFIG_ENV = "TIERCKPT_CONFIG"
 TELEMETRY_MODES = ("none", "otel")
 MAX_HISTORY = 1024
 
-from .values import (  # noqa: F401 - the public names are re-exported
-    _ARN_RE,
-    _BUCKET_RE,
-    _REGION_RE,
-    GiB,
-    KiB,
-    MAX_SIZE,
-    MAX_TIMEOUT_S,
-    MiB,
-    S3_MAX_ATTEMPTS,
-    S3_MAX_PART,
-    S3_MIN_PART,
-    _brief,
-    check_compression,
-    _nm,
-    check_endpoint_url,
-    node_name,
-    parse_size,
-)
 
 
 @dataclass

@@ -63,7 +63,7 @@ from ..save.writer import TieredWriter
 from .pathmap import PathMap
 from .statetree import join, split
 
-__all__ = ["TierckptCheckpointIO", "TierckptModelParallelStrategy", "TierckptFSDPStrategy"]
+__all__ = ["TierckptCheckpointIO", "TierckptModelParallelStrategy", "TierckptFSDPStrategy"]  # noqa: F822 - the strategies come from __getattr__
 
 log = logging.getLogger("tierckpt")
 

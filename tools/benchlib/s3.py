@@ -75,10 +75,10 @@ def start_s3_server(kind: str, tmp: Path) -> tuple[str, Callable[[], None], str]
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                     break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline:
                     proc.kill()
-                    raise RuntimeError("moto child did not open its port")
+                    raise RuntimeError("moto child did not open its port") from e
                 time.sleep(0.1)
 
         def stop() -> None:
