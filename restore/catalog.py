@@ -11,20 +11,26 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from tierckpt.catalog.listing import CheckpointInfo, Latest, find_latest, list_checkpoints, read_checkpoint_doc, read_checkpoint_metadata
+from tierckpt.catalog.listing import (
+    CheckpointInfo,
+    Latest,
+    find_latest,
+    list_checkpoints,
+    read_checkpoint_doc,
+    read_checkpoint_metadata,
+)
+from tierckpt.catalog.nodes import PeerNode, find_latest_here, node_files, open_peer_nodes
+from tierckpt.chain.retention import checkpoint_objects
 from tierckpt.config import TierConfig, load_config
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.format.layout import PEERS, check_checkpoint_id, is_data_file, metadata_key, rank_of_file
 from tierckpt.format.metadata import CheckpointManifest
-from tierckpt.chain.retention import checkpoint_objects
 from tierckpt.tiers import make_tiers
 from tierckpt.tiers.base import Tier
-
-from tierckpt.catalog.nodes import PeerNode, find_latest_here, node_files, open_peer_nodes
 
 from .errors import UsageError
 

@@ -69,7 +69,7 @@ def lines(a: Advice) -> list[str]:
     out += ["", "formulas (τ: seconds of training between checkpoints):",
             f"  Young  τ = sqrt(2·δ·M)                                     = {_t(a.young_s)}",
             f"  Daly   τ = sqrt(2·δ·M)·[1 + ⅓·sqrt(δ/2M) + ⅑·(δ/2M)] − δ  = {_t(a.daly_s)}",
-            f"  lost   waste(τ) = M·e^(R/M)·(e^((τ+δ)/M) − 1)/τ − 1", ""]
+            "  lost   waste(τ) = M·e^(R/M)·(e^((τ+δ)/M) − 1)/τ − 1", ""]
     every = f"checkpoint every {_t(a.daly_s)} of training"
     if a.steps is not None and i.s_per_step:
         every += f" ≈ every {a.steps} steps (at the measured {i.s_per_step:.3g} s per step)"

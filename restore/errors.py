@@ -24,6 +24,7 @@ import os
 import sys
 import traceback
 
+from tierckpt.config.redact import redact
 from tierckpt.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
@@ -35,7 +36,6 @@ from tierckpt.errors import (
     TierError,
     TierUnavailable,
 )
-from tierckpt.config.redact import redact
 
 __all__ = [
     "DEBUG_ENV",

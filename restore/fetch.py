@@ -151,7 +151,7 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
         nodes = open_peer_nodes(cfg, tiers) if peers else []
         if not shared and not nodes:
             where = f" {cfg.source}" if cfg.source else ""
-            raise UsageError(f"fetch copies from [s3] or from other nodes' [local] directories ({{node}}) to [local]: "
+            raise UsageError("fetch copies from [s3] or from other nodes' [local] directories ({node}) to [local]: "
                              + (f"the configuration{where} has no [s3] section and no other node's directory is "
                                 "readable here" if local.node_local else f"the configuration{where} needs both sections"))
         cid = _resolve(cfg, tiers, shared, nodes, checkpoint_id)

@@ -20,11 +20,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from tierckpt.catalog.lease import live_leases
 from tierckpt.catalog.listing import committed_in_order, list_checkpoints
+from tierckpt.chain.retention import RetentionPlan, apply_retention, plan_retention
 from tierckpt.config import TierConfig
 from tierckpt.errors import TierckptError
-from tierckpt.catalog.lease import live_leases
-from tierckpt.chain.retention import RetentionPlan, apply_retention, plan_retention
 from tierckpt.tiers.base import Tier
 
 from .catalog import as_config, open_tiers

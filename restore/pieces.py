@@ -70,7 +70,7 @@ class BadPiece:
         return f"item {self.fqn!r}{off}: CRC32C mismatch in bytes [{self.start}, {self.end})"
 
 
-def files_items(md: "Metadata | CheckpointDoc") -> dict[str, list[tuple[Any, ItemRecord]]]:
+def files_items(md: Metadata | CheckpointDoc) -> dict[str, list[tuple[Any, ItemRecord]]]:
     """The items of each data file, in file order: ``(index, record)`` pairs, the index a DCP
     ``MetadataIndex`` or a :class:`tierckpt.layout.ItemIndex` (both have ``fqn`` and ``offset``)."""
     if isinstance(md, CheckpointDoc):

@@ -20,17 +20,17 @@ from typing import Any
 import numpy as np
 
 from tierckpt.catalog import lease as leases
+from tierckpt.catalog.listing import read_checkpoint_doc
+from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.format.layout import data_key
 from tierckpt.format.metadata import CheckpointManifest
-from tierckpt.catalog.listing import read_checkpoint_doc
-from tierckpt.codec.view import decoding
 from tierckpt.load.readback import range_size
 from tierckpt.tiers.base import Tier
 
 from .catalog import as_config, checkpoint_objects, holding_tiers, open_tiers, resolve_id
-from .pieces import FileCheck, files_items
+from .pieces import FileCheck
 from .work import progress_bar, run_all, workers_for
 
 log = logging.getLogger("tierckpt.restore")

@@ -75,8 +75,12 @@ def train(args: dict, rank: int, world: int) -> dict:
 
 def _train(args: dict, rank: int, world: int, ref: dict) -> dict:
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DistributedType,
+        FullyShardedDataParallelPlugin,
+        ProjectConfiguration,
+    )
 
     from tierckpt.testing.bitexact import compare
 

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # noqa: E402
 
 from tierckpt import TieredReader, TieredWriter  # noqa: E402
-from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.catalog.listing import is_committed  # noqa: E402
+from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.testing.bitexact import compare  # noqa: E402
 from tierckpt.testing.launch import serve  # noqa: E402
 from tierckpt.testing.state import clone_state, placeholder  # noqa: E402

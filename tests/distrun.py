@@ -7,8 +7,9 @@ different ``TIERCKPT_NODE`` values, i.e. simulated nodes with their own local ti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tierckpt.testing.launch import free_port
 from tierckpt.testing.launch import run_world as _run_world

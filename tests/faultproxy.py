@@ -235,7 +235,7 @@ class FaultProxy:
         s = self.stats
         return s["errors"] + s["drops"] + s["stalls"] + s["outage"]
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         """Bind 127.0.0.1:0, start accepting; returns self."""
         ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -265,7 +265,7 @@ class FaultProxy:
         for _s, t in conns:
             t.join(timeout=5)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -301,7 +301,7 @@ class FaultProxy:
         while not self._stop.is_set():
             try:
                 csock, _addr = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

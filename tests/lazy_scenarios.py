@@ -8,14 +8,11 @@ each rank's JSON result.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 HERE = Path(__file__).resolve().parent
@@ -26,7 +23,6 @@ sys.path.insert(0, str(HERE.parent))
 from tierckpt import TieredReader, TieredWriter  # noqa: E402
 from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.format.layout import metadata_key  # noqa: E402
-
 
 # -- scenarios (run on every rank after the gloo process group is up) ------------------------
 

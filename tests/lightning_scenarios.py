@@ -24,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import archive_tier  # noqa: E402,F401 - registers [archive], a second directory tier
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import archive_tier  # noqa: E402,F401 - registers [archive], a second directory tier
 from tierckpt.testing.launch import serve  # noqa: E402
 
 SAMPLES, BATCH, WIDTH = 16, 4, 64  # two batches per rank and epoch (2 ranks): checkpoints every 2 steps end epochs

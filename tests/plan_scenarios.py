@@ -8,23 +8,20 @@ tests/test_plan_caching.py.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tierckpt import TieredReader, TieredWriter
-from tierckpt.save import plancache  # noqa: E402
-from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.capture.planning import layout_cache  # noqa: E402
+from tierckpt.config import config_from_dict  # noqa: E402
+from tierckpt.save import plancache  # noqa: E402
 from tierckpt.testing.errors import err_text  # noqa: E402
 
 
@@ -128,7 +125,7 @@ def refusals(args: dict, rank: int, world: int) -> dict:
     out: dict = {"steps": []}
     plan = [("step-0", None), ("step-1", None), ("step-1", "conflict"), ("step-2", None),
             (f"step-3-r{rank}" if rank == world - 1 else "step-3", "ids"), ("step-4", None)]
-    for i, (cid, expect) in enumerate(plan):
+    for i, (cid, _expect) in enumerate(plan):
         sd = model_state(rank, {}, i)
         try:
             dcp.save(sd, checkpoint_id=cid, storage_writer=w, planner=CachingPlanner())

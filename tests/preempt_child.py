@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tierckpt import TieredWriter  # noqa: E402
-from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.chain.engine import Engine, register_engine  # noqa: E402
+from tierckpt.config import config_from_dict  # noqa: E402
 from tierckpt.tiers import make_tiers  # noqa: E402
 
 CID = "step-000002"

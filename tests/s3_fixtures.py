@@ -13,14 +13,14 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
+import s3servers  # tools/s3servers.py (conftest puts tools/ on sys.path)
 
 from tierckpt.config import MiB, S3Config
-
-import s3servers  # tools/s3servers.py (conftest puts tools/ on sys.path)
 
 __all__ = ["moto_endpoint", "seaweed_endpoint", "s3cfg", "S3CfgFactory"]  # what conftest takes; serve_seaweedfs is imported by name
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import shutil
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -10,14 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from archive_tier import ArchiveConfig
 
 import tierckpt
-from tierckpt import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, HostConfig, JobConfig, LocalConfig, TierConfig
-from tierckpt import TieredReader, TieredWriter
+from tierckpt import (
+    CheckpointNotFound,
+    ChecksumMismatch,
+    CorruptCheckpoint,
+    HostConfig,
+    JobConfig,
+    LocalConfig,
+    TierConfig,
+    TieredReader,
+    TieredWriter,
+)
 from tierckpt.chain.engine import close_all
 from tierckpt.errors import find_error
-
-from archive_tier import ArchiveConfig
 
 MiB = 1 << 20
 

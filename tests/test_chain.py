@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
+from tierckpt.chain.commit import LocalChannel, Round, run_commit
 from tierckpt.codec import add_stored
 from tierckpt.codec.hop import Previous, copy_encoded
 from tierckpt.codec.view import decoding
-from tierckpt.chain.commit import LocalChannel, Round, run_commit
 from tierckpt.errors import CommitConflict, CommitError, TierckptError, TierError
 from tierckpt.testing import FaultyTier
 from tierckpt.tiers.base import Encoding, Tier

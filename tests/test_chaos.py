@@ -19,10 +19,10 @@ import json
 import os
 import warnings
 
+import chaos  # tools/chaos.py (conftest puts tools/ on sys.path)
 import pytest
 import torch.distributed.checkpoint as dcp
 
-import chaos  # tools/chaos.py (conftest puts tools/ on sys.path)
 from tierckpt import CommitConflict, TieredWriter
 from tierckpt.config import config_from_dict
 

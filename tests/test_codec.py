@@ -13,9 +13,9 @@ import torch
 from tierckpt.codec import add_stored, frame_size, strip_stored
 from tierckpt.codec.frames import decode_into, encode, segments_of
 from tierckpt.codec.hop import Previous, copy_encoded, width_runs
-from tierckpt.format.stored import StoredFile, parse_stored
 from tierckpt.codec.view import decoding
 from tierckpt.errors import CorruptCheckpoint
+from tierckpt.format.stored import StoredFile, parse_stored
 from tierckpt.tiers.base import Encoding
 from tierckpt.tiers.local import LocalTier
 

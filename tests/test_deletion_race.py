@@ -26,17 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from archive_tier import ArchiveConfig, ArchiveTier
 
 import tierckpt
 from tierckpt import HostConfig, JobConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
 from tierckpt.catalog import lease as leases
 from tierckpt.catalog.listing import find_latest, list_checkpoints
 from tierckpt.chain.engine import Engine, close_all, register_engine
-from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.chain.retention import apply_retention, plan_retention
+from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.tiers.local import LocalTier, drain_deletions
-
-from archive_tier import ArchiveConfig, ArchiveTier
 
 MiB = 1 << 20
 WAIT = 60  # a safety net for a broken interleaving, never reached when the code is right

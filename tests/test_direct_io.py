@@ -16,8 +16,8 @@ import hashlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest

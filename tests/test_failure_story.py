@@ -35,10 +35,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 import s3servers  # tools/ (conftest puts it on sys.path)
-from tierckpt.testing import free_port
 from train_gpt import read_events as events  # tools/ (conftest puts it on sys.path)
+
+from tierckpt.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tools" / "train_gpt.py"

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_peers import one_per_node, run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,9 +45,8 @@ def cli_on(node: str, config: Path, *args: str) -> subprocess.CompletedProcess:
 
 def load_on(node: str, config: Path) -> None:
     """Load ``latest`` in one process on ``node`` from its local tier only; return the state."""
-    from peer_scenarios import full_state
-
     import torch.distributed.checkpoint as dcp
+    from peer_scenarios import full_state
 
     from tierckpt import TieredReader, load_config
     from tierckpt.testing import compare

@@ -20,22 +20,22 @@ import random
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_restore_cli import assert_one_line_error, cli, cli_proc, write_config
 
 from tierckpt import CheckpointNotFound, CorruptCheckpoint, HostConfig, LocalConfig, TierConfig, TieredWriter
-from tierckpt.format import safejson
 from tierckpt.checksum import crc32c
+from tierckpt.format import safejson
 from tierckpt.format.layout import FORMAT, MAX_METADATA_BYTES, metadata_key
 from tierckpt.format.metadata import metadata_from_json
 from tierckpt.load.reader import read_checkpoint_metadata
 from tierckpt.tiers.local import LocalTier
-
-from test_restore_cli import assert_one_line_error, cli, cli_proc, write_config
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

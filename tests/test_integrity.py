@@ -30,7 +30,6 @@ from tierckpt import (
     TieredReader,
     TieredWriter,
 )
-
 from tierckpt.checksum import crc32c
 from tierckpt.testing import find_error
 

@@ -21,14 +21,14 @@ import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from lazy_scenarios import run_lazy_world
+
 from tierckpt import (
     CaptureError,
     HostConfig,
     LocalConfig,
-    TierConfig,
     TierckptError,
+    TierConfig,
     TieredReader,
     TieredWriter,
     TornCaptureError,
@@ -36,8 +36,8 @@ from tierckpt import (
 )
 from tierckpt.capture.pool import HostPool
 from tierckpt.catalog.listing import resolve_latest
-from tierckpt.format.layout import metadata_key
 from tierckpt.chain.engine import get_engine
+from tierckpt.format.layout import metadata_key
 from tierckpt.tiers.base import DataSink
 from tierckpt.tiers.local import LocalTier
 
@@ -168,7 +168,7 @@ def release_later(pool: HostPool, slots: list[int], delay: float = 0.05) -> thre
 class _GatedSink(DataSink):
     """Delegates to a real sink; ``write_at`` waits for the tier's gates and can fail one offset."""
 
-    def __init__(self, inner: DataSink, tier: "_TestTier") -> None:
+    def __init__(self, inner: DataSink, tier: _TestTier) -> None:
         self.inner = inner
         self.tier = tier
 

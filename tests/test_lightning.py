@@ -52,8 +52,8 @@ def _check_resumed(res: list[dict], crash: int) -> None:
 
 
 def test_ddp_kill_and_resume_last_bit_exact_top_k(tmp_path):
-    from tierckpt.catalog.listing import list_checkpoints as tier_listing
     from tierckpt.catalog.checkpoints import list_checkpoints
+    from tierckpt.catalog.listing import list_checkpoints as tier_listing
     from tierckpt.config import load_config
     from tierckpt.tiers import make_tiers
 

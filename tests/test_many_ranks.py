@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from distrun import run_world
 
 WORLD = 16

@@ -24,18 +24,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from distrun import run_world
 
 import tierckpt
-from tierckpt import CheckpointNotFound, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
+from tierckpt import HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
 from tierckpt.catalog import lease as leases
 from tierckpt.catalog.listing import find_latest, list_checkpoints, resolve_latest
+from tierckpt.chain.engine import close_all
+from tierckpt.chain.retention import plan_retention
 from tierckpt.config import JobConfig
 from tierckpt.format.layout import data_key, metadata_key
-from tierckpt.chain.engine import close_all
-from tierckpt.chain.retention import enforce, plan_retention
 from tierckpt.tiers.local import LocalTier, drain_deletions
-
-from distrun import run_world
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,10 +25,10 @@ import torch.distributed.checkpoint as dcp
 
 import tierckpt
 from tierckpt import TieredReader, TieredWriter
-from tierckpt.save import preempt
 from tierckpt.catalog.listing import list_checkpoints
-from tierckpt.config import ConfigError, config_from_dict
 from tierckpt.chain.engine import close_all
+from tierckpt.config import ConfigError, config_from_dict
+from tierckpt.save import preempt
 from tierckpt.tiers import make_tiers
 
 HERE = Path(__file__).resolve().parent
@@ -272,6 +272,7 @@ def test_drain_waits_for_the_peer_hop_and_names_later_tiers(tmp_path):
     """With [peer] replicas the drain also waits for the peer hop (in one process it has no
     partner: done at once); a later tier it does not wait for is named."""
     from archive_tier import ArchiveTier
+
     from tierckpt.chain.engine import Engine, register_engine
     from tierckpt.tiers.local import LocalTier
 

@@ -22,22 +22,32 @@ import logging
 import os
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+import s3servers
 import torch
 import torch.distributed.checkpoint as dcp
-
-import s3servers
 from faultproxy import FaultProxy
 from s3_fixtures import serve_seaweedfs
 from test_restore_cli import assert_one_line_error, cli, cli_proc, write_config
-from tierckpt.testing import find_error as find
-from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter, TierError, load_config
+
+from tierckpt import (
+    ConfigError,
+    HostConfig,
+    LocalConfig,
+    TierConfig,
+    TieredReader,
+    TieredWriter,
+    TierError,
+    load_config,
+)
 from tierckpt.config import MiB, S3Config
-from tierckpt.errors import TierAccessDenied
 from tierckpt.config.redact import redact, redact_url
+from tierckpt.errors import TierAccessDenied
+from tierckpt.testing import find_error as find
 from tierckpt.tiers.s3 import S3Tier
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from faultproxy import FaultProxy
+
 from tierckpt.config import MiB
 from tierckpt.errors import CheckpointNotFound, TierError
 from tierckpt.testing.faults import FaultyTier

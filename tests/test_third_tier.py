@@ -10,16 +10,16 @@ nothing.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
+import archive_tier
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-import archive_tier
 from test_chain import ChainContract
 from test_tier_contract import TierContract
+
 from tierckpt import TieredReader, TieredWriter, load_config
 from tierckpt.catalog.listing import committed_in_order
 from tierckpt.tiers import make_tiers

@@ -22,19 +22,19 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from faultproxy import FaultProxy
 from s3servers import s3_client
+
 from tierckpt.config import MiB
 from tierckpt.errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.local import LocalTier
 from tierckpt.tiers.s3 import MAX_PARTS, S3Tier, effective_part_size
-
 
 PS = 5 * MiB
 SINK_SIZES = [0, 1, PS - 1, PS, 3 * PS + 7]

@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from distrun import run_world
+
 from restore.cli import main
 from tierckpt.telemetry.advise import daly, parse_duration, waste, young
 from tierckpt.telemetry.history import group_checkpoints, read_history

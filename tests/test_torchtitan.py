@@ -4,7 +4,6 @@ async modes, and a 2 -> 1 rank load. Skipped only where torchtitan is not instal
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest

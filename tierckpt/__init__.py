@@ -23,7 +23,19 @@ from .lazyexports import lazy_exports
 moved.install()  # the old flat module paths (tierckpt.writer, ...) keep importing, with a warning
 
 if TYPE_CHECKING:
-    from .config import Config, HostConfig, JobConfig, LocalConfig, PeerConfig, S3Config, TierConfig, load_config, parse_size
+    from .capture.ranksave import SaveStats
+    from .catalog.checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
+    from .config import (
+        Config,
+        HostConfig,
+        JobConfig,
+        LocalConfig,
+        PeerConfig,
+        S3Config,
+        TierConfig,
+        load_config,
+        parse_size,
+    )
     from .errors import (
         CaptureError,
         CheckpointNotFound,
@@ -39,10 +51,8 @@ if TYPE_CHECKING:
         TierUnavailable,
         TornCaptureError,
     )
-    from .catalog.checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
-    from .save.preempt import DrainReport, drain
     from .load.reader import TieredReader
-    from .capture.ranksave import SaveStats
+    from .save.preempt import DrainReport, drain
     from .save.writer import TieredWriter
 
 __version__ = "0.1.0"

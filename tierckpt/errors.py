@@ -92,7 +92,7 @@ class TierAccessDenied(TierError, PermissionError):
     """
 
 
-def find_error(exc: BaseException, cls: "type | tuple[type, ...]" = TierckptError) -> BaseException | None:
+def find_error(exc: BaseException, cls: type | tuple[type, ...] = TierckptError) -> BaseException | None:
     """``exc`` itself, or the first ``cls`` inside it: DCP wraps what a storage reader or writer
     raises in its ``CheckpointException`` (``failures``: per rank), and errors chain through
     ``__cause__``/``__context__``. None if there is none. For callers of ``dcp.load``/``dcp.save``

@@ -86,8 +86,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -95,7 +96,6 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from benchlib.common import Contention, Ctx, init_pg, log, machine_info, now, print_table  # noqa: E402
 from benchlib.compress import section_compress  # noqa: E402
 from benchlib.cpu import section_cpu  # noqa: E402

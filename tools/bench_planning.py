@@ -70,9 +70,8 @@ def _worker_imports():
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-
     from benchlib.lazy import NullWriter  # DCP's planning floor, shared with tools/bench.py's lazy section
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     # One planner class per caching mode: DCP's plan cache is keyed by the planner's class name.
     class FloorCachePlanner(DefaultSavePlanner):

@@ -68,8 +68,8 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -81,14 +81,48 @@ import torch  # noqa: E402
 
 # re-exported: the cases, tests/test_chaos.py and the zygote (``chaos._zygote_main``) use them as ``chaos.X``
 from chaoslib.concurrency import CONC_SCENARIOS, _concurrent_save_child, case_concurrency  # noqa: E402,F401
-from chaoslib.core import (BUCKET, KNOWN_BUGS, MiB, CaseResult, format_table, is_clear, is_not_found,  # noqa: E402,F401
-                           load_state, make_state, mutate, only, placeholder, short, toml_text)
-from chaoslib.crash import (KILL_POINTS, STAGE_OF, TRAIN, Reference, case_crash, check_tiers, choose_kill,  # noqa: E402,F401
-                            load_app, read_events, reference, trainer_argv)
+from chaoslib.core import (  # noqa: E402,F401
+    BUCKET,
+    KNOWN_BUGS,
+    CaseResult,
+    MiB,
+    format_table,
+    is_clear,
+    is_not_found,
+    load_state,
+    make_state,
+    mutate,
+    only,
+    placeholder,
+    short,
+    toml_text,
+)
+from chaoslib.crash import (  # noqa: E402,F401
+    KILL_POINTS,
+    STAGE_OF,
+    TRAIN,
+    Reference,
+    case_crash,
+    check_tiers,
+    choose_kill,
+    load_app,
+    read_events,
+    reference,
+    trainer_argv,
+)
 from chaoslib.env import CHILDREN, Child, Env, Zygote, _child_main, _zygote_main, tail, wait_proc  # noqa: E402,F401
-from chaoslib.faults import (FAULT_OPS, case_corrupt, case_faults, close_writer, expect_loads,  # noqa: E402,F401
-                             expect_refused, leftovers, save_wait)
+from chaoslib.faults import (  # noqa: E402,F401
+    FAULT_OPS,
+    case_corrupt,
+    case_faults,
+    close_writer,
+    expect_loads,
+    expect_refused,
+    leftovers,
+    save_wait,
+)
 from chaoslib.resources import _growth, _resources_child, case_resources, case_s3faults  # noqa: E402,F401
+
 from tierckpt.testing import clone_state, errors_in, find_error, raw  # noqa: E402,F401
 from tierckpt.testing import compare as diff  # noqa: E402,F401
 

@@ -39,7 +39,8 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["TierProxy", "SinkProxy", "KillController", "FaultController", "install", "parse_spec", "METADATA_SUFFIX"]
 

@@ -39,11 +39,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import s3servers  # noqa: E402
+from train_gpt import read_events as events  # noqa: E402
 
 from tierckpt import load_config  # noqa: E402
 from tierckpt.catalog.listing import list_checkpoints  # noqa: E402
 from tierckpt.tiers import make_local, make_s3  # noqa: E402
-from train_gpt import read_events as events  # noqa: E402
 
 BUCKET = "tierckpt-demo"
 

@@ -76,8 +76,8 @@ def check(root: Path, mib: int) -> tuple[str | None, bool]:
 
     import tierckpt
     from tierckpt import TieredReader
-    from tierckpt.config import config_from_dict
     from tierckpt.chain.engine import close_all
+    from tierckpt.config import config_from_dict
 
     cfg = config_from_dict(_config(root, "drain"))
     cid = tierckpt.latest(cfg)

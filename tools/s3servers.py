@@ -27,6 +27,7 @@ about 0.8 s and the first PutObject succeeds after about 1-2 s.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -35,11 +36,10 @@ import subprocess
 import sys
 import sysconfig
 import time
-import json
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 __all__ = [
     "Identity",

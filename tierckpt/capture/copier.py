@@ -70,7 +70,7 @@ class Copier:
         self._streams: dict[int, torch.cuda.Stream] = {}
 
     @staticmethod
-    def record_ready(sources: list[Source]) -> dict[int, "torch.cuda.Event"]:
+    def record_ready(sources: list[Source]) -> dict[int, torch.cuda.Event]:
         """On the training thread: an event per CUDA device marking 'state as of this save'."""
         events: dict[int, torch.cuda.Event] = {}
         for s in sources:
@@ -82,13 +82,13 @@ class Copier:
                     events[idx] = ev
         return events
 
-    def _stream(self, idx: int, ready: dict[int, "torch.cuda.Event"]) -> "torch.cuda.Stream":
+    def _stream(self, idx: int, ready: dict[int, torch.cuda.Event]) -> torch.cuda.Stream:
         st = self._streams.get(idx)
         if st is None:
             st = self._streams[idx] = torch.cuda.Stream(device=idx)
         return st
 
-    def copy(self, pieces: list[Piece], slot: torch.Tensor, ready: dict[int, "torch.cuda.Event"]) -> list:
+    def copy(self, pieces: list[Piece], slot: torch.Tensor, ready: dict[int, torch.cuda.Event]) -> list:
         """Copy ``pieces`` into ``slot``; return CUDA events to wait on before reading the slot."""
         events = []
         slot_np = None

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .copier import Piece, Source
 from ..errors import CaptureError
 from ..format.layout import ALIGN, padded, rank_file
 from ..format.metadata import DTYPES, ItemRecord
+from .copier import Piece, Source
 
 __all__ = ["RankLayout", "LayoutCache", "SaveInputs", "RankResult", "expand_results", "layout_cache"]
 
@@ -240,7 +240,7 @@ class SaveInputs:
     size: int
 
     @staticmethod
-    def prepare(items: list[WriteItem], datas: list[Any], cache: LayoutCache) -> "SaveInputs":
+    def prepare(items: list[WriteItem], datas: list[Any], cache: LayoutCache) -> SaveInputs:
         """Resolve a save's layout for ``items`` whose resolved values are ``datas`` (plan order).
 
         Reuses a cached layout when the plan and the tensors' shapes and dtypes match it, else

@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+from collections.abc import Callable
+from typing import ClassVar
 import time
-from typing import Callable, ClassVar
 
 import torch
 

@@ -18,13 +18,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..catalog import lease as leases
-from .copier import Piece, Source
 from ..errors import CommitError, TornCaptureError
 from ..format.layout import step_of
 from ..format.metadata import CheckpointManifest, metadata_to_json, read_header
-from .planning import SaveInputs
 from ..telemetry.phases import PhaseLog
 from ..tiers.base import DataSink
+from .copier import Piece, Source
+from .planning import SaveInputs
 
 __all__ = ["RankAssign", "SaveStats", "RankSave", "build_metadata"]
 

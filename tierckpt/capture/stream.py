@@ -19,21 +19,21 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from ..background import Workers
 from ..catalog import lease as leases
 from .. import loading
 from ..checksum import crc32c
 from ..config import Config
 from ..errors import TornCaptureError
 from ..format.layout import data_key
-from ..background import Workers
-from .ranksave import RankSave
 from ..tiers.base import Tier
 from .copier import Copier, Piece
 from .pool import HostPool, get_pool
+from .ranksave import RankSave
 
 __all__ = ["CaptureStream"]
 
@@ -66,7 +66,7 @@ class CaptureStream:
         return self._pool
 
     @property
-    def _flush(self) -> "Workers":
+    def _flush(self) -> Workers:
         """The flush threads, started on the first save (their number is the first tier's)."""
         if self._flush_workers is None:
             self._flush_workers = Workers(self._first().read_concurrency, "tierckpt-flush", self.cfg.job.background_nice)

@@ -23,12 +23,27 @@ from typing import TYPE_CHECKING
 from ..lazyexports import lazy_exports
 
 if TYPE_CHECKING:
-    from .listing import (CheckpointInfo, Latest, commit_header, committed_headers, committed_in_order, find_latest,
-                          is_committed, list_checkpoints, max_seq, parse_checkpoint_doc, read_checkpoint_doc,
-                          read_checkpoint_metadata, read_checkpoint_raw, resolve_latest, servable)
+    from .listing import (
+        CheckpointInfo,
+        Latest,
+        commit_header,
+        committed_headers,
+        committed_in_order,
+        find_latest,
+        is_committed,
+        list_checkpoints,
+        max_seq,
+        order_of,
+        parse_checkpoint_doc,
+        read_checkpoint_doc,
+        read_checkpoint_metadata,
+        read_checkpoint_raw,
+        resolve_latest,
+        servable,
+    )
 
-_LISTING = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
+__all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
             "is_committed", "read_checkpoint_metadata", "read_checkpoint_doc", "read_checkpoint_raw",
             "parse_checkpoint_doc", "committed_headers", "commit_header", "max_seq", "servable", "order_of"]
 
-__getattr__, __dir__ = lazy_exports(__name__, {name: ".listing" for name in _LISTING})
+__getattr__, __dir__ = lazy_exports(__name__, {name: ".listing" for name in __all__})

@@ -70,19 +70,19 @@ def checkpoint_id_of(checkpoint_id: str | os.PathLike) -> str:
     return cid
 
 
-def _config(cfg: "Config | str | os.PathLike | None") -> "Config":
+def _config(cfg: Config | str | os.PathLike | None) -> Config:
     from ..config import Config, load_config
 
     return cfg if isinstance(cfg, Config) else load_config(None if cfg is None else os.fspath(cfg))
 
 
-def _tiers(cfg: "Config | str | os.PathLike | None") -> list[Any]:
+def _tiers(cfg: Config | str | os.PathLike | None) -> list[Any]:
     from ..tiers import make_tiers
 
     return make_tiers(_config(cfg))
 
 
-def latest(cfg: "Config | str | os.PathLike | None" = None, *, before: str | None = None) -> str | None:
+def latest(cfg: Config | str | os.PathLike | None = None, *, before: str | None = None) -> str | None:
     """The id ``TieredReader`` loads for ``"latest"`` (what ``tierckpt-restore latest`` prints),
     or ``None`` when no tier holds a committed checkpoint. With a node-local ``[local]`` path, other
     nodes' directories readable here count too (:func:`tierckpt.nodes.find_latest_here`), as in
@@ -95,8 +95,8 @@ def latest(cfg: "Config | str | os.PathLike | None" = None, *, before: str | Non
 
     ``cfg``: a :class:`~tierckpt.config.Config`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
     """
-    from .listing import order_of
     from ..errors import CheckpointNotFound
+    from .listing import order_of
     from .nodes import find_latest_here, open_peer_nodes
 
     conf = _config(cfg)
@@ -114,12 +114,12 @@ def latest(cfg: "Config | str | os.PathLike | None" = None, *, before: str | Non
             t.close()
 
 
-def list_checkpoints(cfg: "Config | str | os.PathLike | None" = None) -> list[Checkpoint]:
+def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Checkpoint]:
     """Every checkpoint committed on some tier, oldest commit first (the committed rows of
     ``tierckpt-restore list``, in its order); checkpoints whose headers no tier can read come
     first (by id). Partial (uncommitted) checkpoints are left out."""
-    from .listing import list_checkpoints as list_tier
     from ..format.layout import PEERS
+    from .listing import list_checkpoints as list_tier
 
     tiers = _tiers(cfg)
     try:

@@ -48,8 +48,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from ..errors import CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, TierckptError
 from ..format.layout import check_checkpoint_id, metadata_key

@@ -15,13 +15,13 @@ import json
 import logging
 from dataclasses import dataclass
 
-from .listing import CheckpointInfo, Latest, committed_in_order, find_latest, read_checkpoint_doc
 from ..config import Config
 from ..errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from ..format.layout import PEERS, is_data_file
 from ..format.metadata import CheckpointDoc, CheckpointManifest
 from ..tiers import is_node_name, make_node_tiers
 from ..tiers.base import Tier
+from .listing import CheckpointInfo, Latest, committed_in_order, find_latest, read_checkpoint_doc
 
 __all__ = ["PEER_CANDIDATES", "PeerNode", "find_latest_here", "node_files", "open_peer_nodes"]
 

@@ -21,10 +21,10 @@ from ..catalog import lease as leases
 from ..catalog.listing import committed_in_order, read_checkpoint_doc
 from ..codec import frame_size
 from ..codec.hop import CopyFigures, Previous, copy_encoded, width_runs
-from ..format.stored import StoredFile
 from ..errors import TierckptError
 from ..format.layout import data_key, padded, rank_of_file
 from ..format.metadata import CheckpointDoc
+from ..format.stored import StoredFile
 from ..tiers.base import Tier
 
 __all__ = ["EncodedCopies"]

@@ -32,20 +32,20 @@ import time
 from typing import Any
 
 from ..capture.pool import HostPool
+from ..capture.ranksave import RankAssign, RankSave, SaveStats, build_metadata
 from ..capture.stream import CaptureStream
+from ..catalog.lease import live_leases
 from ..catalog.listing import max_seq
-from .commit import Channel, Round, default_channel, run_commit
 from ..config import Config
 from ..errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError
 from ..format.layout import data_key, metadata_key
-from .peercopy import PeerHop
-from .replicate import Replicator
-from .retention import enforce
-from ..catalog.lease import live_leases
-from ..capture.ranksave import RankAssign, RankSave, SaveStats, build_metadata
 from ..telemetry.hub import EngineTelemetry
 from ..tiers import Chain
 from ..tiers.base import Tier
+from .commit import Channel, Round, default_channel, run_commit
+from .peercopy import PeerHop
+from .replicate import Replicator
+from .retention import enforce
 
 __all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine", "register_engine", "close_all", "live_engines"]
 

@@ -27,20 +27,21 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from ..capture.ranksave import RankSave
 from ..catalog import lease as leases
 from ..checksum import crc32c
-from .commit import Round, run_commit
 from ..errors import ChecksumMismatch, TierckptError
 from ..format.layout import PEERS, data_key, padded, piece_bounds, rank_of_file
 from ..format.metadata import metadata_from_json
+from ..tiers.base import Tier
+from .commit import Round, run_commit
 from .peers import PeerGroup
 from .replicate import HopOwner, Replicator
-from ..capture.ranksave import RankSave
-from ..tiers.base import Tier
 
 __all__ = ["PeerHop", "placement"]
 

@@ -46,9 +46,9 @@ them and served to the others (see :func:`schedule`)."""
 class PeerGroup:
     """This process's dedicated gloo group for serving files between nodes (one per default group)."""
 
-    _cached: "PeerGroup | None" = None
+    _cached: PeerGroup | None = None
     _cached_for: Any = None
-    _saves: "PeerGroup | None" = None
+    _saves: PeerGroup | None = None
     _saves_for: Any = None
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
@@ -60,7 +60,7 @@ class PeerGroup:
         self.nodes: list[str] = []  # node name of every rank (the save-side group only)
 
     @classmethod
-    def for_saves(cls, cfg: Any, timeout_s: float) -> "PeerGroup | None":
+    def for_saves(cls, cfg: Any, timeout_s: float) -> PeerGroup | None:
         """The save-side group, used only by the peer hop's background thread (:mod:`tierckpt.peercopy`),
         with every rank's node name. ``cfg`` given: created if ``[peer] replicas`` is set (every rank
         calls this in ``set_up_storage_writer``, on the thread running ``dcp.save``); ``cfg=None``:
@@ -84,7 +84,7 @@ class PeerGroup:
         return cls._saves
 
     @classmethod
-    def get(cls, first: Tier, timeout_s: float) -> "PeerGroup | None":
+    def get(cls, first: Tier, timeout_s: float) -> PeerGroup | None:
         """The load-side group (one per process and default group; every rank calls this at the
         same point of ``dcp.load``), or None when the job is not distributed or the first tier is
         shared. Its object collectives (the agreement) run on the default group, on the thread
@@ -125,15 +125,15 @@ class PeerGroup:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def gather_to(self, obj: Any, dst: int = 0) -> "list[Any] | None":
+    def gather_to(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on rank ``dst`` (in rank order; None elsewhere): O(N) bytes in all."""
         import torch.distributed as dist
 
-        out: "list[Any] | None" = [None] * self.world if self.rank == dst else None
+        out: list[Any] | None = [None] * self.world if self.rank == dst else None
         dist.gather_object(obj, out, dst=dst, group=self.group)
         return out
 
-    def send_bytes(self, data: bytes, dsts: "list[int]") -> None:
+    def send_bytes(self, data: bytes, dsts: list[int]) -> None:
         """Send ``data`` to each rank of ``dsts`` (each receives it with :meth:`recv_bytes`, knowing its size)."""
         import torch
         import torch.distributed as dist
@@ -164,7 +164,7 @@ class PeerGroup:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
-    def exchange(self, sends: "dict[int, Any]", recvs: "dict[int, Any]") -> None:
+    def exchange(self, sends: dict[int, Any], recvs: dict[int, Any]) -> None:
         """Send ``sends[peer]`` (a uint8 CPU tensor) to each peer and receive into ``recvs[peer]``;
         all posted at once, then waited for. Raises when a transfer fails (a peer died)."""
         import torch.distributed as dist
@@ -196,7 +196,7 @@ class PeerGroup:
             log.error("%s", err)
             raise err
 
-    def collective(self, what: str, fn: "Any") -> Any:
+    def collective(self, what: str, fn: Any) -> Any:
         """Run ``fn()`` (a collective of this group) and turn its failure (a rank that died, or that
         did not take part within the group's timeout) into a :class:`TierckptError` naming the
         ranks that never arrived (:func:`_named`)."""
@@ -204,7 +204,7 @@ class PeerGroup:
         return _named(what, f"{self._uid}/{self._round}", self.rank, self.world, fn)
 
 
-def _named(what: str, key: str, rank: int, world: int, fn: "Any") -> Any:
+def _named(what: str, key: str, rank: int, world: int, fn: Any) -> Any:
     """``fn()``, every rank marking its arrival under ``key`` on the job's store first; when it
     fails, a :class:`TierckptError` naming the ranks whose mark is missing. Costs two store
     operations per rank (the mark and its deletion); the failure path reads every rank's mark."""

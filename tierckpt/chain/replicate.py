@@ -46,20 +46,21 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from ..catalog import lease as leases
 from ..background import lower_priority
+from ..capture.ranksave import RankSave
+from ..catalog import lease as leases
 from ..catalog.listing import committed_headers, committed_in_order
 from ..codec import add_stored
-from .commit import Channel, LocalChannel, Round, run_commit
 from ..config import Config
-from .encodedhop import EncodedCopies
 from ..errors import CommitConflict, TierckptError
 from ..format.layout import data_key, is_data_file, metadata_key
 from ..format.metadata import metadata_from_json, parse_metadata
-from ..capture.ranksave import RankSave
 from ..tiers.base import Tier
+from .commit import Channel, LocalChannel, Round, run_commit
+from .encodedhop import EncodedCopies
 
 __all__ = ["Replicator", "HopOwner"]
 
@@ -79,7 +80,7 @@ class HopOwner(Protocol):
     def fail(self, job: RankSave, exc: BaseException, stage: str) -> None:
         """Fail ``job`` (its error reaches the next ``wait``)."""
 
-    def hop_done(self, hop: "Replicator", job: RankSave) -> None:
+    def hop_done(self, hop: Replicator, job: RankSave) -> None:
         """``job`` left this hop (committed on ``dst``, or failed): pass it on or settle it."""
 
     def retain(self, tier: Tier, protect: set[str], *, owed: set[str] = ..., need_bytes: int = 0) -> None:

@@ -23,10 +23,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ..catalog.lease import guarded_delete, live_leases
 from ..catalog.listing import CheckpointInfo, list_checkpoints
 from ..errors import TierckptError
 from ..format.layout import METADATA, check_checkpoint_id, checkpoint_prefixes, metadata_key, split_key
-from ..catalog.lease import guarded_delete, live_leases
 from ..tiers.base import ObjectInfo, Tier
 
 __all__ = ["RetentionPlan", "plan_retention", "apply_retention", "enforce", "delete_checkpoint", "checkpoint_objects"]

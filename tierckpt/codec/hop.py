@@ -32,9 +32,9 @@ from typing import Any
 
 from ..background import lower_priority
 from ..format.jsonvalues import DTYPE_SIZES
+from ..format.stored import StoredFile, frame_hash
 from ..tiers.base import Encoding, Tier
 from .frames import encode, segments_of
-from ..format.stored import StoredFile, frame_hash
 
 __all__ = ["Previous", "CopyFigures", "copy_encoded", "width_runs", "codec_threads"]
 

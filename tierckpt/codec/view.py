@@ -19,16 +19,16 @@ treats it as that tier's read error and serves the item from the next tier.
 from __future__ import annotations
 
 import builtins
-
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..errors import CorruptCheckpoint
 from ..format.layout import is_data_file, metadata_key, split_key
 from ..format.metadata import parse_metadata
+from ..format.stored import StoredFile
 from ..tiers.base import ObjectInfo, Tier
 from .frames import decode_into
-from ..format.stored import StoredFile
 
 __all__ = ["decoding", "DecodingTier"]
 
@@ -116,7 +116,7 @@ class DecodingTier(Tier):
         else:
             self._decode(key, idx, start, buf)
 
-    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+    def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
         idx = self._stored(key)
         if idx is None:
             self.inner.read_ranges(key, start, bufs)
@@ -165,7 +165,7 @@ class DecodingTier(Tier):
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 
-    def delete_many(self, keys: "builtins.list[str]") -> int:
+    def delete_many(self, keys: builtins.list[str]) -> int:
         return self.inner.delete_many(keys)
 
     def delete_prefix(self, prefix: str) -> int:
@@ -177,7 +177,7 @@ class DecodingTier(Tier):
     def abort_stale(self, older_than_s: float, spare=()) -> int:  # noqa: ANN001
         return self.inner.abort_stale(older_than_s, spare)
 
-    def free_bytes(self) -> "int | None":
+    def free_bytes(self) -> int | None:
         return self.inner.free_bytes()
 
     def root_id(self) -> str:

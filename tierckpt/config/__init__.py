@@ -31,9 +31,28 @@ from .sections import (
     parse_size,
     register_section,
 )
-from .values import GiB, KiB, MAX_SIZE, MAX_TIMEOUT_S, MiB
+from .values import MAX_SIZE, MAX_TIMEOUT_S, GiB, KiB, MiB
 
-__all__ = list(sections.__all__)
+__all__ = [
+    "CONFIG_ENV",
+    "Config",
+    "HostConfig",
+    "JobConfig",
+    "LocalConfig",
+    "PeerConfig",
+    "S3Config",
+    "TierConfig",
+    "check_endpoint_url",
+    "load_config",
+    "node_name",
+    "parse_size",
+    "register_section",
+    "GiB",
+    "KiB",
+    "MAX_SIZE",
+    "MAX_TIMEOUT_S",
+    "MiB",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,9 +19,10 @@ import math
 import os
 import socket
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import ConfigError
 from .redact import redact_url
@@ -29,17 +30,17 @@ from .values import (  # noqa: F401 - the public names are re-exported
     _ARN_RE,
     _BUCKET_RE,
     _REGION_RE,
-    GiB,
-    KiB,
     MAX_SIZE,
     MAX_TIMEOUT_S,
-    MiB,
     S3_MAX_ATTEMPTS,
     S3_MAX_PART,
     S3_MIN_PART,
+    GiB,
+    KiB,
+    MiB,
     _brief,
-    check_compression,
     _nm,
+    check_compression,
     check_endpoint_url,
     node_name,
     parse_size,

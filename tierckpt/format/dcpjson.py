@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (

@@ -14,7 +14,8 @@ torch; DCP's objects are built from the checked values in :mod:`tierckpt.dcpjson
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from ..errors import CorruptCheckpoint
 

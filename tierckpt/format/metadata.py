@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import safejson
 from ..checksum import crc32c
 from ..errors import CorruptCheckpoint
+from . import safejson
 from .jsonvalues import (
     DTYPE_SIZES,
     METADATA_VALUES,
@@ -45,7 +46,16 @@ from .jsonvalues import (
     _time,
     check_entry,
 )
-from .layout import ALIGN, FORMAT, MAX_HEADER_BYTES, MAX_METADATA_BYTES, check_checkpoint_id, is_data_file, padded, piece_bounds
+from .layout import (
+    ALIGN,
+    FORMAT,
+    MAX_HEADER_BYTES,
+    MAX_METADATA_BYTES,
+    check_checkpoint_id,
+    is_data_file,
+    padded,
+    piece_bounds,
+)
 from .stored import StoredFile, parse_stored
 
 if TYPE_CHECKING:
@@ -68,7 +78,7 @@ __all__ = [
 ]
 
 
-def item_intact(rec: "ItemRecord", data, pad, chunk_size: int) -> bool:
+def item_intact(rec: ItemRecord, data, pad, chunk_size: int) -> bool:
     """Whether ``data`` (an item's bytes) followed by ``pad`` (its padding) match its CRC pieces.
 
     ``data`` and ``pad`` are byte buffers (memoryview, bytearray, numpy ``uint8``).

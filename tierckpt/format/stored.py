@@ -91,7 +91,7 @@ class StoredFile:
                 "hashes": base64.b64encode(b"".join(self.hashes)).decode()}
 
     @classmethod
-    def from_json(cls, d: object, file: str, size: int) -> "StoredFile":
+    def from_json(cls, d: object, file: str, size: int) -> StoredFile:
         """Validate one index entry (``size``: the file's logical size from the manifest)."""
         try:
             if type(d) is not dict:
@@ -149,7 +149,7 @@ def _join(header: dict, doc: dict) -> bytes:
     return json.dumps(header).encode() + b"\n" + body
 
 
-def add_stored(raw: bytes, stored: "dict[str, StoredFile | dict]") -> bytes:
+def add_stored(raw: bytes, stored: dict[str, StoredFile | dict]) -> bytes:
     """``raw`` (a validated ``metadata.json``) with ``stored`` as its index (replacing any), header
     length and CRC32C recomputed; order fields (seq, step, commit time) unchanged."""
     header, doc = _split(raw)

@@ -82,12 +82,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise TierckptError(f"tierckpt.integrations.accelerate needs Accelerate ({e}); "
                         'install it with: pip install "tierckpt[accelerate]"') from e
 
+from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import checkpoint_id_of, list_checkpoints
 from ..config import TierConfig
 from ..errors import CommitConflict, ConfigError
 from ..format.layout import check_checkpoint_id
 from ..load.reader import TieredReader
-from ..capture.ranksave import RankSave
 from ..save.writer import TieredWriter
 from .deletions import Deletions
 

@@ -30,9 +30,9 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
-from ..errors import TierckptError
 from ..catalog.lease import guarded_delete
 from ..chain.retention import delete_checkpoint
+from ..errors import TierckptError
 from ..save.writer import TieredWriter
 
 __all__ = ["Deletions"]
@@ -45,7 +45,7 @@ class Deletions:
 
     def __init__(self, writer: TieredWriter) -> None:
         self.writer = writer
-        self._q: "queue.SimpleQueue[tuple[str, Future | None, bool, Future] | None]" = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[str, Future | None, bool, Future] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._pending: list[Future] = []

@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -99,7 +99,7 @@ class TierckptCheckpointIO(CheckpointIO):
     def __getstate__(self) -> dict:
         return {"config": self.config, "allow_pickle": self.allow_pickle, "_paths": None}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         """Rank 0: save ``checkpoint`` as the checkpoint of ``path``; returns once captured."""
         if storage_options is not None:
             raise TypeError("`TierckptCheckpointIO.save_checkpoint(..., storage_options=...)` is not supported: "
@@ -113,8 +113,8 @@ class TierckptCheckpointIO(CheckpointIO):
         paths.saved(path, cid, job, replaces, step=checkpoint.get("global_step"))
         log.info("checkpoint %s captured for %s; it commits in the background", cid, path)
 
-    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         """Every rank: the checkpoint ``path`` resolves to, whole (tensors on the CPU)."""
         got = self.paths.resolve(path)
         if got.foreign:

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -91,7 +91,7 @@ class _Tiered(ABC):
         lays them out for DCP; what remains is the metadata."""
 
     @abstractmethod
-    def _load_tiered(self, checkpoint_id: str, weights_only: Optional[bool]) -> dict[str, Any]:
+    def _load_tiered(self, checkpoint_id: str, weights_only: bool | None) -> dict[str, Any]:
         """Every rank: load ``checkpoint_id`` into the model and optimizers; return the metadata."""
 
     def _on_rank0(self, fn: Any) -> Any:
@@ -126,7 +126,7 @@ class _Tiered(ABC):
         path = self.broadcast(os.fspath(checkpoint_path))
         return path, self._on_rank0(lambda: self.paths.resolve(path))
 
-    def _meta(self, raw: Any, checkpoint_id: str, weights_only: Optional[bool]) -> dict[str, Any]:
+    def _meta(self, raw: Any, checkpoint_id: str, weights_only: bool | None) -> dict[str, Any]:
         if not isinstance(raw, (bytes, bytearray)):
             raise TierckptError(f"checkpoint {checkpoint_id}: no Lightning metadata ({META_KEY!r}) in it")
         trusted = self.allow_pickle or weights_only is False
@@ -160,18 +160,18 @@ class TierckptModelParallelStrategy(_Tiered, ModelParallelStrategy):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         return state
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or not self._sharded():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self._tiered_save(checkpoint, filepath)
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path, got = self._resolve(checkpoint_path)
         if got.foreign:
             return super().load_checkpoint(path, weights_only)
         return self._load_tiered(got.id, weights_only)  # type: ignore[arg-type]
 
-    def _load_tiered(self, checkpoint_id: str, weights_only: Optional[bool]) -> dict[str, Any]:
+    def _load_tiered(self, checkpoint_id: str, weights_only: bool | None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -220,18 +220,18 @@ class TierckptFSDPStrategy(_Tiered, FSDPStrategy):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         return state
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or not self._sharded():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self._tiered_save(checkpoint, filepath)
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path, got = self._resolve(checkpoint_path)
         if got.foreign:
             return super().load_checkpoint(path, weights_only)
         return self._load_tiered(got.id, weights_only)  # type: ignore[arg-type]
 
-    def _load_tiered(self, checkpoint_id: str, weights_only: Optional[bool]) -> dict[str, Any]:
+    def _load_tiered(self, checkpoint_id: str, weights_only: bool | None) -> dict[str, Any]:
         """As Lightning's FSDPStrategy loads a shard directory (model in its sharded state-dict
         context, then each optimizer with ``load_sharded_optimizer_state_dict``), from the tiers."""
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context

@@ -39,11 +39,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..catalog.listing import is_committed
+from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import checkpoint_id_of, latest
+from ..catalog.listing import is_committed
 from ..errors import CheckpointNotFound, TierckptError
 from ..format.layout import check_checkpoint_id
-from ..capture.ranksave import RankSave
 from ..save.writer import TieredWriter
 from .deletions import Deletions
 

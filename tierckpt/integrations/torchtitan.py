@@ -69,8 +69,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 try:
     from torchtitan.components.checkpointer.base import MODEL
-    from torchtitan.components.metrics import BaseLogger
     from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
+    from torchtitan.components.metrics import BaseLogger
     from torchtitan.tools.utils import GarbageCollection
 except ImportError as e:  # pragma: no cover - depends on the environment
     from ..errors import TierckptError
@@ -146,7 +146,7 @@ class TierckptCheckpointManager(CheckpointManager):
         tierckpt_config: str = ""
         """Path of tierckpt's TOML configuration ("" reads $TIERCKPT_CONFIG)."""
 
-    def __init__(self, config: "TierckptCheckpointManager.Config", **kwargs: Any) -> None:
+    def __init__(self, config: TierckptCheckpointManager.Config, **kwargs: Any) -> None:
         self._in_del = False
         self._bad: set[str] = set()  # checkpoints skipped on resume: they failed on every tier
         keep = config.keep_latest_k

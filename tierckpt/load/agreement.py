@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..catalog import lease as leases
 from ..catalog.listing import committed_headers, committed_in_order, read_checkpoint_raw
@@ -59,7 +58,7 @@ PEER_METADATA_MAX = 32
 Ranges = tuple[tuple[int, int], ...]
 
 
-def ranges_of(indices: "list[int] | set[int]") -> Ranges:
+def ranges_of(indices: list[int] | set[int]) -> Ranges:
     """Sorted integers as half-open ``(lo, hi)`` ranges: ``[0, 1, 2, 5]`` -> ``((0, 3), (5, 6))``."""
     out: list[tuple[int, int]] = []
     for i in sorted(indices):
@@ -200,7 +199,7 @@ def local_view(first: Tier, checkpoint_id: str) -> tuple[NodeView, dict[str, tup
 
 
 def decide(views: list[NodeView], shared_tiers: list[Tier], checkpoint_id: str, *, take_leases: bool = True,
-           names: "dict[str, list[str]] | None" = None) -> Decision:
+           names: dict[str, list[str]] | None = None) -> Decision:
     """Phase 3, the coordinator only: the checkpoint to load and who holds what.
 
     ``views[r]`` is rank ``r``'s :class:`NodeView`. Each shared tier is listed once here (and

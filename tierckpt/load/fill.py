@@ -52,9 +52,9 @@ from ..codec import strip_stored
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierckptError
 from ..format.layout import MAX_METADATA_BYTES, data_key, metadata_key, padded, rank_of_file
 from ..format.metadata import ItemRecord, parse_metadata
-from .readback import Request
 from ..tiers.base import DataSink, Tier
 from ..tiers.localfs import DIO_ALIGN
+from .readback import Request
 
 __all__ = ["THREADS", "LoadFill"]
 
@@ -98,7 +98,7 @@ class LoadFill:
     @classmethod
     def plan(cls, local: Tier, cid: str, requests: list[Request], received: list[ItemRecord], files: dict[str, int],
              token: str, rank: int | None, lacks: Callable[[str], bool], shared: list[Tier],
-             raw: bytes | None = None) -> "LoadFill | None":
+             raw: bytes | None = None) -> LoadFill | None:
         """A fill for the files worth filling (module docstring), or None.
 
         ``requests`` are the items read from the tiers (their ``done`` callbacks are wrapped),

@@ -21,8 +21,8 @@ unpickled with ``weights_only=True`` unless ``allow_pickle=True``.
 from __future__ import annotations
 
 import dataclasses
-import io
 import functools
+import io
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,25 +33,27 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import agreement
-from ..catalog import lease as leases
-from ..chain import peers
 from .. import telemetry
-from ..catalog.listing import read_checkpoint_metadata
-from ..codec.view import decoding
-from ..chain.commit import default_channel
+from ..catalog import lease as leases
 from ..catalog.checkpoints import checkpoint_id_of
+from ..catalog.listing import read_checkpoint_metadata
+from ..chain import peers
+from ..chain.commit import default_channel
+from ..codec.view import decoding
 from ..config import TierConfig, load_config
 from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from ..format.layout import check_checkpoint_id, is_valid_checkpoint_id
+from ..format.layout import padded as _padded
 from . import loading
 from .fill import LoadFill
-from ..format.layout import check_checkpoint_id, is_valid_checkpoint_id, padded as _padded
 from ..format.metadata import DTYPES, ItemRecord, item_intact
-from .readback import Readback, Request, hold
-from .resolve import MetadataResolution
 from ..tiers import make_tiers
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
+from . import agreement
+from .fill import LoadFill
+from .readback import Readback, Request, hold
+from .resolve import MetadataResolution
 
 __all__ = ["TieredReader", "open_tiers", "read_checkpoint_metadata"]
 
@@ -310,7 +312,7 @@ class TieredReader(MetadataResolution, StorageReader):
         return cid == "latest" or is_valid_checkpoint_id(cid)
 
     # -- reading --------------------------------------------------------------------------
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         assert self.metadata is not None and self.resolved_id is not None
         t_load = time.perf_counter()
         storage: dict[MetadataIndex, ItemRecord] = self.metadata.storage_data
@@ -418,7 +420,7 @@ class TieredReader(MetadataResolution, StorageReader):
         except Exception as e:  # noqa: BLE001 - a store gone: the leases expire on their own
             log.warning("checkpoint %s: cannot count the ranks done reading: %s", v.checkpoint_id, e)
 
-    def _plan_fill(self, engine: Readback | None, requests: list[Request], received: list[ItemRecord]) -> "LoadFill | None":
+    def _plan_fill(self, engine: Readback | None, requests: list[Request], received: list[ItemRecord]) -> LoadFill | None:
         """The fill of the local tier for this read (:mod:`tierckpt.fill`), or None: the items read
         from the tiers (``requests``) and those other nodes send (``received``)."""
         local = self.tiers[0] if self.tiers else None

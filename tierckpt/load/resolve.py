@@ -16,12 +16,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from . import agreement
 from ..catalog.listing import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
 from ..chain import peers
 from ..config import TierConfig
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..tiers.base import Tier
+from . import agreement
 
 __all__ = ["MetadataResolution"]
 
@@ -65,12 +65,12 @@ class MetadataResolution:
             return self.checkpoint_id
         return find_latest(self.tiers).checkpoint_id
 
-    def _peer_group(self) -> "peers.PeerGroup | None":
+    def _peer_group(self) -> peers.PeerGroup | None:
         if self._peers is None and self.tiers:
             self._peers = peers.PeerGroup.get(self.tiers[0], self.cfg.job.commit_timeout)
         return self._peers
 
-    def _agree(self, group: "peers.PeerGroup") -> "agreement.Verdict":
+    def _agree(self, group: peers.PeerGroup) -> agreement.Verdict:
         """Every rank: agree on the checkpoint (once per load; :mod:`tierckpt.agreement`): this
         rank's view to the coordinator, the coordinator's verdict to every rank. Raises the same
         :class:`CheckpointNotFound` on every rank when nothing can be loaded."""
@@ -113,7 +113,7 @@ class MetadataResolution:
             self._failed = e
             raise
 
-    def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
+    def _read_metadata_with_peers(self, group: peers.PeerGroup) -> Metadata:
         v = self._agree(group)
         cid = v.checkpoint_id
         mine = cid in self._docs and self._docs[cid][1].manifest.seq == v.seq

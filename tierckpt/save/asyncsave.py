@@ -71,7 +71,7 @@ class AsyncTickets:
         self._lock = threading.Lock()
         self._open: list[_Ticket] = []
 
-    def open(self) -> "_Ticket":
+    def open(self) -> _Ticket:
         """``stage`` (the caller's thread): a save is about to be planned on DCP's thread."""
         t = _Ticket(threading.get_ident())
         with self._lock:
@@ -79,7 +79,7 @@ class AsyncTickets:
         threading.Thread(target=self._watch, args=(t,), name="tierckpt-async-ticket", daemon=True).start()
         return t
 
-    def shipped(self, t: "_Ticket") -> None:
+    def shipped(self, t: _Ticket) -> None:
         """:class:`LiveState` pickled for another process: its copy is made, the ticket ends."""
         self._forget(t)
 
@@ -167,7 +167,7 @@ class LiveState(dict):
     DCP's own process-mode staging costs; the training thread's pre-step hook waits for it.
     """
 
-    def __init__(self, state_dict: dict, ticket: "_Ticket | None" = None, tickets: "AsyncTickets | None" = None) -> None:
+    def __init__(self, state_dict: dict, ticket: _Ticket | None = None, tickets: AsyncTickets | None = None) -> None:
         super().__init__(state_dict)
         self._ticket = ticket
         self._tickets = tickets

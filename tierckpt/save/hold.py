@@ -101,7 +101,7 @@ def release_all(urgent: bool = True) -> None:
         h.release(urgent)
 
 
-def _released(token: str) -> "Release":
+def _released(token: str) -> Release:
     """Unpickling a :class:`Release` (every rank but the coordinator, in DCP's broadcast)."""
     release(token)
     return Release(token)

@@ -45,8 +45,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from ..format.dcpjson import decode_metadata, decode_plan, digest, encode_metadata, encode_plan, plan_hash
 from ..errors import CheckpointNotFound, CorruptCheckpoint
+from ..format.dcpjson import decode_metadata, decode_plan, digest, encode_metadata, encode_plan, plan_hash
 from ..tiers.base import Tier
 
 __all__ = ["PLAN_DIR", "PersistedPlans", "encode_plan", "decode_plan", "encode_metadata", "decode_metadata",
@@ -108,7 +108,7 @@ def _with_hash(enc: dict) -> tuple[dict, str]:
     return enc, digest(enc)
 
 
-def to_bytes(snap: "Snapshot") -> bytes:
+def to_bytes(snap: Snapshot) -> bytes:
     """The file of a snapshot: a header line (format, SHA-256 and length of the body), the body."""
     body: dict[str, Any] = {"key": snap.key, "torch": torch.__version__, "world": snap.world, "rank": snap.rank,
                             "global_rank": snap.global_rank, "coord_global": snap.coord_global}

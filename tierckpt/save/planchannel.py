@@ -42,7 +42,7 @@ class LocalInfo:
         return json.dumps([self.root, self.requested_id, self.committed_here, self.seq, self.global_rank]).encode()
 
     @staticmethod
-    def decode(raw: bytes) -> "LocalInfo":
+    def decode(raw: bytes) -> LocalInfo:
         root, requested, committed, seq, grank = json.loads(raw)
         return LocalInfo(str(root), None if requested is None else str(requested), bool(committed), int(seq), int(grank))
 

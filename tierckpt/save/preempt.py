@@ -69,7 +69,7 @@ class _Writer(Protocol):
 _lock = threading.Lock()
 _previous: dict[int, Any] = {}  # signal -> the handler that was installed before tierckpt's
 _timeout = 0.0  # the largest [job] drain_timeout of the writers that installed the handler
-_writers: "weakref.WeakSet[_Writer]" = weakref.WeakSet()  # their dcp.async_save tickets are drained
+_writers: weakref.WeakSet[_Writer] = weakref.WeakSet()  # their dcp.async_save tickets are drained
 _busy = threading.Event()  # a handler is draining
 _cut = threading.Event()  # a second signal handed over while the first was draining
 _said_off_main = False
@@ -163,7 +163,7 @@ def installed() -> list[int]:
         return sorted(s for s in _previous if signal.getsignal(s) is _handler)
 
 
-def install(cfg: "Config", writer: "_Writer | None" = None) -> bool:
+def install(cfg: Config, writer: _Writer | None = None) -> bool:
     """Install the drain handler for ``cfg`` (``[job] on_sigterm``); ``writer``'s pending
     ``dcp.async_save`` calls are drained too. Idempotent; on the main thread only (elsewhere it
     logs once and returns False). Returns whether tierckpt's handler is installed now."""

@@ -43,22 +43,21 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import plancache
-from . import preempt
-from .asyncsave import AsyncTickets, LiveState
+from ..capture.planning import SaveInputs, expand_results, layout_cache, patch_dtypes
+from ..capture.ranksave import RankSave, SaveStats
 from ..catalog.checkpoints import checkpoint_id_of
 from ..chain.commit import default_channel
+from ..chain.engine import Engine, get_engine
+from ..chain.peers import PeerGroup
 from ..config import TierConfig, load_config
-from ..tiers.base import Tier
 from ..errors import CorruptCheckpoint, TierckptError
 from ..format.layout import check_checkpoint_id
-from ..chain.engine import Engine, get_engine
-from ..capture.ranksave import RankSave, SaveStats
-from .planchannel import LocalInfo, PlanAssign, session
-from ..chain.peers import PeerGroup
-from ..capture.planning import SaveInputs, expand_results, layout_cache, patch_dtypes
+from ..tiers.base import Tier
+from . import plancache, preempt
 from .assign import SaveCtx, SavePlanning, global_rank
+from .asyncsave import AsyncTickets, LiveState
 from .hold import HOLD_TIMEOUT, Release, hold, release, release_all
+from .planchannel import LocalInfo, PlanAssign, session
 
 __all__ = ["TieredWriter"]
 
@@ -67,7 +66,7 @@ log = logging.getLogger("tierckpt")
 # The plan-channel state and types under their former names here (tests/plan_scenarios.py reads them).
 _session, _PlanAssign, _LocalInfo = session, PlanAssign, LocalInfo
 
-_warned_stale: "weakref.WeakSet" = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
+_warned_stale: weakref.WeakSet = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
 
 
 class _ResultsWorker:
@@ -76,7 +75,7 @@ class _ResultsWorker:
     and hands them to the commit thread (``RankSave.global_md``)."""
 
     def __init__(self) -> None:
-        self._q: "queue.SimpleQueue[tuple[RankSave, Metadata, list[list[WriteResult]]]]" = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[RankSave, Metadata, list[list[WriteResult]]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -222,7 +221,7 @@ class TieredWriter(SavePlanning, StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=None)
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[list[WriteResult]]":
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         """Every rank: lay out this rank's file, enqueue the capture, and return at once with the
         write results (a completed future).
 

@@ -84,7 +84,7 @@ class Inputs:
     s_per_step: float | None
 
     @classmethod
-    def from_runs(cls, runs: list[CheckpointRun]) -> "Inputs":
+    def from_runs(cls, runs: list[CheckpointRun]) -> Inputs:
         runs = [r for r in runs if not r.failed]
         if not runs:
             raise ValueError("no committed checkpoint in the history")

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..config.values import node_name
 from ..config import Config
+from ..config.values import node_name
 from ..errors import ConfigError
 from ..tiers.base import Tier
 from .history import HistoryLog

@@ -171,11 +171,11 @@ class OtelExport:
             log.warning("OpenTelemetry export failed (telemetry only; checkpoints are not affected): %s", e)
 
     # -- gauges --------------------------------------------------------------------------------
-    def add_gauges(self, gauges: "EngineGauges") -> None:
+    def add_gauges(self, gauges: EngineGauges) -> None:
         with self._gauge_lock:
             self._gauges = [g for g in self._gauges if g() is not None] + [weakref.ref(gauges)]
 
-    def _live(self) -> list["EngineGauges"]:
+    def _live(self) -> list[EngineGauges]:
         with self._gauge_lock:
             return [g for g in (r() for r in self._gauges) if g is not None and not g.closed()]
 

@@ -69,7 +69,7 @@ class TimeMap:
     gaps: list[tuple[float, float]]
 
     @classmethod
-    def build(cls, intervals: list[tuple[float, float]], factor: float = 8.0) -> "TimeMap":
+    def build(cls, intervals: list[tuple[float, float]], factor: float = 8.0) -> TimeMap:
         merged: list[list[float]] = []
         for a, b in sorted(intervals):
             if merged and a <= merged[-1][1]:
@@ -166,7 +166,7 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
                 if p.error:
                     style.update(hatch="xx", edgecolor="black", linewidth=1.0)
                 ax.barh(lanes[(r.rank, p.name)], max(xb - xa, min_w), left=xa, height=0.8, **style)
-    for i, run in enumerate(runs):
+    for _i, run in enumerate(runs):
         xs = tmap.x(run.start - t0)
         ax.axvline(xs, color="#555555", linestyle=":", linewidth=0.8)
         ax.text(xs, 1.005, run.checkpoint_id + (" (failed)" if run.failed else ""), transform=ax.get_xaxis_transform(),

@@ -51,11 +51,12 @@ import inspect
 import os
 import pickle
 import sys
-import types
 import threading
+import types
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 __all__ = ["Counters", "PhaseCounts", "install", "uninstall", "installed", "merge", "collapse", "OBJECT_COLLECTIVES"]
 

@@ -14,8 +14,8 @@ Thread-safe. Never used by the library itself.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterator
 
 from ..tiers.base import DataSink, ObjectInfo, Tier
 
@@ -27,7 +27,7 @@ OPS = ("put", "open_sink", "write_at", "sink_close", "get", "read_into", "size",
 
 @dataclass
 class _Fault:
-    exc: "BaseException | Callable[[], None]"
+    exc: BaseException | Callable[[], None]
     match: str
     skip: int
     times: int
@@ -47,7 +47,7 @@ class FaultyTier(Tier):
         self._lock = threading.Lock()
         self.calls: dict[str, int] = {op: 0 for op in OPS}
 
-    def arm(self, op: str, exc: "BaseException | Callable[[], None]", *, match: str = "", skip: int = 0,
+    def arm(self, op: str, exc: BaseException | Callable[[], None], *, match: str = "", skip: int = 0,
             times: int = 1) -> None:
         """Make the next ``times`` calls of ``op`` on a key containing ``match`` raise ``exc`` (or
         call it, when it is a function: e.g. one that kills the process), after letting ``skip``
@@ -103,7 +103,7 @@ class FaultyTier(Tier):
         self._check("read_into", key)
         self.inner.read_into(key, start, buf)
 
-    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+    def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
         self._check("read_into", key)
         self.inner.read_ranges(key, start, bufs)
 
@@ -123,10 +123,10 @@ class FaultyTier(Tier):
         self._check("delete", key)
         self.inner.delete(key)
 
-    def free_bytes(self) -> "int | None":
+    def free_bytes(self) -> int | None:
         return self.inner.free_bytes()
 
-    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
         return self.inner.abort_stale(older_than_s, spare)
 
     def root_id(self) -> str:

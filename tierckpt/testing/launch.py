@@ -21,8 +21,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["free_port", "rank_env", "launch_ranks", "run_world", "serve", "can_hide_paths", "hide_paths"]
 
@@ -77,7 +78,7 @@ def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *,
     """
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    procs = []
+    procs: list[_Forked | _Exec] = []
     store = None
     if agent_store:
         import datetime

@@ -26,11 +26,10 @@ file-system operations (``ops``), never as requests. Never used by the library i
 from __future__ import annotations
 
 import builtins
-
 import threading
 import time
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint
 from ..tiers.base import DataSink, ObjectInfo, Tier
@@ -41,7 +40,7 @@ PAGE = 1000
 
 
 class _Sink(DataSink):
-    def __init__(self, tier: "MemoryTier", key: str, size: int) -> None:
+    def __init__(self, tier: MemoryTier, key: str, size: int) -> None:
         self.tier, self.key, self.buf = tier, key, bytearray(size)
 
     def write_at(self, offset: int, data: memoryview) -> None:
@@ -123,7 +122,7 @@ class MemoryTier(Tier):
             raise CorruptCheckpoint(f"{self.url}/{key}: range [{start}, {end}) is outside the object ({len(data)} bytes)")
         return data[start:end]
 
-    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+    def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
         n = sum(len(b) for b in bufs)
         data = self.get(key, start, start + n)
         at = 0
@@ -168,7 +167,7 @@ class MemoryTier(Tier):
         with self._lock:
             self._objects.pop(key, None)
 
-    def delete_many(self, keys: "builtins.list[str]") -> int:
+    def delete_many(self, keys: builtins.list[str]) -> int:
         self._count("DeleteObjects", max(1, -(-len(keys) // PAGE)))
         with self._lock:
             return sum(self._objects.pop(k, None) is not None for k in keys)

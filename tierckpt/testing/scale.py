@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .counting import OBJECT_COLLECTIVES, collapse, merge
 from .launch import run_world
@@ -126,7 +127,7 @@ def _facts(results: list[dict]) -> dict[str, Any]:
 
 def run_scale(world: int, s3: dict[str, Any], workdir: Path, *, ranks_per_node: int = 2, own_bytes: int = MiB,
               timeout: float = 900.0, phases: tuple[str, ...] = PHASES,
-              after_saves: "Callable[[Path], None] | None" = None) -> dict[str, Any]:
+              after_saves: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Run the ``phases`` (of :data:`PHASES`, in that order; the two saves always run) for a job of
     ``world`` ranks; return ``{"world", "nodes", "ranks_per_node", "own_bytes", "source": "real",
     "phases": {phase: summary}, "per_rank": {phase: [counts of rank r]}, "detail": {phase: {sub-phase:

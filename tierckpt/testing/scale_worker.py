@@ -18,7 +18,8 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: import this tree's tierckpt, not the script's folder
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from typing import Any, Callable  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any
 
 SHARED_ELEMS = 4096  # float32: 16 KiB held alike by every rank
 

@@ -30,13 +30,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..load import agreement
-from ..chain import peers
 from ..catalog import listing as catalog
+from ..chain import peers
 from ..codec.view import decoding
 from ..checksum import crc32c
 from ..format.layout import data_key, metadata_key, padded, piece_bounds
 from ..format.metadata import CheckpointManifest, ItemRecord, metadata_to_json
+from ..load import agreement
 from ..load.readback import Readback, Request, hold
 from .memtier import MemoryTier
 
@@ -68,8 +68,14 @@ def _file(rank: int, token: str) -> str:
 def _metadata(world: int, cid: str, seq: int, token: str) -> tuple[bytes, dict[str, bytes]]:
     """A real ``metadata.json`` (the format code's own serializer) and the data files it names."""
     import torch
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     files: dict[str, bytearray] = {_file(r, token): bytearray() for r in range(world)}
     sdm: dict[str, Any] = {}
@@ -124,7 +130,7 @@ def build_job(world: int, per_node: int = 2, checkpoints: int = 2) -> SimJob:
     return job
 
 
-def build_job_from(local_root: "Any", s3_objects: dict[str, bytes], world: int, per_node: int) -> SimJob:
+def build_job_from(local_root: Any, s3_objects: dict[str, bytes], world: int, per_node: int) -> SimJob:
     """A simulated job holding exactly the files of a real run: ``local_root/n<i>`` (each node's
     ``[local]`` directory, ``{node}`` = ``n<i>``) and the S3 objects by key. Used to pin the
     simulator's counts to a real run's (``tests/test_simulator.py``)."""
@@ -145,7 +151,7 @@ def build_job_from(local_root: "Any", s3_objects: dict[str, bytes], world: int, 
                 tier.seed(path.relative_to(base).as_posix(), path.read_bytes())
         nodes.append(tier)
     job = SimJob(world, per_node, s3, nodes, [])
-    for cid, (header, _size) in catalog.committed_headers(s3).items():
+    for cid, (_header, _size) in catalog.committed_headers(s3).items():
         job.ids.append(cid)
         job.metadata[cid] = s3.get(metadata_key(cid))
     s3.requests.clear()
@@ -155,7 +161,7 @@ def build_job_from(local_root: "Any", s3_objects: dict[str, bytes], world: int, 
 class _Memo:
     """Memoise :func:`tierckpt.catalog.parse_checkpoint_doc` by the bytes' identity while simulating."""
 
-    def __enter__(self) -> "_Memo":
+    def __enter__(self) -> _Memo:
         self._orig = catalog.parse_checkpoint_doc
         cache: dict[tuple[int, str], Any] = {}
 
@@ -186,7 +192,7 @@ def _size(obj: Any) -> int:
     return len(pickle.dumps(obj))
 
 
-def simulate_load(job: SimJob, scenario: str = "restart", wants: "Any" = None) -> dict:
+def simulate_load(job: SimJob, scenario: str = "restart", wants: Any = None) -> dict:
     """One ``dcp.load(checkpoint_id="latest")`` of ``job`` after ``scenario`` (module docstring);
     returns the counts (JSON-able). ``wants(rank)`` names the state-dict keys rank ``rank`` loads
     (default: ``own.<rank>``, ``rep``, ``step``); ``node_loss`` empties the last node's disk."""
@@ -285,7 +291,7 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: "Any" = None) -
     }
 
 
-def _items(docs: list, v: "agreement.Verdict", job: SimJob) -> dict:
+def _items(docs: list, v: agreement.Verdict, job: SimJob) -> dict:
     """The agreed checkpoint's storage records (MetadataIndex -> ItemRecord), parsed once."""
     raw = job.metadata[v.checkpoint_id]
     doc = catalog.parse_checkpoint_doc(raw, "sim", v.checkpoint_id)

@@ -22,8 +22,9 @@ import dataclasses
 import logging
 import re
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from .base import DataSink, ObjectInfo, Tier, check_key
 
@@ -52,12 +53,12 @@ class TierKind:
 
     name: str
     order: int
-    build: Callable[["Config"], Tier]
+    build: Callable[[Config], Tier]
     config_cls: type | None = None
     required: tuple[str, ...] = ()
     sizes: tuple[str, ...] = ()
-    for_node: Callable[["Config", str], Tier] | None = None
-    nodes: Callable[["Config"], list[str]] | None = None
+    for_node: Callable[[Config, str], Tier] | None = None
+    nodes: Callable[[Config], list[str]] | None = None
 
 
 _KINDS: dict[str, TierKind] = {}
@@ -73,12 +74,12 @@ def register_tier(kind: TierKind) -> None:
     _KINDS[kind.name] = kind
 
 
-def tier_kinds(cfg: "Config") -> list[TierKind]:
+def tier_kinds(cfg: Config) -> list[TierKind]:
     """The registered kinds configured in ``cfg``, in chain order."""
     return sorted((k for k in _KINDS.values() if cfg.section(k.name) is not None), key=lambda k: k.order)
 
 
-def make_tier(cfg: "Config", name: str) -> Tier | None:
+def make_tier(cfg: Config, name: str) -> Tier | None:
     """The tier of section ``name`` (``{node}`` filled for this process), or None if not configured."""
     kind = _KINDS.get(name)
     if kind is None or cfg.section(name) is None:
@@ -89,7 +90,7 @@ def make_tier(cfg: "Config", name: str) -> Tier | None:
 _warned_first: set[str] = set()
 
 
-def make_tiers(cfg: "Config") -> list[Tier]:
+def make_tiers(cfg: Config) -> list[Tier]:
     """The configured tiers, fastest first. A first tier with an encoding (``[s3] compression``
     without ``[local]``) stores its files as written: encoding happens on hops (logged once)."""
     tiers = [k.build(cfg) for k in tier_kinds(cfg)]
@@ -110,7 +111,7 @@ def is_node_name(name: object) -> bool:
     return isinstance(name, str) and bool(_NODE_RE.match(name)) and ".." not in name
 
 
-def make_node_tiers(cfg: "Config", nodes: "Iterable[str]" = ()) -> "dict[str, Tier]":
+def make_node_tiers(cfg: Config, nodes: Iterable[str] = ()) -> dict[str, Tier]:
     """Other nodes' copies of the first configured tier, when it is node-local: node name ->
     the tier as that node sees it, for the names in ``nodes`` and those its kind finds (e.g.
     the directories next to this node's). Only tiers this process can see are built (a shared or
@@ -130,12 +131,12 @@ def make_node_tiers(cfg: "Config", nodes: "Iterable[str]" = ()) -> "dict[str, Ti
     return {n: for_node(cfg, n) for n in sorted(names) if is_node_name(n) and n != me}
 
 
-def make_local(cfg: "Config") -> Tier | None:
+def make_local(cfg: Config) -> Tier | None:
     """The local tier of ``cfg``, or None."""
     return make_tier(cfg, "local")
 
 
-def make_s3(cfg: "Config") -> Tier | None:
+def make_s3(cfg: Config) -> Tier | None:
     """The S3 tier of ``cfg``, or None. Raises TierUnavailable with an install hint if boto3 is missing."""
     return make_tier(cfg, "s3")
 
@@ -148,7 +149,7 @@ class Chain:
     given explicitly (tests, the chaos harness) are used as they are. Thread-safe.
     """
 
-    def __init__(self, cfg: "Config", tiers: "list[Tier] | None" = None) -> None:
+    def __init__(self, cfg: Config, tiers: list[Tier] | None = None) -> None:
         self._lock = threading.Lock()
         if tiers is not None:
             if not tiers:
@@ -200,7 +201,7 @@ class Chain:
             return [t for t in self._built if t is not None]
 
 
-def _build_local(cfg: "Config") -> Tier:
+def _build_local(cfg: Config) -> Tier:
     from .local import LocalTier
 
     lc = cfg.local
@@ -209,7 +210,7 @@ def _build_local(cfg: "Config") -> Tier:
                      keep=lc.keep, read_concurrency=lc.flush_threads)
 
 
-def _local_for_node(cfg: "Config", node: str) -> Tier:
+def _local_for_node(cfg: Config, node: str) -> Tier:
     """The local tier of node ``node`` (``{node}`` in ``[local] path`` filled with it)."""
     from .local import LocalTier
 
@@ -220,7 +221,7 @@ def _local_for_node(cfg: "Config", node: str) -> Tier:
                      read_concurrency=lc.flush_threads)
 
 
-def _local_nodes(cfg: "Config") -> list[str]:
+def _local_nodes(cfg: Config) -> list[str]:
     """Node names whose ``[local]`` directories exist here: the path with ``{node}`` as a
     wildcard, matched against the directories of the path's fixed part (``/nvme/ckpt/{node}``:
     the entries of ``/nvme/ckpt``). Unreadable parents give no names."""
@@ -243,7 +244,7 @@ def _local_nodes(cfg: "Config") -> list[str]:
     return found
 
 
-def _build_s3(cfg: "Config") -> Tier:
+def _build_s3(cfg: Config) -> Tier:
     try:
         from .s3 import S3Tier
     except ImportError as e:  # pragma: no cover - boto3 is a declared dependency

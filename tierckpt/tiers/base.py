@@ -13,14 +13,13 @@ Thread safety: every method may be called from several threads at once.
 
 from __future__ import annotations
 
-import builtins
-
 import abc
+import builtins
 import errno
 import re
 import threading
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import Collection, Iterator
 
 from ..errors import CorruptCheckpoint, TierError
 from .streams import Encoding, SpoolStream, StreamSink
@@ -105,7 +104,7 @@ class ResumableSink(abc.ABC):
         """Read back recorded block ``i`` (``len(buf)`` = its length) from the partial object."""
 
     @abc.abstractmethod
-    def keep(self, blocks: "set[int]") -> None:
+    def keep(self, blocks: set[int]) -> None:
         """Forget (durably) every recorded block not in ``blocks``: they will be written again."""
 
     @abc.abstractmethod
@@ -133,10 +132,10 @@ class _StreamingResumable(ResumableSink):
     """The default :class:`ResumableSink`: a plain :class:`DataSink` that never resumes (nothing
     recorded; :meth:`suspend` discards), exclusive per key within this process only."""
 
-    _open: "set[tuple[str, str]]" = set()
+    _open: set[tuple[str, str]] = set()
     _open_lock = threading.Lock()
 
-    def __init__(self, tier: "Tier", key: str, size: int, block: int) -> None:
+    def __init__(self, tier: Tier, key: str, size: int, block: int) -> None:
         self._id = (tier.url, key)
         with self._open_lock:
             if self._id in self._open:
@@ -159,7 +158,7 @@ class _StreamingResumable(ResumableSink):
     def read_block(self, i: int, buf: memoryview) -> None:
         raise CorruptCheckpoint(f"{self._url}: block {i} is not recorded")
 
-    def keep(self, blocks: "set[int]") -> None:
+    def keep(self, blocks: set[int]) -> None:
         self.recorded &= set(blocks)
 
     def write_block(self, i: int, data: memoryview) -> None:
@@ -253,7 +252,7 @@ class Tier(abc.ABC):
         writes it through :meth:`open_sink` on close; tiers with multipart uploads override it."""
         return SpoolStream(self, check_key(key))
 
-    def upload_file(self, key: str, path: str, *, progress: "callable | None" = None) -> None:  # type: ignore[valid-type]
+    def upload_file(self, key: str, path: str, *, progress: callable | None = None) -> None:  # type: ignore[valid-type]
         """Copy a local file to ``key`` (promotion). The default streams it through a sink."""
         import os
 
@@ -277,7 +276,7 @@ class Tier(abc.ABC):
             sink.abort()
             raise
 
-    def copy_from(self, src: "Tier", key: str) -> int:
+    def copy_from(self, src: Tier, key: str) -> int:
         """Copy object ``key`` from ``src`` to this tier under the same key (replication down the
         chain); return its size. Nothing is visible under ``key`` here until the copy is complete.
 
@@ -338,7 +337,7 @@ class Tier(abc.ABC):
         data = self.get(key, start, start + len(buf))
         buf[:] = data
 
-    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+    def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
         """Fill consecutive buffers from ``start`` on (a scatter read of one contiguous range).
 
         The default reads the whole range into one temporary buffer and splits it; tiers with
@@ -389,7 +388,7 @@ class Tier(abc.ABC):
     def delete(self, key: str) -> None:
         """Delete one object; a missing key is not an error."""
 
-    def delete_many(self, keys: "builtins.list[str]") -> int:
+    def delete_many(self, keys: builtins.list[str]) -> int:
         """Delete exactly these objects (missing ones are skipped); return how many existed.
 
         Unlike :meth:`delete_prefix`, objects created under the same prefix after the caller
@@ -401,7 +400,7 @@ class Tier(abc.ABC):
             self.delete(key)
         return n
 
-    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
         """Discard leftovers of interrupted writes older than ``older_than_s`` seconds (incomplete
         multipart uploads, half-written files of a killed process), except under the checkpoint
         ids in ``spare`` (those with a live lease: a fetch or save may still resume them); return
@@ -409,7 +408,7 @@ class Tier(abc.ABC):
         by ``gc``."""
         return 0
 
-    def free_bytes(self) -> "int | None":
+    def free_bytes(self) -> int | None:
         """Free space for new objects, when the tier has a meaningful figure (a disk); else None."""
         return None
 
@@ -435,7 +434,7 @@ class Tier(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
     # -- resumable writes and background work (added with the one read engine) -----------------
-    def open_resumable(self, key: str, size: int, *, block: int, tag: "dict | None" = None,
+    def open_resumable(self, key: str, size: int, *, block: int, tag: dict | None = None,
                        adopt: bool = False) -> ResumableSink:
         """Start, or resume, writing a large object of ``size`` bytes at ``key`` in ``block``-byte blocks.
 

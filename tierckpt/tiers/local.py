@@ -20,22 +20,39 @@ in both modes.
 from __future__ import annotations
 
 import builtins
-
 import errno
 import logging
 import os
 import threading
 import uuid
+from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Collection, Iterator
 
 import numpy as np
 
 from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
 from .base import DataSink, ObjectInfo, ResumableSink, Tier, check_key
-from .localfs import (BOUNCE_SIZE, DIO_ALIGN, DIRECT_READ_MIN, INPLACE_STEP, PARTIAL, TMP, TRASH, _O_DIRECT, _REFUSED,
-                      _address, _bounce, _cached, _janitor, _log_fallback, _tier_error, _unlink_quietly,
-                      drain_deletions, fsync_dir, open_new)
+from .localfs import (
+    _O_DIRECT,
+    _REFUSED,
+    BOUNCE_SIZE,
+    DIO_ALIGN,
+    DIRECT_READ_MIN,
+    INPLACE_STEP,
+    PARTIAL,
+    TMP,
+    TRASH,
+    _address,
+    _bounce,
+    _cached,
+    _janitor,
+    _log_fallback,
+    _tier_error,
+    _unlink_quietly,
+    drain_deletions,
+    fsync_dir,
+    open_new,
+)
 from .localsinks import _FileSink, _ResumableFile
 
 __all__ = ["LocalTier", "fsync_dir", "drain_deletions", "open_new", "DIO_ALIGN"]
@@ -202,7 +219,7 @@ class LocalTier(Tier):
     def read_into(self, key: str, start: int, buf: memoryview) -> None:
         self.read_ranges(key, start, [buf])
 
-    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+    def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
         """Scatter-read one contiguous range into ``bufs``.
 
         Buffered: ``preadv`` straight into ``bufs`` (no intermediate copy). Direct, for ranges of
@@ -252,7 +269,7 @@ class LocalTier(Tier):
         finally:
             os.close(fd)
 
-    def _read_direct(self, dfd: int, path: Path, start: int, total: int, dests: "list[memoryview]") -> bool:
+    def _read_direct(self, dfd: int, path: Path, start: int, total: int, dests: list[memoryview]) -> bool:
         """Read ``[start, start+total)`` with ``O_DIRECT`` into ``dests``; False (nothing
         delivered) if the file system refused the transfer, so the caller reads it buffered.
 
@@ -383,7 +400,7 @@ class LocalTier(Tier):
                 return
             d = d.parent
 
-    def delete_many(self, keys: "builtins.list[str]") -> int:
+    def delete_many(self, keys: builtins.list[str]) -> int:
         """Move exactly these files into a ``.trash-*`` directory at the root (one rename each,
         cheap and atomic), remove directories left empty, and let the background janitor unlink
         the bytes (slow for large files) at background priority."""
@@ -441,8 +458,8 @@ class LocalTier(Tier):
 
 
     # -- resumable writes, background deletions -------------------------------------------
-    def open_resumable(self, key: str, size: int, *, block: int, tag: "dict | None" = None,
-                       adopt: bool = False) -> "ResumableSink":
+    def open_resumable(self, key: str, size: int, *, block: int, tag: dict | None = None,
+                       adopt: bool = False) -> ResumableSink:
         """See :meth:`Tier.open_resumable`. ``<file>.partial`` holds the bytes, the sidecar
         ``<file>.ranges.partial`` (JSON: ``tag`` + size, block as ``range_size``, recorded blocks as
         ``done``) the record, an ``flock`` on ``.tmp-<file>.lock`` keeps other processes out."""
@@ -450,7 +467,7 @@ class LocalTier(Tier):
             raise ValueError(f"block must be positive, got {block}")
         return _ResumableFile(self, key, size, block, dict(tag or {}), adopt)
 
-    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
         """Remove what writers that died left behind and nobody touched for ``older_than_s``
         seconds (at least :data:`STALE_FLOOR_S`): ``.partial`` files (a flush or a peer copy whose process was killed mid-file; a
         live writer keeps its file's mtime fresh, and its commit round gives up sooner) and

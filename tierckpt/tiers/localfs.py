@@ -171,7 +171,7 @@ class _Janitor:
     """One background thread removing renamed-away directories."""
 
     def __init__(self) -> None:
-        self._q: "queue.Queue[Path]" = queue.Queue()
+        self._q: queue.Queue[Path] = queue.Queue()
         self._pending: set[Path] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None

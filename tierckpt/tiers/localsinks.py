@@ -17,8 +17,7 @@ from typing import Protocol
 
 from ..errors import CorruptCheckpoint, TierError
 from .base import DataSink, ResumableSink
-from .localfs import (DIO_ALIGN, PARTIAL, TMP, _address, _REFUSED, _tier_error, _unlink_quietly,
-                      fsync_dir, open_new)
+from .localfs import _REFUSED, DIO_ALIGN, PARTIAL, TMP, _address, _tier_error, _unlink_quietly, fsync_dir, open_new
 
 log = logging.getLogger("tierckpt")
 
@@ -265,7 +264,7 @@ class _ResumableFile(ResumableSink):
             _unlink_quietly(p)
         return set()
 
-    def _save(self, blocks: "set[int]") -> None:
+    def _save(self, blocks: set[int]) -> None:
         doc = {**self._tag, "size": self.size, "range_size": self.block, "done": sorted(blocks)}
         tmp = self._sidecar.with_name(f"{TMP}{uuid.uuid4().hex}-{self._sidecar.name}")
         try:
@@ -300,7 +299,7 @@ class _ResumableFile(ResumableSink):
         if n != len(buf):
             raise CorruptCheckpoint(f"{self._partial}: unexpected end of file at {s + n}")
 
-    def keep(self, blocks: "set[int]") -> None:
+    def keep(self, blocks: set[int]) -> None:
         with self._record_lock:
             with self._lock:
                 self.recorded &= set(blocks)

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from tierckpt import HostConfig, LocalConfig, TierConfig
 from tierckpt.testing import free_port
 
-
 REPO = Path(__file__).resolve().parent.parent.parent
 BENCH = REPO / "tools" / "bench.py"  # the CLI; child processes of sections re-run it with --_<kind>-child
 
@@ -151,7 +150,7 @@ def size_label(n: int) -> str:
 
 def machine_info(work: Path) -> dict:
     info: dict[str, Any] = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -392,7 +391,7 @@ class RssPeak:
             self.peak = max(self.peak, self.rss())
             time.sleep(0.005)
 
-    def __enter__(self) -> "RssPeak":
+    def __enter__(self) -> RssPeak:
         self._th.start()
         return self
 

@@ -11,10 +11,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierckpt import TieredWriter
-
 from benchlib.common import Ctx, GiB, MiB, cpu_seconds, log, make_state, med, now, rm, row, tensor_bytes, tiered_cfg
-
+from tierckpt import TieredWriter
 
 # ---------------------------------------------------------------------------------------------
 # C2. CPU seconds per checkpointed GiB, steady state (consecutive checkpoints with retention)

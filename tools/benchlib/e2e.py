@@ -10,12 +10,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from tierckpt import TieredWriter
-
 from benchlib.common import Ctx, GiB, MiB, cpu_seconds, log, med, now, rm, row, size_label, tensor_bytes, tiered_cfg
 from benchlib.lazy import train_state
 from benchlib.timeline import write_timeline
-
+from tierckpt import TieredWriter
 
 # ---------------------------------------------------------------------------------------------
 # C. end to end: a small GPT trained with a checkpoint every iteration
@@ -178,7 +176,6 @@ def section_e2e(ctx: Ctx) -> dict:
     if rounds == 1:
         blocks["none"].append(run_mode("none"))
     iters_ck = iters // every  # checkpoints per block
-    nn_ = len(blocks["none"])
     modes: dict[str, dict] = {}
     for m, bl in blocks.items():
         agg: dict[str, Any] = {"blocks": bl, "total_s": sum(b["total_s"] for b in bl) / (len(bl) if m == "none" else 1),

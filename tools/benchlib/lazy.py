@@ -10,10 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from tierckpt import TieredWriter
-
 from benchlib.common import Ctx, GiB, MiB, cpu_seconds, log, med, now, rm, row, size_label, tensor_bytes, tiered_cfg
-
+from tierckpt import TieredWriter
 
 # ---------------------------------------------------------------------------------------------
 # B. lazy: blocked time per checkpoint in a training loop

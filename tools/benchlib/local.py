@@ -5,17 +5,37 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from benchlib.common import (
+    Ctx,
+    GiB,
+    MiB,
+    compare_state,
+    cpu_seconds,
+    drop_caches,
+    empty_like_state,
+    log,
+    make_state,
+    med,
+    now,
+    raw_write,
+    rm,
+    row,
+    size_label,
+    tensor_bytes,
+    tiered_cfg,
+    warm_file_tree,
+    zero_state,
+)
 from tierckpt import TierConfig, TieredReader, TieredWriter
 from tierckpt.chain.retention import delete_checkpoint
 from tierckpt.tiers.local import drain_deletions
-
-from benchlib.common import Ctx, GiB, MiB, compare_state, cpu_seconds, drop_caches, empty_like_state, log, make_state, med, now, raw_write, rm, row, size_label, tensor_bytes, tiered_cfg, warm_file_tree, zero_state
 
 
 def section_local(ctx: Ctx) -> dict:
@@ -247,7 +267,7 @@ def section_local(ctx: Ctx) -> dict:
         "the TieredWriter deletes its previous checkpoint (retention) inside the timed commit; "
         "(info) ratios use the time until the data file was durable (fsync+rename), before the commit",
     ]
-    for label, cfg in cfgs.items():
+    for cfg in cfgs.values():
         rm(cfg.local.resolved_path())
     rm(root)
     del sd, dest, rawbuf

@@ -18,14 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib.common import Ctx, GiB, MiB, log, med, row
+from benchlib.s3 import S3_BUCKET, S3_CONC, S3_PART, start_s3_server
+from benchlib.timeline import write_timeline
 from tierckpt.catalog.listing import committed_in_order
 from tierckpt.config import config_from_dict
 from tierckpt.testing import run_world
 from tierckpt.tiers import make_tiers
-
-from benchlib.common import Ctx, GiB, MiB, log, med, row
-from benchlib.s3 import S3_BUCKET, S3_CONC, S3_PART, start_s3_server
-from benchlib.timeline import write_timeline
 
 WORKER = Path(__file__).with_name("peer_worker.py")
 

@@ -9,17 +9,32 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from tierckpt import LocalConfig, TierConfig, TieredReader, TieredWriter
-
-from benchlib.common import (BENCH, Ctx, GiB, MiB, RssPeak, compare_state, cpu_seconds, drop_caches, empty_like_state, log,
-                             make_state, med, now, rm, row, tensor_bytes, zero_state)
+from benchlib.common import (
+    BENCH,
+    Ctx,
+    GiB,
+    MiB,
+    RssPeak,
+    compare_state,
+    cpu_seconds,
+    drop_caches,
+    empty_like_state,
+    log,
+    make_state,
+    med,
+    now,
+    rm,
+    row,
+    tensor_bytes,
+    zero_state,
+)
 from benchlib.s3 import S3_CONC, S3_PART, list_objects, raw_download, s3_tier_cfg, start_s3_server
+from tierckpt import LocalConfig, TierConfig, TieredReader, TieredWriter
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -237,7 +252,7 @@ def section_restore(ctx: Ctx) -> dict:
              ("consolidate -> .pt", "pt", str(kept), "x.pt"),
              ("dcp_to_torch_save (FileSystemWriter copy)", "dcp_to_torch_save", str(fsw), "y.pt")]
     cres: dict[str, list[dict]] = {c[0]: [] for c in cases}
-    for r in range(2 if ctx.quick else reps):
+    for _r in range(2 if ctx.quick else reps):
         for name, mode, src, outname in cases:
             out = tmp / outname
             spec = {"mode": mode, "src": src, "cid": "r-0001", "out": str(out)}

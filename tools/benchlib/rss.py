@@ -13,10 +13,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierckpt import TieredWriter
-
 from benchlib.common import BENCH, Ctx, MiB, RssPeak, init_pg, log, make_state, now, rm, row, tensor_bytes, tiered_cfg
-
+from tierckpt import TieredWriter
 
 # ---------------------------------------------------------------------------------------------
 # D. peak RSS during a TieredWriter save (fresh child process per measurement)

@@ -9,19 +9,31 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 
+from benchlib.common import (
+    Ctx,
+    GiB,
+    MiB,
+    compare_state,
+    cpu_seconds,
+    empty_like_state,
+    log,
+    make_state,
+    med,
+    now,
+    rm,
+    row,
+    tensor_bytes,
+    zero_state,
+)
+from benchlib.cpu import thread_cpu
 from tierckpt import HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
 from tierckpt.testing import free_port
-
-from benchlib.common import (Ctx, GiB, MiB, compare_state, cpu_seconds, empty_like_state, log, make_state, med, now, rm, row,
-                             tensor_bytes, zero_state)
-from benchlib.cpu import thread_cpu
-
 
 # ---------------------------------------------------------------------------------------------
 # E. S3 tier: promotion and S3 loads vs raw boto3 (moto in a subprocess, SeaweedFS)
@@ -247,9 +259,9 @@ def s3tc_client(url: str) -> Any:
 def s3tc_probe() -> str | None:
     """None if s3torchconnector's DCP classes import; else why not."""
     try:
-        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter  # noqa: F401
         from s3torchconnector import S3ClientConfig  # noqa: F401
         from s3torchconnector._s3client import S3Client  # noqa: F401
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return f"s3torchconnector not usable: {type(e).__name__}: {e}"
     return None

@@ -24,9 +24,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from tierckpt.testing.scale import LOAD_PHASES, run_scale
-
 from benchlib.common import Ctx, log
+from tierckpt.testing.scale import LOAD_PHASES, run_scale
 
 S3_WRITE_RATE = 3500.0
 """S3's documented PUT/COPY/POST/DELETE requests per second per partitioned prefix."""
@@ -276,9 +275,8 @@ def simulated(n: int) -> dict:
 def section_scale(ctx: Ctx) -> dict:
     import dataclasses
 
-    from tierckpt.config import S3Config
-
     from benchlib.s3 import S3_BUCKET, start_s3_server
+    from tierckpt.config import S3Config
 
     ranks = [int(x) for x in str(ctx.args.scale_ranks).split(",") if x.strip()]
     if ctx.quick:

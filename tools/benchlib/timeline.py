@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchlib.common import Ctx, log
 from tierckpt.telemetry.history import group_checkpoints, read_history
 from tierckpt.tiers.local import LocalTier
-
-from benchlib.common import Ctx, log
 
 
 def write_timeline(ctx: Ctx, section: str, roots: list[Path], last: int | None = None, what: str = "") -> str:

@@ -5,15 +5,11 @@ from __future__ import annotations
 import random
 import time
 
-
-from tierckpt.config import config_from_dict
-
-
 from chaoslib.core import CaseResult, toml_text
 from chaoslib.crash import check_tiers, read_events, reference, trainer_argv
 from chaoslib.env import Env, tail, wait_proc
 from chaoslib.loss import committed, ids
-
+from tierckpt.config import config_from_dict
 
 # == case: backlog ==================================================================================
 

@@ -8,16 +8,13 @@ import threading
 import time
 from pathlib import Path
 
-
-from tierckpt import CommitConflict, TieredWriter
-from tierckpt.config import TierConfig, config_from_dict
-from tierckpt.testing import find_error
-from tierckpt.testing import compare as diff
-
 from chaoslib.core import CaseResult, is_clear, load_state, make_state, only, short
 from chaoslib.env import Env, tail, wait_proc
 from chaoslib.faults import close_writer, save_wait
-
+from tierckpt import CommitConflict, TieredWriter
+from tierckpt.config import TierConfig, config_from_dict
+from tierckpt.testing import compare as diff
+from tierckpt.testing import find_error
 
 # == case: concurrency =============================================================================
 

@@ -19,7 +19,6 @@ from tierckpt.config import TierConfig
 from tierckpt.testing import bits, errors_in, find_error, raw
 from tierckpt.testing import placeholder as _placeholder
 
-
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 MiB = 1 << 20
@@ -153,7 +152,7 @@ def placeholder(x: Any) -> Any:
 
 def mutate(state: dict, g: torch.Generator) -> None:
     """A 'training step': change every tensor in place."""
-    for k, v in state["model"].items():
+    for _k, v in state["model"].items():
         r = raw(v)
         r.add_(torch.randint(1, 255, r.shape, dtype=torch.uint8, generator=g))
     state["meta"]["seed"] += 1000

@@ -11,17 +11,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from train_gpt import read_events
 
+from chaoslib.core import CaseResult, is_not_found, only, short, toml_text
+from chaoslib.env import Env, tail, wait_proc
 from tierckpt import TieredReader
 from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import TierConfig, config_from_dict
 from tierckpt.format.layout import step_of
 from tierckpt.tiers import make_local, make_s3
-from train_gpt import read_events
-
-from chaoslib.core import CaseResult, is_not_found, only, short, toml_text
-from chaoslib.env import Env, tail, wait_proc
-
 
 # == case: crash ===================================================================================
 

@@ -30,23 +30,22 @@ import random
 import time
 from pathlib import Path
 
+import chaos_tiers
 import torch
 
-from tierckpt import TierckptError, TieredWriter
-from tierckpt.catalog import lease as leases
-from tierckpt.catalog.listing import list_checkpoints
-from tierckpt.config import config_from_dict
-from tierckpt.chain.engine import close_all
-from tierckpt.format.layout import data_key
-from tierckpt.chain.retention import apply_retention, plan_retention
-from tierckpt.testing import clone_state, find_error
-from tierckpt.tiers import make_tiers
-
-import chaos_tiers
 from chaoslib.core import CaseResult, make_state, mutate, only, short
 from chaoslib.env import Env, tail, wait_proc
 from chaoslib.faults import close_writer, expect_loads, save_wait
 from chaoslib.loss import committed
+from tierckpt import TierckptError, TieredWriter
+from tierckpt.catalog import lease as leases
+from tierckpt.catalog.listing import list_checkpoints
+from tierckpt.chain.engine import close_all
+from tierckpt.chain.retention import apply_retention, plan_retention
+from tierckpt.config import config_from_dict
+from tierckpt.format.layout import data_key
+from tierckpt.testing import clone_state, find_error
+from tierckpt.tiers import make_tiers
 
 SETUPS = ("promote", "lapse", "reuse")
 
@@ -171,7 +170,7 @@ def case_deleterace(env: Env, trials: int, seed: int) -> CaseResult:
                 res.fail(trial, f"deleter exited abnormally: {tail(d / 'deleter.out')}")
             close_writer(writer)
             close_all()
-        for cid, why in outcome.items():
+        for why in outcome.values():
             # after a lapse the deleter may take the file at any stage: before the commit's check
             # ("vanished"), or the .partial before its rename ("cannot commit"): failed, not lost
             lapse = "lapsed" in why or (setup == "lapse" and ("vanished" in why or "cannot commit" in why))

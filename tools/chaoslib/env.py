@@ -16,13 +16,13 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import s3servers
 
 from chaoslib.core import BUCKET
-
 
 TOOLS = Path(__file__).resolve().parent.parent  # tools/ (was HERE in chaos.py)
 ROOT = TOOLS.parent
@@ -138,7 +138,7 @@ class Env:
             shutil.rmtree(d, ignore_errors=True)
 
     # -- forked children ------------------------------------------------------------------
-    def spawn(self, kind: str, payload: dict, out: Path) -> "Child":
+    def spawn(self, kind: str, payload: dict, out: Path) -> Child:
         """Fork a child from the preloaded zygote (torch & co. imported once) running ``kind``."""
         if self._zygote is None:
             self._zygote = Zygote()
@@ -155,7 +155,7 @@ class Env:
         if self._own_work and not self.keep:
             shutil.rmtree(self.work, ignore_errors=True)
 
-    def __enter__(self) -> "Env":
+    def __enter__(self) -> Env:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -197,7 +197,7 @@ class Zygote:
             raise RuntimeError(f"chaos zygote died (exit {self.proc.poll()})")
         return json.loads(line)
 
-    def spawn(self, kind: str, payload: dict, out: Path) -> "Child":
+    def spawn(self, kind: str, payload: dict, out: Path) -> Child:
         r = self._ask({"op": "spawn", "kind": kind, "payload": payload, "out": str(out)})
         c = Child(self, int(r["pid"]))
         self.children.append(c)
@@ -310,7 +310,7 @@ def _child_main(kind: str, payload: dict, out: str) -> None:
         os._exit(rc)
 
 
-def wait_proc(p: "Child", timeout: float) -> int | None:
+def wait_proc(p: Child, timeout: float) -> int | None:
     p.join(timeout)
     if p.is_alive():
         p.kill()

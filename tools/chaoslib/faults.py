@@ -11,19 +11,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import chaos_tiers
 import torch
 import torch.distributed.checkpoint as dcp
 
-import chaos_tiers
+from chaoslib.core import BUCKET, CaseResult, is_clear, is_not_found, load_state, make_state, mutate, only, short
+from chaoslib.env import Env
 from tierckpt import TierckptError, TieredWriter
 from tierckpt.config import TierConfig, config_from_dict
 from tierckpt.format.layout import split_key
 from tierckpt.testing import clone_state, raw
 from tierckpt.testing import compare as diff
-
-from chaoslib.core import BUCKET, CaseResult, is_clear, is_not_found, load_state, make_state, mutate, only, short
-from chaoslib.env import Env
-
 
 # == case: faults ==================================================================================
 
@@ -186,7 +184,7 @@ def case_corrupt(env: Env, trials: int, seed: int) -> CaseResult:
     writer = TieredWriter(cfg)
     states: dict[str, dict] = {}
     try:
-        for n, cid in enumerate(("step-000001", "step-000002")):
+        for _n, cid in enumerate(("step-000001", "step-000002")):
             sd = make_state(rng.randrange(1 << 20))
             e = save_wait(writer, sd, cid)
             if e is not None:

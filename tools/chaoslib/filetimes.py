@@ -10,16 +10,14 @@ from pathlib import Path
 
 import torch
 
+from chaoslib.core import BUCKET, CaseResult, load_state, make_state, short, toml_text
+from chaoslib.env import Env
+from chaoslib.loss import expect_only, open_tier, run_cli, save_series, with_keep
 from restore import find_latest, gc_checkpoints, list_all, open_tiers
 from restore.catalog import key_path
 from tierckpt.catalog.listing import committed_in_order, list_checkpoints
 from tierckpt.config import TierConfig, config_from_dict
 from tierckpt.testing import compare as diff
-
-from chaoslib.core import BUCKET, CaseResult, load_state, make_state, short, toml_text
-from chaoslib.env import Env
-from chaoslib.loss import expect_only, open_tier, run_cli, save_series, with_keep
-
 
 # == case: filetimes ================================================================================
 

@@ -11,16 +11,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from chaoslib.core import _TIERCKPT_TEXT, CaseResult, is_not_found, make_state, placeholder, short
+from chaoslib.crash import read_events
+from chaoslib.env import Env, tail, wait_proc
+from chaoslib.loss import expect_only, save_series, state_digest, with_keep
 from restore import gc_checkpoints
 from tierckpt import CorruptCheckpoint, TieredReader
 from tierckpt.config import config_from_dict
 from tierckpt.testing import errors_in, find_error
-
-from chaoslib.core import CaseResult, _TIERCKPT_TEXT, is_not_found, make_state, placeholder, short
-from chaoslib.crash import read_events
-from chaoslib.env import Env, tail, wait_proc
-from chaoslib.loss import expect_only, save_series, state_digest, with_keep
-
 
 # == case: gcload ===================================================================================
 

@@ -9,15 +9,12 @@ from pathlib import Path
 
 import torch
 
-from tierckpt.config import config_from_dict
-from tierckpt.format.layout import step_of
-
-
 from chaoslib.core import CaseResult, is_not_found, short, toml_text
-from chaoslib.crash import Reference, TRAIN, check_tiers, load_app, read_events, trainer_argv
+from chaoslib.crash import TRAIN, Reference, check_tiers, load_app, read_events, trainer_argv
 from chaoslib.env import Env, tail, wait_proc
 from chaoslib.loss import committed, ids
-
+from tierckpt.config import config_from_dict
+from tierckpt.format.layout import step_of
 
 # == case: killloop =================================================================================
 

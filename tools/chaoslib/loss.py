@@ -12,15 +12,13 @@ from typing import Any
 
 import torch
 
+from chaoslib.core import CaseResult, mutate, only, short
+from chaoslib.faults import close_writer, expect_loads, save_wait
 from tierckpt import TieredWriter
 from tierckpt.catalog.listing import committed_in_order
 from tierckpt.config import TierConfig
-from tierckpt.tiers import make_local, make_s3
 from tierckpt.testing import clone_state, raw
-
-from chaoslib.core import CaseResult, mutate, only, short
-from chaoslib.faults import close_writer, expect_loads, save_wait
-
+from tierckpt.tiers import make_local, make_s3
 
 Committed = dict[str, list[tuple[str, int]]]  # tier -> (id, seq), oldest commit first
 

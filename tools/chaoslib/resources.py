@@ -12,17 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from chaoslib.core import BUCKET, CaseResult, MiB, is_clear, load_state, make_state, mutate, only, short
+from chaoslib.env import ROOT, Env, tail, wait_proc
+from chaoslib.faults import close_writer, expect_loads, save_wait
 from tierckpt import TierckptError, TieredWriter
 from tierckpt.catalog.listing import list_checkpoints
 from tierckpt.config import config_from_dict
-from tierckpt.tiers import make_s3
 from tierckpt.testing import clone_state
 from tierckpt.testing import compare as diff
-
-from chaoslib.core import BUCKET, CaseResult, MiB, is_clear, load_state, make_state, mutate, only, short
-from chaoslib.env import Env, ROOT, tail, wait_proc
-from chaoslib.faults import close_writer, expect_loads, save_wait
-
+from tierckpt.tiers import make_s3
 
 # == case: resources ===============================================================================
 

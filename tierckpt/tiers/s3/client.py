@@ -13,10 +13,12 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from ...config import MiB, S3Config, check_endpoint_url
+from ...config.redact import redact, redact_url
 from ...errors import (
     CheckpointNotFound,
     ConfigError,
@@ -26,7 +28,6 @@ from ...errors import (
     TierError,
     TierUnavailable,
 )
-from ...config.redact import redact, redact_url
 from ..base import Tier, check_key
 
 try:  # boto3 is a hard dependency; keep the import error readable if it is missing.
@@ -37,10 +38,11 @@ try:  # boto3 is a hard dependency; keep the import error readable if it is miss
         ClientError,
         HTTPClientError,
         IncompleteReadError,
+        NoCredentialsError,
+        PartialCredentialsError,
     )
     from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
-    from urllib3.exceptions import HTTPError as Urllib3HTTPError
+    from urllib3.exceptions import HTTPError as Urllib3HTTPError  # noqa: F401 - for reads and writes
 
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as _e:  # pragma: no cover - exercised only without boto3
@@ -64,20 +66,20 @@ def _backoff(attempt: int) -> float:
     return min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * (2 ** (attempt - 1))) * (0.5 + random.random())
 
 
-def _err_code(e: "ClientError") -> str:
+def _err_code(e: ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
 
 
-def _err_status(e: "ClientError") -> int:
+def _err_status(e: ClientError) -> int:
     return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
-def _err_retried(e: "ClientError") -> int:
+def _err_retried(e: ClientError) -> int:
     """How many times botocore retried the request that finally failed with ``e``."""
     return int(e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
 
 
-def _err_message(e: "ClientError") -> str:
+def _err_message(e: ClientError) -> str:
     """The server's message of ``e``, redacted and cut to one short line."""
     text = " ".join(redact(str(e.response.get("Error", {}).get("Message", "")) or redact(e)).split())
     return text if len(text) <= 300 else text[:297] + "..."
@@ -98,21 +100,21 @@ _DENIED: dict[str, str] = {
 """S3 error codes that mean "the credentials were refused or lack permission", with a hint each."""
 
 
-def _is_denied(e: "ClientError") -> bool:
+def _is_denied(e: ClientError) -> bool:
     """Whether ``e`` is an authentication or authorization failure (never worth a retry)."""
     code = _err_code(e)
     return code in _DENIED or (_err_status(e) in (401, 403) and code in ("", "401", "403", "Forbidden", "Unauthorized"))
 
 
-def _is_not_found(e: "ClientError") -> bool:
+def _is_not_found(e: ClientError) -> bool:
     return _err_code(e) in ("NoSuchKey", "404", "NotFound") or (_err_status(e) == 404 and _err_code(e) != "NoSuchBucket")
 
 
-def _is_conflict(e: "ClientError") -> bool:
+def _is_conflict(e: ClientError) -> bool:
     return _err_code(e) in ("PreconditionFailed", "ConditionalRequestConflict") or _err_status(e) in (412, 409)
 
 
-def _rejects_conditional(e: "ClientError") -> bool:
+def _rejects_conditional(e: ClientError) -> bool:
     """Whether the server refused ``If-None-Match`` as unsupported (rather than failing it)."""
     code, status = _err_code(e), _err_status(e)
     if status == 501 or code == "NotImplemented":
@@ -175,7 +177,7 @@ _LOADER_LOCK = threading.Lock()
 _LOADER: Any = None
 
 
-def _session() -> "boto3.session.Session":
+def _session() -> boto3.session.Session:
     """A new boto3 session sharing this process's botocore data loader.
 
     The loader caches the parsed JSON of the S3 service model and endpoint rules: building a
@@ -247,7 +249,7 @@ class S3Requests(Tier):
         return self._client
 
     # -- error handling -------------------------------------------------------------------
-    def _client_error(self, e: "ClientError", what: str, url: str) -> TierckptError:
+    def _client_error(self, e: ClientError, what: str, url: str) -> TierckptError:
         code, status = _err_code(e), _err_status(e)
         if _is_not_found(e):
             return CheckpointNotFound(f"{url}: no such object")
@@ -316,7 +318,7 @@ class S3Requests(Tier):
             raise self._client_error(self._why_denied(full, e), "head", url) from e
         return int(resp["ContentLength"]), str(resp.get("ETag", "")).strip('"')
 
-    def _why_denied(self, full: str, e: "ClientError") -> "ClientError":
+    def _why_denied(self, full: str, e: ClientError) -> ClientError:
         """A HEAD response has no body, so a refused HEAD says only "403". Ask once more with a
         one-byte GET, whose error names the reason (``SignatureDoesNotMatch``, ``AccessDenied``,
         ...); return that error, or ``e`` when the GET does not tell more."""
@@ -336,8 +338,7 @@ class S3Requests(Tier):
         url = self._url_of(full_prefix)
         paginator = self._client.get_paginator("list_objects_v2")
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix, **extra):
-                yield page
+            yield from paginator.paginate(Bucket=self.bucket, Prefix=full_prefix, **extra)
         except ClientError as e:
             raise self._client_error(e, "list", url) from e
         except BotoCoreError as e:

@@ -102,7 +102,7 @@ def _release(buf: mmap.mmap) -> None:
         pass
 
 
-def copy_into(tier: "S3Writes", buffers: PartBuffers, src: Tier, key: str) -> int:
+def copy_into(tier: S3Writes, buffers: PartBuffers, src: Tier, key: str) -> int:
     """Copy object ``key`` of ``src`` into ``tier`` under the same key; return its size.
 
     Called by :meth:`S3Tier.copy_from <.tier.S3Tier.copy_from>` (the replicator's thread, one

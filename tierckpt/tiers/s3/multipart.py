@@ -16,15 +16,15 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from ...checksum import crc32c
-from ...config import MiB, S3_MAX_PART, S3Config
-from ...errors import CorruptCheckpoint, TierckptError, TierError
+from ...config import S3_MAX_PART, MiB, S3Config
 from ...config.redact import redact
+from ...errors import CorruptCheckpoint, TierckptError, TierError
 from ..base import DataSink
 from .client import ClientError, log
-
 
 
 class Uploads(Protocol):

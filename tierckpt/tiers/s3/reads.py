@@ -7,8 +7,8 @@ import bisect
 import time
 from typing import Any
 
-from ...errors import CheckpointNotFound, CorruptCheckpoint, TierError
 from ...config.redact import redact
+from ...errors import CheckpointNotFound, CorruptCheckpoint, TierError
 from .client import (
     _OWN_ATTEMPTS,
     _READ_CHUNK,
@@ -28,7 +28,7 @@ class _Scatter:
     """Consecutive byte buffers seen as one range: :meth:`window` is the writable piece at a
     range offset, within one buffer (a response body is read into the pieces in turn)."""
 
-    def __init__(self, views: "list[memoryview]") -> None:
+    def __init__(self, views: list[memoryview]) -> None:
         self._views = views
         self._starts: list[int] = []
         at = 0
@@ -72,7 +72,7 @@ class S3Reads(S3Requests):
             total = int(resp["ContentLength"])
         return resp["Body"], int(resp["ContentLength"]), total, resp.get("ETag")
 
-    def _fetch(self, key: str, start: int, end: int | None, dest: "memoryview | list[memoryview] | None") -> bytearray | None:
+    def _fetch(self, key: str, start: int, end: int | None, dest: memoryview | list[memoryview] | None) -> bytearray | None:
         """Read ``[start, end)`` of ``key`` into ``dest`` (or a new bytearray, returned); a list
         of buffers is filled one after the other (a scatter read: no temporary buffer).
 
@@ -177,7 +177,7 @@ class S3Reads(S3Requests):
             return
         self._fetch(key, start, start + len(mv), mv)
 
-    def read_ranges(self, key: str, start: int, bufs: "list[memoryview]") -> None:
+    def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
         """Fill consecutive ``bufs`` from ``start`` on with one ranged GET streamed into them in
         turn (no temporary buffer of the whole range, no second copy)."""
         views = [v for v in (byte_view(b) for b in bufs) if len(v)]

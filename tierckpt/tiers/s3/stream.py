@@ -16,9 +16,8 @@ key until ``close`` completes the upload; on failure it is aborted.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from ...errors import TierError

@@ -4,14 +4,14 @@ writing halves (:mod:`.reads`, :mod:`.writes`) and the request layer (:mod:`.cli
 from __future__ import annotations
 
 import builtins
-
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 from ...config import S3Config
-from ...errors import ConfigError, CorruptCheckpoint, TierAccessDenied, TierError
 from ...config.redact import redact
+from ...errors import ConfigError, CorruptCheckpoint, TierAccessDenied, TierError
 from ..base import Encoding, ObjectInfo, Tier, check_key
 from ..streams import StreamSink
 from .client import _DELETE_BATCH, _DENIED, ClientError, _is_not_found, log, make_client

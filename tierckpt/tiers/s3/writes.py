@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
-from typing import Any, Callable, Collection
+from typing import Any
 
-from ...errors import CommitConflict, TierError
 from ...config.redact import redact
+from ...errors import CommitConflict, TierError
 from ..base import DataSink
 from .client import (
     BotoCoreError,
@@ -275,10 +276,10 @@ class S3Writes(S3Requests):
             raise self._transport_error(e, "list parts of", self._url_of(key)) from e
         return latest
 
-    def abort_stale(self, older_than_s: float, spare: "Collection[str]" = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
         return self.abort_stale_uploads("", older_than_s=older_than_s, spare=spare)
 
-    def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0, spare: "Collection[str]" = ()) -> int:
+    def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0, spare: Collection[str] = ()) -> int:
         """Abort multipart uploads under ``prefix`` idle for at least ``older_than_s`` seconds;
         return how many were aborted.
 
