@@ -28,23 +28,15 @@ import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-import numpy as np
-
-from ..errors import CheckpointNotFound, CommitConflict, CorruptCheckpoint, TierError
+from ..errors import CheckpointNotFound, CommitConflict, TierError
 from .base import DataSink, ObjectInfo, ResumableSink, Tier, check_key
 from .localfs import (
     _O_DIRECT,
     _REFUSED,
-    BOUNCE_SIZE,
     DIO_ALIGN,
-    DIRECT_READ_MIN,
-    INPLACE_STEP,
     PARTIAL,
     TMP,
     TRASH,
-    _address,
-    _bounce,
-    _cached,
     _janitor,
     _log_fallback,
     _tier_error,
@@ -53,6 +45,7 @@ from .localfs import (
     fsync_dir,
     open_new,
 )
+from .localreads import LocalReads
 from .localsinks import _FileSink, _ResumableFile
 
 __all__ = ["LocalTier", "fsync_dir", "drain_deletions", "open_new", "DIO_ALIGN"]
@@ -64,7 +57,7 @@ STALE_FLOOR_S = 600.0
 configured ``[job] commit_timeout``: a slow live writer's file is never taken for one."""
 
 
-class LocalTier(Tier):
+class LocalTier(LocalReads, Tier):
     """A tier rooted at a directory. ``fsync=False`` skips fsyncs (tests, tmpfs).
 
     ``direct_io``: ``"auto"`` (use ``O_DIRECT`` where the file system accepts it), ``True``
@@ -198,147 +191,6 @@ class LocalTier(Tier):
             raise _tier_error(e, f"cannot copy {path} to {final}") from e
         if progress is not None:
             progress(os.path.getsize(final))
-
-    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        path = self._path(key)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if end is None:
-                    end = size
-                if start < 0 or end < start or end > size:
-                    raise CorruptCheckpoint(f"{path}: range [{start}, {end}) is outside the file ({size} bytes)")
-                return os.pread(f.fileno(), end - start, start) if end > start else b""
-        except (FileNotFoundError, NotADirectoryError):  # a path component that is a file: no such key
-            raise CheckpointNotFound(f"{path}: no such file") from None
-        except CorruptCheckpoint:
-            raise
-        except OSError as e:
-            raise _tier_error(e, f"cannot read {path}") from e
-
-    def read_into(self, key: str, start: int, buf: memoryview) -> None:
-        self.read_ranges(key, start, [buf])
-
-    def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
-        """Scatter-read one contiguous range into ``bufs``.
-
-        Buffered: ``preadv`` straight into ``bufs`` (no intermediate copy). Direct, for ranges of
-        at least :data:`DIRECT_READ_MIN` bytes whose first block is not in the page cache:
-        aligned ``O_DIRECT`` reads into a reused bounce buffer, then one copy into ``bufs`` (the
-        page cache is neither filled nor copied from). Called from several reader threads at once.
-        """
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            raise CheckpointNotFound(f"{path}: no such file") from None
-        except OSError as e:
-            raise _tier_error(e, f"cannot read {path}") from e
-        try:
-            size = os.fstat(fd).st_size
-            total = sum(len(b) for b in bufs)
-            if start < 0 or start + total > size:
-                raise CorruptCheckpoint(f"{path}: range [{start}, {start + total}) is outside the file ({size} bytes)")
-            pending = [b.cast("B") if (b.format != "B" or b.ndim != 1) else b for b in bufs if len(b)]
-            if total >= DIRECT_READ_MIN and self._direct_ok is not False and not _cached(fd, start):
-                dfd = self._open_direct(path, os.O_RDONLY)
-                if dfd >= 0:
-                    try:
-                        if self._read_direct(dfd, path, start, total, pending):
-                            return
-                    finally:
-                        os.close(dfd)
-            off = start
-            while pending:
-                batch = pending[:512]
-                n = os.preadv(fd, batch, off)
-                if n <= 0:
-                    raise CorruptCheckpoint(f"{path}: unexpected end of file at {off}")
-                off += n
-                while n and pending:
-                    if n >= len(pending[0]):
-                        n -= len(pending[0])
-                        pending.pop(0)
-                    else:
-                        pending[0] = pending[0][n:]
-                        n = 0
-        except TierError:
-            raise
-        except OSError as e:
-            raise _tier_error(e, f"cannot read {path}") from e
-        finally:
-            os.close(fd)
-
-    def _read_direct(self, dfd: int, path: Path, start: int, total: int, dests: list[memoryview]) -> bool:
-        """Read ``[start, start+total)`` with ``O_DIRECT`` into ``dests``; False (nothing
-        delivered) if the file system refused the transfer, so the caller reads it buffered.
-
-        One page-aligned destination at an aligned file offset (promotion's part buffers) is
-        read into in place, with no bounce copy, up to its last whole block; the rest, and every
-        other shape of destination, goes through a reused bounce buffer and one copy."""
-        end = start + total
-        if len(dests) == 1 and start % DIO_ALIGN == 0 and _address(dests[0]) % DIO_ALIGN == 0:
-            body = total - total % DIO_ALIGN
-            got = self._read_direct_inplace(dfd, path, start, dests[0][:body])
-            if got < 0:
-                return False
-            if got == total:
-                return True
-            start, total, dests = start + got, total - got, [dests[0][got:]]
-            end = start + total
-        off = start - start % DIO_ALIGN
-        bounce = _bounce.take()
-        _mm, bmv, barr = bounce
-        di, dpos = 0, 0  # destination cursor: buffer index, offset in it
-        pos = start  # file offset of the next byte to deliver
-        try:
-            while pos < end:
-                want = min(BOUNCE_SIZE, end - off + (-(end - off)) % DIO_ALIGN)
-                try:
-                    n = os.preadv(dfd, [bmv[:want]], off)
-                except OSError as e:
-                    if e.errno not in _REFUSED or pos != start:
-                        raise
-                    self._direct_refused(path, e)
-                    return False
-                hi = min(end, off + n)
-                if hi <= pos:
-                    raise CorruptCheckpoint(f"{path}: unexpected end of file at {off + n}")
-                src = barr[pos - off : hi - off]
-                at = 0
-                while at < len(src):  # scatter into the destinations
-                    d = dests[di]
-                    k = min(len(d) - dpos, len(src) - at)
-                    np.copyto(np.frombuffer(d, dtype=np.uint8, count=k, offset=dpos), src[at : at + k])
-                    at += k
-                    dpos += k
-                    if dpos == len(d):
-                        di, dpos = di + 1, 0
-                pos = hi
-                off += n
-                if n % DIO_ALIGN and pos < end:
-                    raise CorruptCheckpoint(f"{path}: unexpected end of file at {off}")
-        finally:
-            _bounce.give(bounce)
-        return True
-
-    def _read_direct_inplace(self, dfd: int, path: Path, start: int, dest: memoryview) -> int:
-        """``O_DIRECT`` reads of ``[start, start+len(dest))`` straight into ``dest`` (offset,
-        length and address aligned to :data:`DIO_ALIGN`). Returns the bytes read (fewer at the end
-        of the file), or -1 if the file system refused the first transfer (nothing delivered)."""
-        got = 0
-        while got < len(dest):
-            try:
-                n = os.preadv(dfd, [dest[got : got + INPLACE_STEP]], start + got)
-            except OSError as e:
-                if e.errno not in _REFUSED or got:
-                    raise
-                self._direct_refused(path, e)
-                return -1
-            got += n
-            if n == 0 or n % DIO_ALIGN:
-                break
-        return got
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
