@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 import tierckpt.tiers.local as local_mod
 import tierckpt.tiers.localfs as localfs_mod
+import tierckpt.tiers.localreads as reads_mod
 from tierckpt import ConfigError, HostConfig, LocalConfig, TierConfig, TieredReader, TieredWriter
 from tierckpt.capture.pool import POOL_ALIGN, HostPool, aligned_buffer
 from tierckpt.config import config_from_dict
@@ -220,8 +221,8 @@ def test_refused_at_first_transfer_falls_back(monkeypatch: pytest.MonkeyPatch, t
 # -- reads ----------------------------------------------------------------------------------------
 
 def test_direct_reads_cold_and_buffered_when_cached(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local_mod, "DIRECT_READ_MIN", 4096)  # small test data: take the direct path
-    monkeypatch.setattr(local_mod, "BOUNCE_SIZE", 64 * KiB)  # several bounce rounds per read
+    monkeypatch.setattr(reads_mod, "DIRECT_READ_MIN", 4096)  # small test data: take the direct path
+    monkeypatch.setattr(reads_mod, "BOUNCE_SIZE", 64 * KiB)  # several bounce rounds per read
     tier = LocalTier(tmp_path / "root", fsync=True, direct_io=_direct_io(mode))
     size = 300 * KiB + 37
     data = _data(size, 11)
@@ -270,8 +271,8 @@ def test_direct_reads_in_place_into_aligned_buffers(mode: str, tmp_path: Path, m
     reads running into the end of the file and unaligned shapes stay exact."""
     import mmap
 
-    monkeypatch.setattr(local_mod, "DIRECT_READ_MIN", 4096)
-    monkeypatch.setattr(local_mod, "INPLACE_STEP", 64 * KiB)  # several in-place reads per call
+    monkeypatch.setattr(reads_mod, "DIRECT_READ_MIN", 4096)
+    monkeypatch.setattr(reads_mod, "INPLACE_STEP", 64 * KiB)  # several in-place reads per call
     tier = LocalTier(tmp_path / "root", fsync=True, direct_io=_direct_io(mode))
     size = 700 * KiB + 123
     data = _data(size, 12)
@@ -286,7 +287,7 @@ def test_direct_reads_in_place_into_aligned_buffers(mode: str, tmp_path: Path, m
         bounced.append(1)
         return real_take()
 
-    monkeypatch.setattr(local_mod._bounce, "take", spy_take)
+    monkeypatch.setattr(reads_mod._bounce, "take", spy_take)
     buf = mmap.mmap(-1, 256 * KiB)
     for start, n in ((0, 256 * KiB), (256 * KiB, 256 * KiB), (512 * KiB, size - 512 * KiB), (4096, 100 * KiB + 7),
                      (4096 * 5, 3)):
@@ -304,7 +305,7 @@ def test_direct_reads_in_place_into_aligned_buffers(mode: str, tmp_path: Path, m
 
 
 def test_direct_read_refused_falls_back(refuse_direct: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local_mod, "DIRECT_READ_MIN", 4096)
+    monkeypatch.setattr(reads_mod, "DIRECT_READ_MIN", 4096)
     (tmp_path / "root" / "x").mkdir(parents=True)
     data = _data(200 * KiB + 1, 2)
     (tmp_path / "root" / "x" / "f.data").write_bytes(data)
@@ -384,7 +385,7 @@ def test_roundtrip_bit_exact_all_modes(tmp_path: Path, monkeypatch: pytest.Monke
                 mp.setattr(os, "open", fake_open)
             elif mode == "direct" and not _fs_accepts_direct(d):
                 continue
-            mp.setattr(local_mod, "DIRECT_READ_MIN", 4096)
+            mp.setattr(reads_mod, "DIRECT_READ_MIN", 4096)
             cfg = _cfg(d, mode)
             w = TieredWriter(cfg)
             dcp.save(sd, checkpoint_id="step-1", storage_writer=w, no_dist=True)
