@@ -25,12 +25,11 @@ import functools
 import io
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .. import telemetry
@@ -44,13 +43,14 @@ from ..config import TierConfig, load_config
 from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from ..format.layout import check_checkpoint_id, is_valid_checkpoint_id
 from ..format.layout import padded as _padded
+from ..format.metadata import ItemRecord, item_intact
 from . import loading
 from .fill import LoadFill
-from ..format.metadata import DTYPES, ItemRecord, item_intact
 from ..tiers import make_tiers
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
 from . import agreement
+from .deliver import Item, buffer_for, deliver, direct_ok, is_whole
 from .fill import LoadFill
 from .readback import Readback, Request, hold
 from .resolve import MetadataResolution
@@ -65,17 +65,6 @@ def open_tiers(cfg: TierConfig) -> list[Tier]:
     return make_tiers(cfg)
 
 
-@dataclass
-class _Item:
-    index: MetadataIndex
-    rec: ItemRecord
-    reads: list[ReadItem]
-    direct: torch.Tensor | None = None  # destination read into directly
-    targets: list[torch.Tensor] = field(default_factory=list)
-    scratch: torch.Tensor | None = None
-    data: Any = None
-
-
 class TieredReader(MetadataResolution, StorageReader):
     """DCP storage reader for tierckpt.
 
@@ -85,7 +74,9 @@ class TieredReader(MetadataResolution, StorageReader):
         threads: parallel reads (default: ``[local] flush_threads`` or ``[s3] concurrency``).
     """
 
-    def __init__(self, config: TierConfig | str | None = None, *, allow_pickle: bool = False, threads: int | None = None) -> None:
+    def __init__(
+        self, config: TierConfig | str | None = None, *, allow_pickle: bool = False, threads: int | None = None
+    ) -> None:
         super().__init__()
         self.cfg = config if isinstance(config, TierConfig) else load_config(config)
         self.tiers = open_tiers(self.cfg)
@@ -266,18 +257,24 @@ class TieredReader(MetadataResolution, StorageReader):
                 try:
                     self._holding, self._leases = hold(self.tiers[:1], self.resolved_id, "load")
                 except CheckpointNotFound as e:
-                    log.warning("checkpoint %s: this node's copy is gone (%s); reading from elsewhere", self.resolved_id, e)
+                    log.warning(
+                        "checkpoint %s: this node's copy is gone (%s); reading from elsewhere", self.resolved_id, e
+                    )
             known = self._shared_doc
-            self._holding += [decoding(t, self.resolved_id, known[1] if known and known[0] == t.name else None)
-                              for t in self.tiers[1:] if t.name in v.shared]
+            self._holding += [
+                decoding(t, self.resolved_id, known[1] if known and known[0] == t.name else None)
+                for t in self.tiers[1:]
+                if t.name in v.shared
+            ]
             return
         # A lease on every tier holding a committed copy keeps retention and gc (in any process)
         # away until read_data is done.
         try:
             self._holding, self._leases = hold(self.tiers, self.resolved_id, "load")
         except CheckpointNotFound as e:
-            raise CheckpointNotFound(f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a "
-                                     f"committed copy ({e})") from None
+            raise CheckpointNotFound(
+                f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a committed copy ({e})"
+            ) from None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return dataclasses.replace(plan, storage_data=self.resolved_id)
@@ -290,21 +287,36 @@ class TieredReader(MetadataResolution, StorageReader):
             by_id: dict[str, list[int]] = {}
             for r, i in enumerate(ids):
                 by_id.setdefault(str(i), []).append(r)
-            raise TierckptError("ranks resolved different checkpoints: "
-                                + "; ".join(f"{i} on ranks {rs}" for i, rs in by_id.items())
-                                + " (a commit raced the load, or a node's local tier is behind S3): pass an explicit checkpoint_id")
+            raise TierckptError(
+                "ranks resolved different checkpoints: "
+                + "; ".join(f"{i} on ranks {rs}" for i, rs in by_id.items())
+                + " (a commit raced the load, or a node's local tier is behind S3): pass an explicit checkpoint_id"
+            )
         d = self._decision
         if d is None or d.verdict.checkpoint_id != ids[0] or len(plans) != len(self._roots) or self._manifest is None:
             return plans
         assert self.metadata is not None
         storage = self.metadata.storage_data
-        wanted = [{ri.storage_index: (storage[ri.storage_index].file, storage[ri.storage_index].length)
-                   for ri in p.items if ri.storage_index in storage} for p in plans]
-        routes = peers.schedule(wanted, d.holders_by_file(self._manifest.files), bool(d.verdict.shared), self._roots,
-                                d.verdict.checkpoint_id)
+        wanted = [
+            {
+                ri.storage_index: (storage[ri.storage_index].file, storage[ri.storage_index].length)
+                for ri in p.items
+                if ri.storage_index in storage
+            }
+            for p in plans
+        ]
+        routes = peers.schedule(
+            wanted,
+            d.holders_by_file(self._manifest.files),
+            bool(d.verdict.shared),
+            self._roots,
+            d.verdict.checkpoint_id,
+        )
         moves = any(route["recv"] for route in routes)  # then every rank takes part in making the transport
-        return [dataclasses.replace(p, storage_data={"id": p.storage_data, "x": moves, **route})
-                for p, route in zip(plans, routes)]
+        return [
+            dataclasses.replace(p, storage_data={"id": p.storage_data, "x": moves, **route})
+            for p, route in zip(plans, routes)
+        ]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -316,14 +328,14 @@ class TieredReader(MetadataResolution, StorageReader):
         assert self.metadata is not None and self.resolved_id is not None
         t_load = time.perf_counter()
         storage: dict[MetadataIndex, ItemRecord] = self.metadata.storage_data
-        groups: dict[MetadataIndex, _Item] = {}
+        groups: dict[MetadataIndex, Item] = {}
         for ri in plan.items:
             rec = storage.get(ri.storage_index)
             if rec is None:
                 raise CorruptCheckpoint(f"checkpoint {self.resolved_id}: no stored item for {ri.storage_index.fqn!r}")
             g = groups.get(ri.storage_index)
             if g is None:
-                g = groups[ri.storage_index] = _Item(ri.storage_index, rec, [])
+                g = groups[ri.storage_index] = Item(ri.storage_index, rec, [])
             g.reads.append(ri)
         items = list(groups.values())
         route = plan.storage_data if isinstance(plan.storage_data, dict) else {}
@@ -335,12 +347,16 @@ class TieredReader(MetadataResolution, StorageReader):
         for it in items:  # resolve destinations on the calling thread
             if it.rec.is_tensor:
                 it.targets = [planner.resolve_tensor(ri) for ri in it.reads]
-                if len(it.reads) == 1 and _is_whole(it.reads[0], it.rec) and _direct_ok(it.targets[0], it.rec):
+                if len(it.reads) == 1 and is_whole(it.reads[0], it.rec) and direct_ok(it.targets[0], it.rec):
                     it.direct = it.targets[0]
             if it.index in incoming or it.index in outgoing:
                 continue
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
-            requests.append(Request(it.rec, self._buffer(it), what, done=functools.partial(self._done, it)))
+            requests.append(
+                Request(
+                    it.rec, buffer_for(it), what, done=functools.partial(_done, it, self.allow_pickle, self.resolved_id)
+                )
+            )
         # each item served to other nodes is read (and verified) once, whatever the number of peers,
         # in the same read as this rank's own items (one request per run of a file)
         unique = sorted(outgoing, key=lambda i: (storage[i].file, storage[i].pos))
@@ -349,8 +365,11 @@ class TieredReader(MetadataResolution, StorageReader):
         self.fill = None
         ok, error = False, None
         try:
-            engine = (Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
-                      if requests or serve else None)
+            engine = (
+                Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
+                if requests or serve
+                else None
+            )
             self.fill = self._plan_fill(engine, requests, [storage[i] for i in incoming | (outgoing & set(groups))])
             if route.get("x") and self._peers is not None:
                 self._peers.transport()  # every rank, at the same point (collective the first time)
@@ -410,9 +429,15 @@ class TieredReader(MetadataResolution, StorageReader):
             delay = 0.002
             while (n := ch.add(key, 0)) < self._peers.world:
                 if time.monotonic() > deadline:
-                    log.error("checkpoint %s: %d of %d ranks finished reading within %.0f s; releasing the job's "
-                              "leases on %s", v.checkpoint_id, n, self._peers.world, self.cfg.job.commit_timeout,
-                              ", ".join(v.leased))
+                    log.error(
+                        "checkpoint %s: %d of %d ranks finished reading within %.0f s; releasing the job's "
+                        "leases on %s",
+                        v.checkpoint_id,
+                        n,
+                        self._peers.world,
+                        self.cfg.job.commit_timeout,
+                        ", ".join(v.leased),
+                    )
                     return
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.05)
@@ -420,16 +445,28 @@ class TieredReader(MetadataResolution, StorageReader):
         except Exception as e:  # noqa: BLE001 - a store gone: the leases expire on their own
             log.warning("checkpoint %s: cannot count the ranks done reading: %s", v.checkpoint_id, e)
 
-    def _plan_fill(self, engine: Readback | None, requests: list[Request], received: list[ItemRecord]) -> LoadFill | None:
+    def _plan_fill(
+        self, engine: Readback | None, requests: list[Request], received: list[ItemRecord]
+    ) -> LoadFill | None:
         """The fill of the local tier for this read (:mod:`tierckpt.fill`), or None: the items read
         from the tiers (``requests``) and those other nodes send (``received``)."""
         local = self.tiers[0] if self.tiers else None
         man = self._manifest
-        if (local is None or self.cfg.local is None or not self.cfg.local.fill_on_load or man is None
-                or man.checkpoint_id != self.resolved_id or not isinstance(local, LocalTier)):
+        if (
+            local is None
+            or self.cfg.local is None
+            or not self.cfg.local.fill_on_load
+            or man is None
+            or man.checkpoint_id != self.resolved_id
+            or not isinstance(local, LocalTier)
+        ):
             return None
         rank = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             rank = torch.distributed.get_rank()
 
         def lacks(file: str) -> bool:  # this read takes the file from elsewhere than the local tier
@@ -437,11 +474,28 @@ class TieredReader(MetadataResolution, StorageReader):
 
         shared = [t for t in self._holding if t is not local]
         assert self.resolved_id is not None  # read_data runs after read_metadata resolved the id
-        return LoadFill.plan(local, self.resolved_id, requests, received, dict(man.files), man.save_token, rank,
-                             lacks, shared, self._raw_md)
+        return LoadFill.plan(
+            local,
+            self.resolved_id,
+            requests,
+            received,
+            dict(man.files),
+            man.save_token,
+            rank,
+            lacks,
+            shared,
+            self._raw_md,
+        )
 
-    def _exchange(self, storage: dict, groups: dict, recv_from: dict[int, list], send_to: dict[int, list],
-                  staged: dict, served_ok: bool) -> None:
+    def _exchange(
+        self,
+        storage: dict,
+        groups: dict,
+        recv_from: dict[int, list],
+        send_to: dict[int, list],
+        staged: dict,
+        served_ok: bool,
+    ) -> None:
         """Serve and receive items between nodes (see :mod:`tierckpt.peers`): what this rank serves
         was read and verified into ``staged`` (``served_ok``: without an error); every received
         item is verified again; an item that arrives damaged is read from a shared tier when one
@@ -460,7 +514,7 @@ class TieredReader(MetadataResolution, StorageReader):
             mv, at = memoryview(send_bufs[c].numpy()), 0
             for i in idx:
                 n = storage[i].length
-                mv[at:at + n] = staged[i]
+                mv[at : at + n] = staged[i]
                 at += n
         self._peers.exchange(send_bufs, recv_bufs)
         if served_ok:  # else the caller raises the read's error
@@ -468,89 +522,49 @@ class TieredReader(MetadataResolution, StorageReader):
             for i in unique:
                 if i in groups and i not in incoming:
                     it = groups[i]
-                    dst = self._buffer(it)
+                    dst = buffer_for(it)
                     dst[:] = staged[i]
                     if self.fill is not None:
                         self.fill.received(storage[i], dst)
-                    self._deliver(it)
+                    deliver(it, self.allow_pickle, self.resolved_id)
         damaged: list[Request] = []
         for p, idx in recv_from.items():
             mv, at = memoryview(recv_bufs[p].numpy()), 0
             for i in idx:
                 rec, it = storage[i], groups[i]
-                data = mv[at:at + rec.length]
+                data = mv[at : at + rec.length]
                 at += rec.length
-                dst = self._buffer(it)
+                dst = buffer_for(it)
                 dst[:] = data
                 if item_intact(rec, dst, b"\0" * (_padded(rec.length) - rec.length), self.chunk_size):
                     if self.fill is not None:
                         self.fill.received(rec, dst)
-                    self._deliver(it)
+                    deliver(it, self.allow_pickle, self.resolved_id)
                     self.from_peers[rec.file] = self.from_peers.get(rec.file, 0) + rec.length
                     continue
-                log.error("checkpoint %s: item %r from rank %d (data file %s) failed its checksum", cid, i.fqn, p, rec.file)
-                damaged.append(Request(rec, dst, f"item {i.fqn!r}", done=functools.partial(self._done, it)))
+                log.error(
+                    "checkpoint %s: item %r from rank %d (data file %s) failed its checksum", cid, i.fqn, p, rec.file
+                )
+                damaged.append(
+                    Request(
+                        rec,
+                        dst,
+                        f"item {i.fqn!r}",
+                        done=functools.partial(_done, it, self.allow_pickle, self.resolved_id),
+                    )
+                )
         if damaged:
             shared = [t for t in self._holding if not t.node_local]
             if not shared:
-                raise ChecksumMismatch(f"checkpoint {cid}: {len(damaged)} item(s) received from other nodes failed "
-                                       f"their checksum (first: {damaged[0].what} of {damaged[0].rec.file}) and no "
-                                       "shared tier holds a copy")
+                raise ChecksumMismatch(
+                    f"checkpoint {cid}: {len(damaged)} item(s) received from other nodes failed "
+                    f"their checksum (first: {damaged[0].what} of {damaged[0].rec.file}) and no "
+                    "shared tier holds a copy"
+                )
             Readback(cid, shared, self.chunk_size, threads=self.threads).read(damaged)
 
-    def _buffer(self, it: _Item) -> memoryview:
-        """Where the item's bytes land: the destination tensor itself, or a scratch buffer."""
-        if it.direct is not None:
-            return _bytes_view(it.direct)
-        if not it.rec.is_tensor:
-            it.data = bytearray(it.rec.length)
-            return memoryview(it.data)
-        it.scratch = torch.empty(it.rec.length, dtype=torch.uint8)
-        return memoryview(it.scratch.numpy())
 
-    def _done(self, it: _Item, r: Request) -> None:
-        """The engine verified the item (on a worker thread): copy it out, free its scratch buffer."""
-        self._deliver(it)
-        r.buf = memoryview(b"")
-
-    def _deliver(self, it: _Item) -> None:
-        rec = it.rec
-        if not rec.is_tensor:
-            data = bytes(it.data)  # type: ignore[arg-type]
-            if not self.allow_pickle:
-                try:
-                    torch.load(io.BytesIO(data), weights_only=True)
-                except Exception as e:  # noqa: BLE001 - any unpickling failure means: refuse
-                    raise CorruptCheckpoint(
-                        f"checkpoint {self.resolved_id}: non-tensor item {it.index.fqn!r} cannot be loaded with "
-                        f"weights_only=True ({type(e).__name__}); pass TieredReader(..., allow_pickle=True) "
-                        "only if you trust this checkpoint"
-                    ) from None
-            it.data = data
-            return
-        if it.direct is not None:
-            return
-        assert it.scratch is not None
-        src = it.scratch.view(DTYPES[rec.dtype]).reshape(rec.shape)
-        for ri, target in zip(it.reads, it.targets):
-            view = src
-            for dim, (off, ln) in enumerate(zip(ri.storage_offsets, ri.lengths)):
-                view = view.narrow(dim, off, ln)
-            if target.shape != view.shape:
-                raise CorruptCheckpoint(f"checkpoint {self.resolved_id}: {it.index.fqn!r}: stored shape {list(view.shape)} "
-                                        f"does not fit the destination {list(target.shape)}")
-            target.copy_(view)
-        it.scratch = None
-
-
-def _is_whole(ri: ReadItem, rec: ItemRecord) -> bool:
-    return all(o == 0 for o in ri.storage_offsets) and tuple(ri.lengths) == tuple(rec.shape)
-
-
-def _direct_ok(t: torch.Tensor, rec: ItemRecord) -> bool:
-    return (t.device.type == "cpu" and t.is_contiguous() and str(t.dtype).removeprefix("torch.") == rec.dtype
-            and tuple(t.shape) == tuple(rec.shape) and t.numel() * t.element_size() == rec.length and rec.length > 0)
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def _done(it: Item, allow_pickle: bool, checkpoint_id: str | None, r: Request) -> None:
+    """The engine verified the item (on a worker thread): copy it out, free its scratch buffer."""
+    deliver(it, allow_pickle, checkpoint_id)
+    r.buf = memoryview(b"")

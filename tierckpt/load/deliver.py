@@ -1,0 +1,98 @@
+"""Where the bytes of a load land: each stored item is read once, straight into its destination
+tensor when one read covers it whole (same dtype, shape, contiguous, on the CPU), else into a
+scratch buffer that is copied out to every destination once the read engine verified it.
+Non-tensor items are refused unless they load with ``weights_only=True`` (or ``allow_pickle``).
+Used by :class:`~tierckpt.load.reader.TieredReader` on the read engine's threads.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ..errors import CorruptCheckpoint
+from ..format.metadata import DTYPES, ItemRecord
+
+__all__ = ["Item", "buffer_for", "deliver", "is_whole", "direct_ok", "bytes_view"]
+
+
+@dataclass
+class Item:
+    """One stored item a load reads: its record, DCP's reads of it and where its bytes go."""
+
+    index: MetadataIndex
+    rec: ItemRecord
+    reads: list[ReadItem]
+    direct: torch.Tensor | None = None  # destination read into directly
+    targets: list[torch.Tensor] = field(default_factory=list)
+    scratch: torch.Tensor | None = None
+    data: Any = None
+
+
+def buffer_for(it: Item) -> memoryview:
+    """Where the item's bytes land: the destination tensor itself, or a scratch buffer."""
+    if it.direct is not None:
+        return bytes_view(it.direct)
+    if not it.rec.is_tensor:
+        it.data = bytearray(it.rec.length)
+        return memoryview(it.data)
+    it.scratch = torch.empty(it.rec.length, dtype=torch.uint8)
+    return memoryview(it.scratch.numpy())
+
+
+def deliver(it: Item, allow_pickle: bool, checkpoint_id: str | None) -> None:
+    """Copy a verified item out to DCP's destinations (tensors), or keep its bytes (objects,
+    refused unless they load with ``weights_only=True`` or ``allow_pickle``); frees the scratch buffer."""
+    rec = it.rec
+    if not rec.is_tensor:
+        data = bytes(it.data)  # type: ignore[arg-type]
+        if not allow_pickle:
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any unpickling failure means: refuse
+                raise CorruptCheckpoint(
+                    f"checkpoint {checkpoint_id}: non-tensor item {it.index.fqn!r} cannot be loaded with "
+                    f"weights_only=True ({type(e).__name__}); pass TieredReader(..., allow_pickle=True) "
+                    "only if you trust this checkpoint"
+                ) from None
+        it.data = data
+        return
+    if it.direct is not None:
+        return
+    assert it.scratch is not None
+    src = it.scratch.view(DTYPES[rec.dtype]).reshape(rec.shape)
+    for ri, target in zip(it.reads, it.targets):
+        view = src
+        for dim, (off, ln) in enumerate(zip(ri.storage_offsets, ri.lengths)):
+            view = view.narrow(dim, off, ln)
+        if target.shape != view.shape:
+            raise CorruptCheckpoint(
+                f"checkpoint {checkpoint_id}: {it.index.fqn!r}: stored shape {list(view.shape)} "
+                f"does not fit the destination {list(target.shape)}"
+            )
+        target.copy_(view)
+    it.scratch = None
+
+
+def is_whole(ri: ReadItem, rec: ItemRecord) -> bool:
+    return all(o == 0 for o in ri.storage_offsets) and tuple(ri.lengths) == tuple(rec.shape)
+
+
+def direct_ok(t: torch.Tensor, rec: ItemRecord) -> bool:
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and str(t.dtype).removeprefix("torch.") == rec.dtype
+        and tuple(t.shape) == tuple(rec.shape)
+        and t.numel() * t.element_size() == rec.length
+        and rec.length > 0
+    )
+
+
+def bytes_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
