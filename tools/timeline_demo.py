@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                            f'[local]\npath = "{work}/{{node}}"\nkeep = 2\nflush_threads = 2\n'
                            f'[peer]\nreplicas = 1\n'
                            f'[s3]\nbucket = "{BUCKET}"\nendpoint_url = "{url}"\npart_size = "5MiB"\nconcurrency = 4\n')
-            argv_of = lambda r: [sys.executable, str(HERE / "train_gpt.py"), "--config", str(cfg),  # noqa: E731
-                                 "--steps", str(a.steps), "--ckpt-every", str(a.ckpt_every), "--d-model", str(a.d_model)]
+            def argv_of(r: int) -> list[str]:
+                return [sys.executable, str(HERE / "train_gpt.py"), "--config", str(cfg), "--steps", str(a.steps),
+                        "--ckpt-every", str(a.ckpt_every), "--d-model", str(a.d_model)]
+
             codes, logs = launch_ranks(2, argv_of, work / "run", timeout=900,
                                        env_of=lambda r: {"TIERCKPT_NODE": f"n{r}"})
             if any(c != 0 for c in codes):
