@@ -212,7 +212,8 @@ def _die_at(victim: int, rank: int, phase: str) -> None:
     ``step-2``, by wrapping the library function that runs that phase in this process."""
     if rank != victim:
         return
-    from tierckpt import commit, peercopy, peers, replicate, writer
+    from tierckpt.chain import commit, peercopy, peers, replicate
+    from tierckpt.save import writer
 
     def dead(*_a, **_k):
         os._exit(9)

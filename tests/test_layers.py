@@ -29,7 +29,7 @@ MAX_LINES = 500
 
 LAYERS: list[tuple[str, ...]] = [
     # stages of one level may not import each other
-    ("base",),  # tierckpt/errors.py, checksum.py, background.py, lazyexports.py, moved.py
+    ("base",),  # tierckpt/errors.py, checksum.py, background.py, lazyexports.py, moved.py, loading.py
     ("config",),
     ("tiers",),
     ("format",),
@@ -42,7 +42,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("api",),  # the package root: tierckpt/__init__.py
     ("integrations", "testing", "restore"),
 ]
-BASE = {"tierckpt.errors", "tierckpt.checksum", "tierckpt.background", "tierckpt.lazyexports", "tierckpt.moved"}
+BASE = {"tierckpt.errors", "tierckpt.checksum", "tierckpt.background", "tierckpt.lazyexports", "tierckpt.moved",
+        "tierckpt.loading"}
 LEVEL = {stage: level for level, stages in enumerate(LAYERS) for stage in stages}
 
 

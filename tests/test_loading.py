@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tierckpt import TieredReader, TieredWriter, loading
 from tierckpt.capture.pool import HostPool
+from tierckpt.chain.engine import get_engine
 from tierckpt.config import HostConfig, LocalConfig, TierConfig
-from tierckpt.engine import get_engine
 from tierckpt.errors import TierckptError
 
 MiB = 1 << 20

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 from collections.abc import Callable
 from typing import ClassVar
-import time
 
 import torch
 

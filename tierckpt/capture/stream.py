@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
+from .. import loading
 from ..background import Workers
 from ..catalog import lease as leases
-from .. import loading
 from ..checksum import crc32c
 from ..config import Config
 from ..errors import TornCaptureError

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .. import telemetry
+from .. import loading, telemetry
 from ..catalog import lease as leases
 from ..catalog.checkpoints import checkpoint_id_of
 from ..catalog.listing import read_checkpoint_metadata
@@ -44,8 +44,6 @@ from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, Ti
 from ..format.layout import check_checkpoint_id, is_valid_checkpoint_id
 from ..format.layout import padded as _padded
 from ..format.metadata import ItemRecord, item_intact
-from . import loading
-from .fill import LoadFill
 from ..tiers import make_tiers
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
@@ -129,114 +127,6 @@ class TieredReader(MetadataResolution, StorageReader):
         if self._decision is not None:
             self._decision.release()
 
-    def resolve(self) -> str:
-        """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers,
-        in commit order, whose metadata is valid and whose data a tier can serve (anything newer
-        that fails is logged and skipped; see :func:`tierckpt.catalog.find_latest`).
-        In a distributed job with a node-local first tier the answer is the job's, not this
-        node's (:func:`tierckpt.agreement.decide`): then this is a collective of the reader's own
-        group, called by every rank, and raises the same :class:`CheckpointNotFound` on every rank."""
-        group = self._peer_group()
-        if group is not None:
-            return self._agree(group).checkpoint_id
-        if self.checkpoint_id != "latest":
-            return self.checkpoint_id
-        return find_latest(self.tiers).checkpoint_id
-    def _peer_group(self) -> "peers.PeerGroup | None":
-        if self._peers is None and self.tiers:
-            self._peers = peers.PeerGroup.get(self.tiers[0], self.cfg.job.commit_timeout)
-        return self._peers
-    def _agree(self, group: "peers.PeerGroup") -> "agreement.Verdict":
-        """Every rank: agree on the checkpoint (once per load; :mod:`tierckpt.agreement`): this
-        rank's view to the coordinator, the coordinator's verdict to every rank. Raises the same
-        :class:`CheckpointNotFound` on every rank when nothing can be loaded."""
-        if self._verdict is None:
-            try:
-                view, self._docs = agreement.local_view(self.tiers[0], self.checkpoint_id)
-            except Exception as e:  # noqa: BLE001 - still take part in the exchange; the error travels
-                view = agreement.NodeView(self.tiers[0].root_id(), error=f"{type(e).__name__}: {e}")
-            wires = group.collective("agreeing on the checkpoint to load (gathering what each node holds)",
-                                     lambda: group.gather_to(agreement.view_to_wire(view)))
-            wire = None
-            if wires is not None:
-                views = [agreement.view_from_wire(w) for w in wires]
-                self._roots = [v.root for v in views]
-                shared = [t for t in self.tiers[1:] if not t.node_local]
-                names = {cid: agreement.data_files(doc.manifest.files) for cid, (_raw, doc) in self._docs.items()}
-                self._decision = agreement.decide(views, shared, self.checkpoint_id, names=names)
-                wire = agreement.verdict_to_wire(self._decision.verdict)
-            self._verdict = agreement.verdict_from_wire(group.collective(
-                "agreeing on the checkpoint to load (the coordinator's verdict)", lambda: group.broadcast(wire, 0)))
-        if self._verdict.error:
-            raise CheckpointNotFound(self._verdict.error)
-        return self._verdict
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
-        agree here on the checkpoint and share its metadata (see :mod:`tierckpt.agreement`): this
-        is then a collective of the reader's own group, so every rank must load together."""
-        if kwargs.get("rank") is not None and self._failed is not None:
-            # DCP's second try ("rank local metadata") after our first failed: the same answer,
-            # without another collective that some ranks would not join
-            raise self._failed
-        loading.begin(self)  # until read_data is done: the host pool's first touch waits
-        try:
-            group = self._peer_group()
-            if group is not None:
-                return self._read_metadata_with_peers(group)
-            cid = self.resolve()
-            return self._finish_metadata(cid, self._read_local_metadata(cid))
-        except BaseException as e:
-            self._failed = e
-            loading.end(self)
-            raise
-    def _read_metadata_with_peers(self, group: "peers.PeerGroup") -> Metadata:
-        v = self._agree(group)
-        cid = v.checkpoint_id
-        mine = cid in self._docs and self._docs[cid][1].manifest.seq == v.seq
-        if v.md_send:
-            group.transport()  # every rank, at the same point
-        if mine and group.rank == v.md_rank and v.md_send:
-            group.send_bytes(self._docs[cid][0], agreement.expand(v.md_send))
-        source = agreement.metadata_source(v, group.rank, mine)
-        if source == "local":
-            raw, doc = self._docs[cid]
-        else:
-            if source == "peer":
-                raw, where = group.recv_bytes(v.md_rank, v.md_size), f"metadata of {cid} from rank {v.md_rank}"
-            else:
-                from_tier, raw = agreement.read_shared_metadata(self.tiers, v)
-                where = f"metadata of {cid} on {from_tier}"
-            doc = parse_checkpoint_doc(raw, where, cid)
-            if source != "peer":
-                self._shared_doc = (from_tier, doc)  # its index of encoded files: not read again
-            if doc.manifest.seq != v.seq:
-                raise CorruptCheckpoint(f"{where}: commit seq {doc.manifest.seq}, the job agreed on {v.seq}")
-        self._raw_md = raw
-        return self._finish_metadata(cid, (doc.to_metadata(), doc.manifest))
-    def _finish_metadata(self, cid: str, got: tuple) -> Metadata:
-        md, man = got
-        md.storage_meta = StorageMeta(checkpoint_id=cid, save_id=man.save_token, load_id=None, modules=[])
-        for rec in (md.storage_data or {}).values():
-            rec.chunk_size = man.chunk_size  # type: ignore[attr-defined]
-        self.resolved_id = cid
-        self.metadata = md
-        self._manifest = man
-        return md
-    def _read_local_metadata(self, cid: str) -> tuple:
-        errors = []
-        for tier in self.tiers:
-            try:
-                md, man = read_checkpoint_metadata(tier, cid)
-            except CheckpointNotFound:
-                continue
-            except CorruptCheckpoint as e:
-                errors.append(str(e))
-                log.error("%s; trying the next tier", e)
-                continue
-            return md, man
-        if errors:
-            raise CorruptCheckpoint(f"checkpoint {cid}: no tier holds valid metadata: " + "; ".join(errors))
-        raise CheckpointNotFound(f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers))
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.metadata = metadata
         sm = metadata.storage_meta

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from .. import loading
 from ..catalog.listing import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
 from ..chain import peers
 from ..config import TierConfig
@@ -103,6 +104,7 @@ class MetadataResolution:
             # DCP's second try ("rank local metadata") after our first failed: the same answer,
             # without another collective that some ranks would not join
             raise self._failed
+        loading.begin(self)  # until read_data is done: the host pool's first touch waits
         try:
             group = self._peer_group()
             if group is not None:
@@ -111,6 +113,7 @@ class MetadataResolution:
             return self._finish_metadata(cid, self._read_local_metadata(cid))
         except BaseException as e:
             self._failed = e
+            loading.end(self)
             raise
 
     def _read_metadata_with_peers(self, group: peers.PeerGroup) -> Metadata:

@@ -32,8 +32,8 @@ from typing import Any
 
 from ..catalog import listing as catalog
 from ..chain import peers
-from ..codec.view import decoding
 from ..checksum import crc32c
+from ..codec.view import decoding
 from ..format.layout import data_key, metadata_key, padded, piece_bounds
 from ..format.metadata import CheckpointManifest, ItemRecord, metadata_to_json
 from ..load import agreement
