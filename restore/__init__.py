@@ -29,13 +29,24 @@ if TYPE_CHECKING:
 
 _LAZY: dict[str, str] = {
     # public name -> the module defining it (imported on first use: consolidate imports torch)
-    "Latest": ".catalog", "Listing": ".catalog", "find_latest": ".catalog", "list_all": ".catalog",
+    "Latest": ".catalog",
+    "Listing": ".catalog",
+    "find_latest": ".catalog",
+    "list_all": ".catalog",
     "open_tiers": ".catalog",
-    "ConsolidateResult": ".consolidate", "consolidate_checkpoint": ".consolidate",
-    "NotFound": ".errors", "UsageError": ".errors", "VerificationFailed": ".errors",
-    "FetchResult": ".fetch", "fetch_checkpoint": ".fetch",
-    "GcAction": ".gc", "GcResult": ".gc", "gc_checkpoints": ".gc",
-    "Problem": ".verify", "VerifyReport": ".verify", "verify_checkpoint": ".verify",
+    "ConsolidateResult": ".consolidate",
+    "consolidate_checkpoint": ".consolidate",
+    "NotFound": ".errors",
+    "UsageError": ".errors",
+    "VerificationFailed": ".errors",
+    "FetchResult": ".fetch",
+    "fetch_checkpoint": ".fetch",
+    "GcAction": ".gc",
+    "GcResult": ".gc",
+    "gc_checkpoints": ".gc",
+    "Problem": ".verify",
+    "VerifyReport": ".verify",
+    "verify_checkpoint": ".verify",
 }
 
 __all__ = [

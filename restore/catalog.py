@@ -72,7 +72,9 @@ def open_tiers(cfg: TierConfig, only: str | None = None) -> list[Tier]:
             if t not in picked:
                 t.close()
         if not picked:
-            raise UsageError(f"--tier {only}: the configuration{(' ' + cfg.source) if cfg.source else ''} has no [{only}] section")
+            raise UsageError(
+                f"--tier {only}: the configuration{(' ' + cfg.source) if cfg.source else ''} has no [{only}] section"
+            )
         return picked
     return tiers
 
@@ -87,6 +89,7 @@ def key_path(root: Path, key: str) -> Path:
 
 
 # -- list --------------------------------------------------------------------------------------
+
 
 @dataclass
 class TierEntry:
@@ -103,10 +106,16 @@ class TierEntry:
     logical_bytes: int | None = None  # bytes of its data files as saved (None: metadata unreadable)
 
     def to_json(self) -> dict:
-        return {"state": ("committed" if self.order else "committed (unreadable header)") if self.committed else "partial",
-                "size": self.size, "rank_files": self.rank_files, "mtime": self.mtime,
-                "seq": self.order[0] if self.order else None, "peer_copies": self.peer_copies,
-                "stored_bytes": self.stored_bytes, "logical_bytes": self.logical_bytes}
+        return {
+            "state": ("committed" if self.order else "committed (unreadable header)") if self.committed else "partial",
+            "size": self.size,
+            "rank_files": self.rank_files,
+            "mtime": self.mtime,
+            "seq": self.order[0] if self.order else None,
+            "peer_copies": self.peer_copies,
+            "stored_bytes": self.stored_bytes,
+            "logical_bytes": self.logical_bytes,
+        }
 
 
 @dataclass
@@ -153,16 +162,25 @@ def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
     if tier.may_encode and c.committed:  # encoded files: the logical sizes are in this tier's metadata
         try:
             man = read_checkpoint_doc(tier, c.checkpoint_id).manifest
-            logical = sum(man.files[n] if n in man.stored else o.size for n, o in c.objects.items()
-                          if is_data_file(n) and n in man.files)
+            logical = sum(
+                man.files[n] if n in man.stored else o.size
+                for n, o in c.objects.items()
+                if is_data_file(n) and n in man.files
+            )
         except TierckptError as e:
             log.debug("%s/%s: no logical sizes: %s", tier.url, c.checkpoint_id, e)
             logical = None
-    return TierEntry(tier=tier.name, committed=c.committed, size=c.size,
-                     rank_files=sum(1 for n in c.objects if is_data_file(n)),
-                     mtime=c.header.committed if c.header is not None else c.mtime,
-                     order=c.header.order_key() if c.header is not None else (), peer_copies=PEERS in c.objects,
-                     stored_bytes=stored, logical_bytes=logical)
+    return TierEntry(
+        tier=tier.name,
+        committed=c.committed,
+        size=c.size,
+        rank_files=sum(1 for n in c.objects if is_data_file(n)),
+        mtime=c.header.committed if c.header is not None else c.mtime,
+        order=c.header.order_key() if c.header is not None else (),
+        peer_copies=PEERS in c.objects,
+        stored_bytes=stored,
+        logical_bytes=logical,
+    )
 
 
 def list_all(tiers: list[Tier]) -> list[Listing]:
@@ -185,6 +203,7 @@ def list_all(tiers: list[Tier]) -> list[Listing]:
 
 # -- latest ------------------------------------------------------------------------------------
 
+
 def resolve_id(tiers: list[Tier], checkpoint_id: str) -> str:
     """``checkpoint_id`` itself (validated), or the id ``latest`` stands for over ``tiers``."""
     if checkpoint_id == "latest":
@@ -199,8 +218,9 @@ def holding_tiers(tiers: list[Tier], checkpoint_id: str) -> list[Tier]:
     """
     out = [t for t in tiers if t.exists(metadata_key(checkpoint_id))]
     if not out:
-        raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed on any tier: "
-                                 + ", ".join(t.url for t in tiers))
+        raise CheckpointNotFound(
+            f"checkpoint {checkpoint_id} is not committed on any tier: " + ", ".join(t.url for t in tiers)
+        )
     return out
 
 

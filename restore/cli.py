@@ -51,20 +51,30 @@ class _Parser(argparse.ArgumentParser):
 def _common() -> argparse.ArgumentParser:
     """Options accepted before or after the subcommand."""
     c = argparse.ArgumentParser(add_help=False)
-    c.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS,
-                   help="tier configuration (TOML); default: $TIERCKPT_CONFIG")
-    c.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                   help="no progress bars, only errors on stderr")
+    c.add_argument(
+        "--config",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="tier configuration (TOML); default: $TIERCKPT_CONFIG",
+    )
+    c.add_argument(
+        "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars, only errors on stderr"
+    )
     c.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what is done")
     return c
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    p = _Parser(prog=PROG, parents=[common], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                description="Inspect, verify, fetch, consolidate and clean up tierckpt checkpoints "
-                            "(local tier and S3 tier of one configuration); draw their timeline and advise "
-                            "how often to checkpoint.")
+    p = _Parser(
+        prog=PROG,
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Inspect, verify, fetch, consolidate and clean up tierckpt checkpoints "
+        "(local tier and S3 tier of one configuration); draw their timeline and advise "
+        "how often to checkpoint.",
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for mod in COMMANDS:

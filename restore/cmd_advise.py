@@ -26,20 +26,40 @@ def _duration(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("advise", parents=parents, help="the checkpoint interval minimising expected lost time",
-                       description="Print the checkpoint interval that minimises the expected time lost to checkpoints "
-                                   "and failures (Young's and Daly's formulas), from the job's measured cost per "
-                                   "checkpoint (its history in _history/: time training was blocked, CPU seconds of the "
-                                   "background work) and the mean time between failures you give. Prints the formulas "
-                                   "and every input.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mtbf", type=_duration, required=True, metavar="DURATION",
-                   help="mean time between failures of the whole job (8h, 90m, 2d, or seconds)")
-    p.add_argument("--cpu-weight", type=float, default=1.0, metavar="W",
-                   help="training seconds lost per background CPU second: 1 (default) when training uses every core, "
-                        "0 when it leaves cores idle")
-    p.add_argument("--restart", type=_duration, default=0.0, metavar="DURATION",
-                   help="time to restart the job after a failure (only the expected loss depends on it; default 0)")
+    p = sub.add_parser(
+        "advise",
+        parents=parents,
+        help="the checkpoint interval minimising expected lost time",
+        description="Print the checkpoint interval that minimises the expected time lost to checkpoints "
+        "and failures (Young's and Daly's formulas), from the job's measured cost per "
+        "checkpoint (its history in _history/: time training was blocked, CPU seconds of the "
+        "background work) and the mean time between failures you give. Prints the formulas "
+        "and every input.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--mtbf",
+        type=_duration,
+        required=True,
+        metavar="DURATION",
+        help="mean time between failures of the whole job (8h, 90m, 2d, or seconds)",
+    )
+    p.add_argument(
+        "--cpu-weight",
+        type=float,
+        default=1.0,
+        metavar="W",
+        help="training seconds lost per background CPU second: 1 (default) when training uses every core, "
+        "0 when it leaves cores idle",
+    )
+    p.add_argument(
+        "--restart",
+        type=_duration,
+        default=0.0,
+        metavar="DURATION",
+        help="time to restart the job after a failure (only the expected loss depends on it; default 0)",
+    )
     p.add_argument("--last", type=int, default=20, metavar="N", help="checkpoints to measure (default the 20 newest)")
     add_json(p)
     p.set_defaults(func=run)
@@ -54,22 +74,30 @@ def _t(s: float) -> str:
 
 def lines(a: Advice) -> list[str]:
     i = a.inputs
-    out = [f"checkpoint interval advice from {len(i.checkpoints)} checkpoint(s) ({i.checkpoints[0]} .. "
-           f"{i.checkpoints[-1]}), {i.ranks} rank(s)", "", "inputs:",
-           f"  M   mean time between failures               {_t(a.mtbf_s)}   (--mtbf)",
-           f"  B   blocked per checkpoint                   {_t(i.blocked_s)}   (median of the slowest rank's "
-           "blocked_in_save + prestep_wait)",
-           f"  C   background CPU per checkpoint            {_t(i.background_cpu_s)}   (median of the busiest rank's "
-           "capture, CRC and write CPU seconds)",
-           f"  w   training seconds per background CPU s    {a.cpu_weight:g}   (--cpu-weight)",
-           f"  δ = B + w·C   cost of one checkpoint         {_t(a.delta_s)}",
-           f"  R   restart time                             {_t(a.restart_s) if a.restart_s else '0 s'}   (--restart)"]
+    out = [
+        f"checkpoint interval advice from {len(i.checkpoints)} checkpoint(s) ({i.checkpoints[0]} .. "
+        f"{i.checkpoints[-1]}), {i.ranks} rank(s)",
+        "",
+        "inputs:",
+        f"  M   mean time between failures               {_t(a.mtbf_s)}   (--mtbf)",
+        f"  B   blocked per checkpoint                   {_t(i.blocked_s)}   (median of the slowest rank's "
+        "blocked_in_save + prestep_wait)",
+        f"  C   background CPU per checkpoint            {_t(i.background_cpu_s)}   (median of the busiest rank's "
+        "capture, CRC and write CPU seconds)",
+        f"  w   training seconds per background CPU s    {a.cpu_weight:g}   (--cpu-weight)",
+        f"  δ = B + w·C   cost of one checkpoint         {_t(a.delta_s)}",
+        f"  R   restart time                             {_t(a.restart_s) if a.restart_s else '0 s'}   (--restart)",
+    ]
     if i.safe_s is not None:
         out.append(f"      (a save is committed on the first tier {_t(i.safe_s)} after it starts)")
-    out += ["", "formulas (τ: seconds of training between checkpoints):",
-            f"  Young  τ = sqrt(2·δ·M)                                     = {_t(a.young_s)}",
-            f"  Daly   τ = sqrt(2·δ·M)·[1 + ⅓·sqrt(δ/2M) + ⅑·(δ/2M)] − δ  = {_t(a.daly_s)}",
-            "  lost   waste(τ) = M·e^(R/M)·(e^((τ+δ)/M) − 1)/τ − 1", ""]
+    out += [
+        "",
+        "formulas (τ: seconds of training between checkpoints):",
+        f"  Young  τ = sqrt(2·δ·M)                                     = {_t(a.young_s)}",
+        f"  Daly   τ = sqrt(2·δ·M)·[1 + ⅓·sqrt(δ/2M) + ⅑·(δ/2M)] − δ  = {_t(a.daly_s)}",
+        "  lost   waste(τ) = M·e^(R/M)·(e^((τ+δ)/M) − 1)/τ − 1",
+        "",
+    ]
     every = f"checkpoint every {_t(a.daly_s)} of training"
     if a.steps is not None and i.s_per_step:
         every += f" ≈ every {a.steps} steps (at the measured {i.s_per_step:.3g} s per step)"

@@ -30,22 +30,40 @@ def rank_arg(value: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("fetch", parents=parents, help="copy a checkpoint from other nodes or S3 to the local tier",
-                       description="Copy a committed checkpoint into the local tier with parallel ranged reads, "
-                                   "verifying every CRC32C: from other nodes' directories readable here when the "
-                                   "[local] path is node-local ({node}: their own files and peer copies), then from "
-                                   "S3 (a range that fails on one source comes from the next; the output says where "
-                                   "each file came from). Interrupted fetches resume where they stopped "
-                                   "(run the same command again). Files already present and intact are skipped. "
-                                   "metadata.json is written last, so the local copy becomes committed only when "
-                                   "complete. With --rank only the files written by those ranks are fetched; the "
-                                   "reader takes the other files from S3.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", metavar="ID|latest", type=checkpoint_ref, help="checkpoint id, or 'latest' (the newest the sources hold in full)")
-    p.add_argument("--rank", type=rank_arg, action="append", metavar="R",
-                   help="fetch only the data file written by rank R, an integer >= 0 (repeatable)")
-    p.add_argument("--no-peers", action="store_true",
-                   help="take every file from the shared tiers (S3), never from other nodes' directories")
+    p = sub.add_parser(
+        "fetch",
+        parents=parents,
+        help="copy a checkpoint from other nodes or S3 to the local tier",
+        description="Copy a committed checkpoint into the local tier with parallel ranged reads, "
+        "verifying every CRC32C: from other nodes' directories readable here when the "
+        "[local] path is node-local ({node}: their own files and peer copies), then from "
+        "S3 (a range that fails on one source comes from the next; the output says where "
+        "each file came from). Interrupted fetches resume where they stopped "
+        "(run the same command again). Files already present and intact are skipped. "
+        "metadata.json is written last, so the local copy becomes committed only when "
+        "complete. With --rank only the files written by those ranks are fetched; the "
+        "reader takes the other files from S3.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="ID|latest",
+        type=checkpoint_ref,
+        help="checkpoint id, or 'latest' (the newest the sources hold in full)",
+    )
+    p.add_argument(
+        "--rank",
+        type=rank_arg,
+        action="append",
+        metavar="R",
+        help="fetch only the data file written by rank R, an integer >= 0 (repeatable)",
+    )
+    p.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="take every file from the shared tiers (S3), never from other nodes' directories",
+    )
     add_json(p)
     p.set_defaults(func=run, interrupt_hint="run the same command again to resume the fetch")
 
@@ -53,7 +71,9 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
 def run(args: argparse.Namespace) -> int:
     from .fetch import fetch_checkpoint  # on use: --help and the other commands do not pay for its imports
 
-    res = fetch_checkpoint(args.config, args.checkpoint, ranks=args.rank, progress=not args.quiet, peers=not args.no_peers)
+    res = fetch_checkpoint(
+        args.config, args.checkpoint, ranks=args.rank, progress=not args.quiet, peers=not args.no_peers
+    )
     if args.json:
         print_json(res.to_json())
         return 0
@@ -72,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         by_source[src] = by_source.get(src, 0) + 1
     if by_source:
         notes.append("from " + ", ".join(f"{src}: {n}" for src, n in sorted(by_source.items())))
-    print(f"fetched {res.checkpoint_id}{which} to {res.local_url}: {len(res.files)} file(s)"
-          + (f" ({'; '.join(notes)})" if notes else "")
-          + f", {human_size(res.bytes_downloaded)} downloaded, {human_size(res.bytes_reused)} reused, in {res.seconds:.1f} s")
+    print(
+        f"fetched {res.checkpoint_id}{which} to {res.local_url}: {len(res.files)} file(s)"
+        + (f" ({'; '.join(notes)})" if notes else "")
+        + f", {human_size(res.bytes_downloaded)} downloaded, {human_size(res.bytes_reused)} reused, in {res.seconds:.1f} s"
+    )
     return 0

@@ -15,14 +15,19 @@ EPILOG = """examples:
 
 
 def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("latest", parents=parents, help="print the newest committed checkpoint id",
-                       description="Print the id of the newest committed checkpoint over all tiers (the one "
-                                   "TieredReader loads for 'latest'; tiers are compared by the commit order in the "
-                                   "metadata). With a node-local [local] path ({node}) the other nodes' directories "
-                                   "readable here count too, as in a distributed load: the newest checkpoint whose "
-                                   "every file this node, another node (peer copies included) or S3 holds. Exit "
-                                   "status 1 when no tier holds a committed checkpoint.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "latest",
+        parents=parents,
+        help="print the newest committed checkpoint id",
+        description="Print the id of the newest committed checkpoint over all tiers (the one "
+        "TieredReader loads for 'latest'; tiers are compared by the commit order in the "
+        "metadata). With a node-local [local] path ({node}) the other nodes' directories "
+        "readable here count too, as in a distributed load: the newest checkpoint whose "
+        "every file this node, another node (peer copies included) or S3 holds. Exit "
+        "status 1 when no tier holds a committed checkpoint.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_json(p)
     add_tier(p)
     p.set_defaults(func=run)

@@ -16,10 +16,15 @@ EPILOG = """examples:
 
 
 def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("list", parents=parents, help="list checkpoints on every tier",
-                       description="List every checkpoint on every configured tier: id, step, committed or partial "
-                                   "per tier, size, number of rank files, age (since commit, or last write).",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "list",
+        parents=parents,
+        help="list checkpoints on every tier",
+        description="List every checkpoint on every configured tier: id, step, committed or partial "
+        "per tier, size, number of rank files, age (since commit, or last write).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_json(p)
     add_tier(p)
     p.set_defaults(func=run)
@@ -46,12 +51,28 @@ def run(args: argparse.Namespace) -> int:
     for l in listings:
         best = l.best()
         counts = {e.rank_files for e in l.tiers.values()}
-        files = str(best.rank_files) if len(counts) == 1 else "/".join(
-            str(l.tiers[n].rank_files) if n in l.tiers else "-" for n in names)
+        files = (
+            str(best.rank_files)
+            if len(counts) == 1
+            else "/".join(str(l.tiers[n].rank_files) if n in l.tiers else "-" for n in names)
+        )
         states = [("committed" if l.tiers[n].committed else "partial") if n in l.tiers else "-" for n in names]
         peer = ["yes" if any(e.peer_copies for e in l.tiers.values()) else "-"] if any_peer else []
-        rows.append([l.checkpoint_id, "-" if l.step is None else l.step, *states, *peer, human_size(best.size), files,
-                     human_age(now - l.newest)])
-    print(table(["ID", "STEP", *(n.upper() for n in names), *(["PEER COPIES"] if any_peer else []), "SIZE", "FILES",
-                 "AGE"], rows))
+        rows.append(
+            [
+                l.checkpoint_id,
+                "-" if l.step is None else l.step,
+                *states,
+                *peer,
+                human_size(best.size),
+                files,
+                human_age(now - l.newest),
+            ]
+        )
+    print(
+        table(
+            ["ID", "STEP", *(n.upper() for n in names), *(["PEER COPIES"] if any_peer else []), "SIZE", "FILES", "AGE"],
+            rows,
+        )
+    )
     return 0

@@ -21,12 +21,17 @@ needs matplotlib: pip install "tierckpt[plot]"
 
 
 def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("timeline", parents=parents, help="draw the phases of the last checkpoints (PNG)",
-                       description="Draw, for the last checkpoints saved, each phase (blocked in save, pre-step wait, "
-                                   "capture, flush, commit, each hop of the chain) on each rank against wall time, from "
-                                   "the history each rank keeps in _history/ on its local tier (other nodes' too when "
-                                   "their directories are readable here). Prints a table of the same checkpoints.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "timeline",
+        parents=parents,
+        help="draw the phases of the last checkpoints (PNG)",
+        description="Draw, for the last checkpoints saved, each phase (blocked in save, pre-step wait, "
+        "capture, flush, commit, each hop of the chain) on each rank against wall time, from "
+        "the history each rank keeps in _history/ on its local tier (other nodes' too when "
+        "their directories are readable here). Prints a table of the same checkpoints.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--last", type=int, default=5, metavar="N", help="the N newest checkpoints (default 5; 0: all kept)")
     p.add_argument("--out", default="timeline.png", metavar="PATH", help="picture to write (default timeline.png)")
     p.add_argument("--ranks", default=None, metavar="R,R,...", help="ranks to draw (default: the first 8)")
@@ -49,9 +54,14 @@ def _row(run: CheckpointRun) -> list[str]:
 
     hops = sorted({p.name for r in run.ranks for p in r.phases if p.tier is not None})
     cells = [f"{worst(n):.3f}" for n in ("blocked_in_save", "prestep_wait", "capture", "flush", "commit")]
-    return [run.checkpoint_id, str(len(run.ranks)), *cells,
-            " ".join(f"{h[4:]}={worst(h):.2f}" for h in hops) or "-", f"{run.end - run.start:.2f}",
-            "failed" if run.failed else "ok"]
+    return [
+        run.checkpoint_id,
+        str(len(run.ranks)),
+        *cells,
+        " ".join(f"{h[4:]}={worst(h):.2f}" for h in hops) or "-",
+        f"{run.end - run.start:.2f}",
+        "failed" if run.failed else "ok",
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,11 +73,19 @@ def run(args: argparse.Namespace) -> int:
     if ranks is not None and not set(ranks) & set(present):
         raise UsageError(f"--ranks {args.ranks}: no such rank in the history (ranks there: {present})")
     if args.json:
-        print_json([{"id": r.checkpoint_id, "token": r.token, "step": r.step, "ranks": [x.to_json() for x in r.ranks]}
-                    for r in runs])
+        print_json(
+            [
+                {"id": r.checkpoint_id, "token": r.token, "step": r.step, "ranks": [x.to_json() for x in r.ranks]}
+                for r in runs
+            ]
+        )
         return 0
-    print(table(["ID", "RANKS", "BLOCKED", "PRESTEP", "CAPTURE", "FLUSH", "COMMIT", "HOPS", "TOTAL", ""],
-                [_row(r) for r in runs]))
+    print(
+        table(
+            ["ID", "RANKS", "BLOCKED", "PRESTEP", "CAPTURE", "FLUSH", "COMMIT", "HOPS", "TOTAL", ""],
+            [_row(r) for r in runs],
+        )
+    )
     print("(seconds, slowest rank; CAPTURE and FLUSH count from the start of the save)")
     from tierckpt.telemetry.timeline import draw
 

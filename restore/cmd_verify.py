@@ -15,12 +15,17 @@ EPILOG = """examples:
 
 
 def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("verify", parents=parents, help="check sizes and CRC32C of a checkpoint on every tier",
-                       description="Check a committed checkpoint on every tier holding it: metadata, the size of "
-                                   "every data file, and the CRC32C of every byte (files are read in large "
-                                   "sequential ranges). Prints what is bad (tier, file, item) and exits 1 on any "
-                                   "problem.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "verify",
+        parents=parents,
+        help="check sizes and CRC32C of a checkpoint on every tier",
+        description="Check a committed checkpoint on every tier holding it: metadata, the size of "
+        "every data file, and the CRC32C of every byte (files are read in large "
+        "sequential ranges). Prints what is bad (tier, file, item) and exits 1 on any "
+        "problem.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("checkpoint", metavar="ID|latest", type=checkpoint_ref, help="checkpoint id, or 'latest'")
     add_json(p)
     add_tier(p)
@@ -37,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
         for t in rep.tiers:
             state = "OK" if t.ok else f"{len(t.problems)} problem(s)"
             absent = f", {len(t.absent)} file(s) not on this tier" if t.absent else ""
-            print(f"{rep.checkpoint_id} on {t.tier} ({t.url}): {t.files_checked} file(s), "
-                  f"{human_size(t.bytes_checked)} checked{absent}: {state}")
+            print(
+                f"{rep.checkpoint_id} on {t.tier} ({t.url}): {t.files_checked} file(s), "
+                f"{human_size(t.bytes_checked)} checked{absent}: {state}"
+            )
             for p in t.problems:
                 print(f"  BAD {p.describe()}")
         for p in rep.problems:

@@ -60,11 +60,24 @@ log = logging.getLogger("tierckpt.restore")
 BATCH_BYTES = 64 << 20
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
 }
 _FORMATS = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt", ".bin": "pt"}
 
@@ -126,9 +139,16 @@ def output_format(out: Path, fmt: str | None) -> str:
     return f
 
 
-def consolidate_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_id: str = "latest", *,
-                           out: str | os.PathLike, keys: list[str] | None = None, exclude: list[str] | None = None,
-                           fmt: str | None = None, progress: bool = True) -> ConsolidateResult:
+def consolidate_checkpoint(
+    config: TierConfig | str | os.PathLike | None,
+    checkpoint_id: str = "latest",
+    *,
+    out: str | os.PathLike,
+    keys: list[str] | None = None,
+    exclude: list[str] | None = None,
+    fmt: str | None = None,
+    progress: bool = True,
+) -> ConsolidateResult:
     """Write checkpoint ``checkpoint_id`` (or ``"latest"``) as one full state dict file ``out``.
 
     Args:
@@ -153,21 +173,29 @@ def consolidate_checkpoint(config: TierConfig | str | os.PathLike | None, checkp
         res = ConsolidateResult(src.checkpoint_id, str(out_path), fmt)
         chosen = select_keys(md.state_dict_metadata, keys, exclude)
         if not chosen:
-            raise NotFound(f"checkpoint {src.checkpoint_id}: no key matches"
-                           + (f" --keys {' '.join(keys)}" if keys else "") + (f" --exclude {' '.join(exclude)}" if exclude else "")
-                           + f" ({len(md.state_dict_metadata)} keys, e.g. {next(iter(md.state_dict_metadata), '-')!r})")
+            raise NotFound(
+                f"checkpoint {src.checkpoint_id}: no key matches"
+                + (f" --keys {' '.join(keys)}" if keys else "")
+                + (f" --exclude {' '.join(exclude)}" if exclude else "")
+                + f" ({len(md.state_dict_metadata)} keys, e.g. {next(iter(md.state_dict_metadata), '-')!r})"
+            )
         tensors, objects = _plan(src, chosen)
         if fmt == "safetensors":
             res.skipped = [fqn for fqn, _ in objects]
             if res.skipped:
-                log.warning("safetensors holds tensors only: leaving out %d non-tensor key(s): %s",
-                            len(res.skipped), ", ".join(res.skipped[:5]) + (" ..." if len(res.skipped) > 5 else ""))
+                log.warning(
+                    "safetensors holds tensors only: leaving out %d non-tensor key(s): %s",
+                    len(res.skipped),
+                    ", ".join(res.skipped[:5]) + (" ..." if len(res.skipped) > 5 else ""),
+                )
             objects = []
             unsupported = [t for t in tensors if t.dtype not in SAFETENSORS_DTYPES]
             if unsupported:
                 t = unsupported[0]
-                raise UsageError(f"{t.fqn!r} is {str(t.dtype).removeprefix('torch.')}, which safetensors cannot store: "
-                                 "write a .pt file or --exclude it")
+                raise UsageError(
+                    f"{t.fqn!r} is {str(t.dtype).removeprefix('torch.')}, which safetensors cannot store: "
+                    "write a .pt file or --exclude it"
+                )
         values = _load_objects(src, objects)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
@@ -175,7 +203,9 @@ def consolidate_checkpoint(config: TierConfig | str | os.PathLike | None, checkp
             if fmt == "safetensors":
                 writer: _Writer = _SafetensorsWriter(tmp, tensors, src.checkpoint_id)
             else:
-                writer = _TorchSaveWriter(tmp, tensors, values, [f for f in chosen if f in values or f in {t.fqn for t in tensors}])
+                writer = _TorchSaveWriter(
+                    tmp, tensors, values, [f for f in chosen if f in values or f in {t.fqn for t in tensors}]
+                )
             try:
                 _copy_tensors(src, tensors, writer, res, progress)
                 writer.finish()
@@ -222,13 +252,19 @@ def _plan(src: CheckpointSource, chosen: list[str]) -> tuple[list[_Tensor], list
             off, sizes = tuple(c.offsets), tuple(c.sizes)
             rec = by_key.get((fqn, off))
             if rec is None:
-                raise CorruptCheckpoint(f"checkpoint {src.checkpoint_id}: no stored item for {fqn!r} at offset {list(off)}")
+                raise CorruptCheckpoint(
+                    f"checkpoint {src.checkpoint_id}: no stored item for {fqn!r} at offset {list(off)}"
+                )
             if tuple(rec.shape) != sizes or rec.dtype != dtname:
-                raise CorruptCheckpoint(f"checkpoint {src.checkpoint_id}: {fqn!r} at offset {list(off)}: stored "
-                                        f"{rec.dtype}{list(rec.shape)}, metadata says {dtname}{list(sizes)}")
+                raise CorruptCheckpoint(
+                    f"checkpoint {src.checkpoint_id}: {fqn!r} at offset {list(off)}: stored "
+                    f"{rec.dtype}{list(rec.shape)}, metadata says {dtname}{list(sizes)}"
+                )
             if len(off) != len(shape) or any(o + s > d for o, s, d in zip(off, sizes, shape)):
-                raise CorruptCheckpoint(f"checkpoint {src.checkpoint_id}: {fqn!r}: chunk at {list(off)} of size "
-                                        f"{list(sizes)} is outside the tensor {list(shape)}")
+                raise CorruptCheckpoint(
+                    f"checkpoint {src.checkpoint_id}: {fqn!r}: chunk at {list(off)} of size "
+                    f"{list(sizes)} is outside the tensor {list(shape)}"
+                )
             n = 1
             for s in sizes:
                 n *= s
@@ -238,8 +274,10 @@ def _plan(src: CheckpointSource, chosen: list[str]) -> tuple[list[_Tensor], list
         for s in shape:
             total *= s
         if covered != total:
-            raise CorruptCheckpoint(f"checkpoint {src.checkpoint_id}: the chunks of {fqn!r} hold {covered} of its "
-                                    f"{total} elements (a shard is missing from the metadata)")
+            raise CorruptCheckpoint(
+                f"checkpoint {src.checkpoint_id}: the chunks of {fqn!r} hold {covered} of its "
+                f"{total} elements (a shard is missing from the metadata)"
+            )
         tensors.append(_Tensor(fqn, m.properties.dtype, shape, chunks))
     return tensors, objects
 
@@ -252,8 +290,10 @@ def _load_objects(src: CheckpointSource, objects: list[tuple[str, ItemRecord]]) 
         try:
             values[fqn] = torch.load(io.BytesIO(bytes(bufs[fqn])), weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure: refuse that key
-            raise UsageError(f"checkpoint {src.checkpoint_id}: non-tensor item {fqn!r} cannot be loaded with "
-                             f"weights_only=True ({type(e).__name__}); leave it out with --exclude {fqn}") from None
+            raise UsageError(
+                f"checkpoint {src.checkpoint_id}: non-tensor item {fqn!r} cannot be loaded with "
+                f"weights_only=True ({type(e).__name__}); leave it out with --exclude {fqn}"
+            ) from None
     return values
 
 
@@ -276,8 +316,9 @@ def _batches(tensors: list[_Tensor]) -> list[list[_Tensor]]:
     return out
 
 
-def _copy_tensors(src: CheckpointSource, tensors: list[_Tensor], writer: _Writer, res: ConsolidateResult,
-                  progress: bool) -> None:
+def _copy_tensors(
+    src: CheckpointSource, tensors: list[_Tensor], writer: _Writer, res: ConsolidateResult, progress: bool
+) -> None:
     bar = progress_bar(sum(t.nbytes for t in tensors), f"consolidate {src.checkpoint_id}", progress)
     try:
         for batch in _batches(tensors):
@@ -341,7 +382,11 @@ class _SafetensorsWriter(_Writer):
         for t in tensors:
             if t.fqn == "__metadata__":
                 raise UsageError("a key named '__metadata__' cannot be stored in safetensors; --exclude it")
-            header[t.fqn] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            header[t.fqn] = {
+                "dtype": SAFETENSORS_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [off, off + t.nbytes],
+            }
             self.offsets[t.fqn] = off
             off += t.nbytes
         hb = json.dumps(header, separators=(",", ":")).encode()
@@ -381,7 +426,9 @@ class _TorchSaveWriter(_Writer):
         for t in tensors:
             off = getattr(loaded[t.fqn].untyped_storage(), "_checkpoint_offset", None)
             if off is None:
-                raise UsageError(f"torch {torch.__version__} does not report storage offsets: write .safetensors instead")
+                raise UsageError(
+                    f"torch {torch.__version__} does not report storage offsets: write .safetensors instead"
+                )
             self.offsets[t.fqn] = int(off)
         del loaded
         self.crcs: dict[int, int] = {}  # storage data offset -> CRC-32 of its bytes
@@ -423,7 +470,7 @@ def _patch_zip_crcs(path: Path, fd: int, crcs: dict[int, int]) -> None:
         pos = zf.start_dir
     for info in infos:
         cd = os.pread(fd, 46, pos)
-        sig, = struct.unpack_from("<I", cd, 0)
+        (sig,) = struct.unpack_from("<I", cd, 0)
         if sig != _CD_SIG:
             raise CorruptCheckpoint(f"{path}: unexpected zip central directory layout")
         n, m, k = struct.unpack_from("<HHH", cd, 28)

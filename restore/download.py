@@ -57,7 +57,9 @@ class FilePlan:
     """One data file being fetched into ``local``: its resumable sink, the ranges still missing,
     the sources holding it (fastest first) and those that served it."""
 
-    def __init__(self, local: Tier, cid: str, token: str, fc: FileCheck, range_size: int, sources: list[Source]) -> None:
+    def __init__(
+        self, local: Tier, cid: str, token: str, fc: FileCheck, range_size: int, sources: list[Source]
+    ) -> None:
         self.local = local
         self.cid = cid
         self.fc = fc
@@ -85,20 +87,31 @@ class FilePlan:
                     self.state = "skipped"
                     self.reused = self.size
                     return
-                log.warning("%s/%s: %d of %d ranges fail their checksums; downloading them again",
-                            self.local.url, self.key, len(self.ranges) - len(good), len(self.ranges))
+                log.warning(
+                    "%s/%s: %d of %d ranges fail their checksums; downloading them again",
+                    self.local.url,
+                    self.key,
+                    len(self.ranges) - len(good),
+                    len(self.ranges),
+                )
                 adopt = True
                 self.state = "repaired"
             else:
-                log.warning("%s/%s has %d bytes, the manifest says %d; downloading it again",
-                            self.local.url, self.key, got, self.size)
+                log.warning(
+                    "%s/%s has %d bytes, the manifest says %d; downloading it again",
+                    self.local.url,
+                    self.key,
+                    got,
+                    self.size,
+                )
                 self.local.delete(self.key)
         try:
             self.sink = self.local.open_resumable(self.key, self.size, block=self.range_size, tag=self.tag, adopt=adopt)
         except TierError as e:
             if e.errno == errno.EBUSY:
-                raise TierckptError(f"another fetch of {self.cid} into {self.local.url} is running ({e}); "
-                                    "wait for it, or stop it") from None
+                raise TierckptError(
+                    f"another fetch of {self.cid} into {self.local.url} is running ({e}); wait for it, or stop it"
+                ) from None
             raise
         sink = self.sink
         if adopt:
@@ -280,16 +293,29 @@ def _read_range(cid: str, p: FilePlan, start: int, view: memoryview) -> tuple[st
                 raise
             bad_everywhere = False
             failures.append(f"{src.label}: {e}")
-            log.warning("%s/%s [%d, %d): cannot read it from %s (%s); trying the next source", cid, p.file, start,
-                        start + len(view), src.label, e)
+            log.warning(
+                "%s/%s [%d, %d): cannot read it from %s (%s); trying the next source",
+                cid,
+                p.file,
+                start,
+                start + len(view),
+                src.label,
+                e,
+            )
             continue
         retried += reads - 1
         if not bad:
             return src.label, retried
         failures.append(f"{src.label}: {bad[0].describe()}")
         if src is not p.sources[-1]:
-            log.warning("%s/%s: %s from %s fails its CRC32C after %d reads; trying the next source", cid, p.file,
-                        bad[0].describe(), src.label, reads)
+            log.warning(
+                "%s/%s: %s from %s fails its CRC32C after %d reads; trying the next source",
+                cid,
+                p.file,
+                bad[0].describe(),
+                src.label,
+                reads,
+            )
     if not p.sources:
         raise CheckpointNotFound(f"checkpoint {cid}: data file {p.file} is on no readable node and on no shared tier")
     names = [s.label if s.tier.node_local else s.tier.name.upper() for s in p.sources]

@@ -95,7 +95,9 @@ def _botocore_message(e: BaseException) -> tuple[str, int] | None:
         err = e.response.get("Error", {})
         code = err.get("Code", "error")
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
-        return f"S3 {e.operation_name} failed: {code} (HTTP {status}): {err.get('Message', '')}".rstrip(": "), EXIT_OTHER
+        return f"S3 {e.operation_name} failed: {code} (HTTP {status}): {err.get('Message', '')}".rstrip(
+            ": "
+        ), EXIT_OTHER
     if isinstance(e, bx.BotoCoreError):
         return f"S3: {type(e).__name__}: {e}", EXIT_OTHER
     return None

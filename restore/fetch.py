@@ -87,7 +87,6 @@ __all__ = ["SIDECAR_FORMAT", "FetchResult", "fetch_checkpoint"]
 log = logging.getLogger("tierckpt.restore")
 
 
-
 @dataclass
 class FetchResult:
     """What :func:`fetch_checkpoint` did."""
@@ -114,8 +113,13 @@ class FetchResult:
         return d
 
 
-def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_id: str = "latest",
-                     ranks: Iterable[int] | None = None, progress: bool = True, peers: bool = True) -> FetchResult:
+def fetch_checkpoint(
+    config: TierConfig | str | os.PathLike | None,
+    checkpoint_id: str = "latest",
+    ranks: Iterable[int] | None = None,
+    progress: bool = True,
+    peers: bool = True,
+) -> FetchResult:
     """Copy committed checkpoint ``checkpoint_id`` (or ``"latest"``) into the local tier from
     other nodes' directories readable here and from the shared tiers (S3).
 
@@ -151,15 +155,23 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
         nodes = open_peer_nodes(cfg, tiers) if peers else []
         if not shared and not nodes:
             where = f" {cfg.source}" if cfg.source else ""
-            raise UsageError("fetch copies from [s3] or from other nodes' [local] directories ({node}) to [local]: "
-                             + (f"the configuration{where} has no [s3] section and no other node's directory is "
-                                "readable here" if local.node_local else f"the configuration{where} needs both sections"))
+            raise UsageError(
+                "fetch copies from [s3] or from other nodes' [local] directories ({node}) to [local]: "
+                + (
+                    f"the configuration{where} has no [s3] section and no other node's directory is readable here"
+                    if local.node_local
+                    else f"the configuration{where} needs both sections"
+                )
+            )
         cid = _resolve(cfg, tiers, shared, nodes, checkpoint_id)
         sources = _holders(cid, shared, nodes)
         if not sources:
             here = " (the local tier holds a committed copy already)" if local.exists(metadata_key(cid)) else ""
-            raise CheckpointNotFound(f"checkpoint {cid} is not committed on "
-                                     + ", ".join([t.url for t in shared] + [n.tier.url for n in nodes]) + here)
+            raise CheckpointNotFound(
+                f"checkpoint {cid} is not committed on "
+                + ", ".join([t.url for t in shared] + [n.tier.url for n in nodes])
+                + here
+            )
         # Leases: gc or retention anywhere leave the sources and the local files alone meanwhile.
         for src in sources:
             try:
@@ -187,8 +199,9 @@ def fetch_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_i
         for file in sorted(selected):
             fc = FileCheck(file, man.files[file], by_file.get(file, []), man.chunk_size)
             if fc.covered != fc.size:
-                raise CorruptCheckpoint(f"{sources[0].tier.url}/{mkey}: the CRC pieces of {file} cover {fc.covered} "
-                                        f"of {fc.size} bytes")
+                raise CorruptCheckpoint(
+                    f"{sources[0].tier.url}/{mkey}: the CRC pieces of {file} cover {fc.covered} of {fc.size} bytes"
+                )
             plans.append(FilePlan(local, cid, man.save_token, fc, rsize, on_nodes.get(file, []) + on_shared))
         for p in plans:
             p.prepare()
@@ -324,8 +337,10 @@ def _local_metadata(local: Tier, cid: str, token: str) -> bytes | None:
         log.warning("%s; replacing it with the source's copy", e)
         return b""
     if man.save_token != token:
-        raise CommitConflict(f"{local.url}/{cid} holds a different save of checkpoint {cid} "
-                             f"(token {man.save_token[:8]}, the source has {token[:8]}); it is never overwritten")
+        raise CommitConflict(
+            f"{local.url}/{cid} holds a different save of checkpoint {cid} "
+            f"(token {man.save_token[:8]}, the source has {token[:8]}); it is never overwritten"
+        )
     return raw
 
 

@@ -54,8 +54,12 @@ class GcResult:
     aborted_uploads: int = 0
 
     def to_json(self) -> dict:
-        return {"dry_run": self.dry_run, "actions": [a.to_json() for a in self.actions], "kept": self.kept,
-                "aborted_uploads": self.aborted_uploads}
+        return {
+            "dry_run": self.dry_run,
+            "actions": [a.to_json() for a in self.actions],
+            "kept": self.kept,
+            "aborted_uploads": self.aborted_uploads,
+        }
 
 
 def owed_to_next_tier(tiers: list[Tier], keep_every: int = 0) -> set[str]:
@@ -77,8 +81,9 @@ def owed_to_next_tier(tiers: list[Tier], keep_every: int = 0) -> set[str]:
     return owed
 
 
-def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bool = False,
-                   tier: str | None = None) -> GcResult:
+def gc_checkpoints(
+    config: TierConfig | str | os.PathLike | None, *, dry_run: bool = False, tier: str | None = None
+) -> GcResult:
     """Apply retention on every configured tier (or only ``tier``); with ``dry_run`` delete nothing.
 
     Returns what went (or would go) and what stays. See the module docstring for the rules.
@@ -93,7 +98,9 @@ def gc_checkpoints(config: TierConfig | str | os.PathLike | None, *, dry_run: bo
         try:
             owed = owed_to_next_tier(every, every[-1].keep_every)
         except TierckptError as e:
-            log.warning("cannot tell which checkpoints are not on %s yet (%s): keeping every committed one", every[-1].url, e)
+            log.warning(
+                "cannot tell which checkpoints are not on %s yet (%s): keeping every committed one", every[-1].url, e
+            )
             owed = {c.checkpoint_id for t in every[:-1] for c in list_checkpoints(t) if c.committed}
         for t in tiers:
             infos = list_checkpoints(t)

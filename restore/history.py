@@ -16,6 +16,9 @@ def load_runs(cfg: TierConfig, last: int | None) -> tuple[list[CheckpointRun], l
     records, places = job_history(cfg)
     runs = group_checkpoints(records)
     if not runs:
-        raise NotFound("no checkpoint history in " + (", ".join(places) or "the configuration") +
-                       " (written by each rank after every save when the first tier is a local disk and [job] history > 0)")
+        raise NotFound(
+            "no checkpoint history in "
+            + (", ".join(places) or "the configuration")
+            + " (written by each rank after every save when the first tier is a local disk and [job] history > 0)"
+        )
     return (runs[-last:] if last else runs), places

@@ -130,5 +130,7 @@ class FileCheck:
                 raise ValueError(f"{self.file}: piece [{p.start}, {p.end}) crosses the range end {end}")
             if crc32c(arr[p.start - start : p.end - start]) != p.crc:
                 idx, _rec = self.items[p.item]
-                bad.append(BadPiece(self.file, idx.fqn, None if idx.offset is None else tuple(idx.offset), p.start, p.end))
+                bad.append(
+                    BadPiece(self.file, idx.fqn, None if idx.offset is None else tuple(idx.offset), p.start, p.end)
+                )
         return bad

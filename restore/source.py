@@ -43,7 +43,9 @@ class CheckpointSource:
     metadata: Metadata
     manifest: CheckpointManifest
 
-    def __init__(self, cfg: TierConfig, checkpoint_id: str = "latest", tier: str | None = None, purpose: str = "") -> None:
+    def __init__(
+        self, cfg: TierConfig, checkpoint_id: str = "latest", tier: str | None = None, purpose: str = ""
+    ) -> None:
         self.cfg = cfg
         self.tiers = open_tiers(cfg, tier)
         self._leases: list[leases.Lease] = []

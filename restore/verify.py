@@ -38,7 +38,6 @@ log = logging.getLogger("tierckpt.restore")
 __all__ = ["Problem", "TierReport", "VerifyReport", "verify_checkpoint"]
 
 
-
 @dataclass
 class Problem:
     """One thing wrong with one tier's copy."""
@@ -71,9 +70,15 @@ class TierReport:
         return not self.problems
 
     def to_json(self) -> dict:
-        return {"tier": self.tier, "url": self.url, "ok": self.ok, "files_checked": self.files_checked,
-                "bytes_checked": self.bytes_checked, "absent": self.absent,
-                "problems": [p.to_json() for p in self.problems]}
+        return {
+            "tier": self.tier,
+            "url": self.url,
+            "ok": self.ok,
+            "files_checked": self.files_checked,
+            "bytes_checked": self.bytes_checked,
+            "absent": self.absent,
+            "problems": [p.to_json() for p in self.problems],
+        }
 
 
 @dataclass
@@ -88,8 +93,13 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict:
-        return {"checkpoint_id": self.checkpoint_id, "ok": self.ok, "seconds": round(self.seconds, 3),
-                "tiers": [t.to_json() for t in self.tiers], "problems": [p.to_json() for p in self.problems]}
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 3),
+            "tiers": [t.to_json() for t in self.tiers],
+            "problems": [p.to_json() for p in self.problems],
+        }
 
 
 @dataclass
@@ -102,8 +112,13 @@ class _Task:
     end: int
 
 
-def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_id: str = "latest", *,
-                      tier: str | None = None, progress: bool = True) -> VerifyReport:
+def verify_checkpoint(
+    config: TierConfig | str | os.PathLike | None,
+    checkpoint_id: str = "latest",
+    *,
+    tier: str | None = None,
+    progress: bool = True,
+) -> VerifyReport:
     """Verify ``checkpoint_id`` (or ``"latest"``) on every tier holding a committed copy.
 
     Args:
@@ -165,21 +180,31 @@ def verify_checkpoint(config: TierConfig | str | os.PathLike | None, checkpoint_
                 rep.files_checked += 1
                 fc = FileCheck(file, want, by_file.get(file, []), man.chunk_size)
                 if fc.covered != want:
-                    rep.problems.append(Problem(t.name, file, "size", f"the CRC pieces cover {fc.covered} of {want} bytes"))
+                    rep.problems.append(
+                        Problem(t.name, file, "size", f"the CRC pieces cover {fc.covered} of {want} bytes")
+                    )
                 for start, end in fc.ranges(rsize):
                     tasks.append(_Task(t, rep, fc, data_key(cid, file), start, end))
         tokens = {name: m.save_token for name, m in manifests.items()}
         if len(set(tokens.values())) > 1:
-            problems.append(Problem(",".join(tokens), "metadata.json", "mismatch",
-                                    "the tiers hold different saves under this id: " +
-                                    ", ".join(f"{n} token {tok[:8]}" for n, tok in tokens.items())))
+            problems.append(
+                Problem(
+                    ",".join(tokens),
+                    "metadata.json",
+                    "mismatch",
+                    "the tiers hold different saves under this id: "
+                    + ", ".join(f"{n} token {tok[:8]}" for n, tok in tokens.items()),
+                )
+            )
         bad_files: set[tuple[str, str]] = set()
         _run(cfg, tasks, progress, cid, bad_files)
         for rep in reports:
             for file in rep.absent:
                 good = [n for n in present.get(file, set()) if (n, file) not in bad_files]
                 if not good:
-                    rep.problems.append(Problem(rep.tier, file, "missing", "absent here, and no other tier holds a good copy"))
+                    rep.problems.append(
+                        Problem(rep.tier, file, "missing", "absent here, and no other tier holds a good copy")
+                    )
             rep.problems.sort(key=lambda p: (p.file, p.kind, p.detail))
         problems = [p for rep in reports for p in rep.problems] + problems
         return VerifyReport(cid, reports, problems, time.perf_counter() - t0)
@@ -203,8 +228,12 @@ def _run(cfg: TierConfig, tasks: list[_Task], progress: bool, cid: str, bad_file
             task.tier.read_into(task.key, task.start, memoryview(buf))
         except (TierckptError, OSError) as e:
             return [Problem(task.tier.name, task.fc.file, "read", f"bytes [{task.start}, {task.end}): {e}")]
-        return [Problem(task.tier.name, b.file, "crc", b.describe(), b.fqn, list(b.offset) if b.offset is not None else None)
-                for b in task.fc.check(task.start, buf)]
+        return [
+            Problem(
+                task.tier.name, b.file, "crc", b.describe(), b.fqn, list(b.offset) if b.offset is not None else None
+            )
+            for b in task.fc.check(task.start, buf)
+        ]
 
     def done(task: _Task, found: list[Problem]) -> None:
         with lock:

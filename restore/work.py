@@ -17,11 +17,20 @@ __all__ = ["BUFFER_BUDGET", "progress_bar", "run_all", "workers_for"]
 
 T = TypeVar("T")
 
+
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> tqdm:
     """A tqdm bar on stderr. ``enabled=True`` shows it on a terminal only; False never."""
     kw: dict[str, Any] = dict(unit_scale=True, unit_divisor=1024) if unit == "B" else {}
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None if enabled else True,
-                dynamic_ncols=True, leave=False, **kw)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        disable=None if enabled else True,
+        dynamic_ncols=True,
+        leave=False,
+        **kw,
+    )
 
 
 def workers_for(tier: Tier, range_size: int, budget: int = BUFFER_BUDGET) -> int:
@@ -31,8 +40,13 @@ def workers_for(tier: Tier, range_size: int, budget: int = BUFFER_BUDGET) -> int
     return workers(tier, range_size, budget)
 
 
-def run_all(fn: Callable[[T], Any], tasks: Iterable[T], workers: int, on_done: Callable[[T, Any], None] | None = None,
-            stop: threading.Event | None = None) -> None:
+def run_all(
+    fn: Callable[[T], Any],
+    tasks: Iterable[T],
+    workers: int,
+    on_done: Callable[[T, Any], None] | None = None,
+    stop: threading.Event | None = None,
+) -> None:
     """Run ``fn(task)`` for every task on ``workers`` threads; ``on_done(task, result)`` in this thread.
 
     The first exception (``KeyboardInterrupt`` in this thread included) sets ``stop``, cancels the

@@ -87,16 +87,23 @@ def _train(args: dict, rank: int, world: int, ref: dict) -> dict:
     width = args.get("width", WIDTH)
     reference = bool(args.get("reference"))
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
-                      project_config=ProjectConfiguration(project_dir=args["dump"], automatic_checkpoint_naming=True,
-                                                          total_limit=2))
+    acc = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+        project_config=ProjectConfiguration(project_dir=args["dump"], automatic_checkpoint_naming=True, total_limit=2),
+    )
     # see the module docstring; PartialState's copy too (AcceleratorState re-reads it when re-made)
     acc.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-                                torch.nn.GELU(), torch.nn.Linear(width, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, 1),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     g = torch.Generator().manual_seed(1234)
@@ -118,9 +125,15 @@ def _train(args: dict, rank: int, world: int, ref: dict) -> dict:
     def state() -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        return {"model": _full(get_model_state_dict(model)), "optim": _full(get_optimizer_state_dict(model, opt)),
-                "sched": sched.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": str(random.getstate()),
-                "np_rng": str(np.random.get_state()), "step": counter.step}
+        return {
+            "model": _full(get_model_state_dict(model)),
+            "optim": _full(get_optimizer_state_dict(model, opt)),
+            "sched": sched.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "py_rng": str(random.getstate()),
+            "np_rng": str(np.random.get_state()),
+            "step": counter.step,
+        }
 
     out: dict = {"losses": {}, "ids": [], "blocked": [], "resumed_from": 0}
     if args.get("resume"):

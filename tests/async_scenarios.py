@@ -50,8 +50,14 @@ def modes(args: dict, rank: int, world: int) -> dict:
         sd = {"model": model.state_dict(), "step": i}
         expected = clone_state(sd)
         cid = f"{args['prefix']}-{i:03d}"
-        resp = dcp.async_save(sd, checkpoint_id=cid, storage_writer=writer, process_group=pg,
-                              async_checkpointer_type=ctype, async_stager=stager)
+        resp = dcp.async_save(
+            sd,
+            checkpoint_id=cid,
+            storage_writer=writer,
+            process_group=pg,
+            async_checkpointer_type=ctype,
+            async_stager=stager,
+        )
         shapes.append(type(resp).__name__)
         if isinstance(resp, AsyncSaveResponse):
             resp.staging_completion.result(timeout=120)  # a foreign stager's copy must be done before the step
@@ -70,8 +76,14 @@ def modes(args: dict, rank: int, world: int) -> dict:
             errors.append(f"{cid}: differs at {bad[:5]}")
     if args["mode"] == "process":  # a failing save in the checkpoint process fails its future, loudly
         sd = {"model": model.state_dict(), "step": -1}
-        resp = dcp.async_save(sd, checkpoint_id=f"{args['prefix']}-000", storage_writer=writer, process_group=pg,
-                              async_checkpointer_type=ctype, async_stager=stager)
+        resp = dcp.async_save(
+            sd,
+            checkpoint_id=f"{args['prefix']}-000",
+            storage_writer=writer,
+            process_group=pg,
+            async_checkpointer_type=ctype,
+            async_stager=stager,
+        )
         try:
             _upload(resp).result(timeout=300)
             errors.append("saving an id already committed succeeded")

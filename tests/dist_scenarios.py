@@ -27,6 +27,7 @@ MiB = 1 << 20
 
 # -- deterministic state (shared with the tests) ----------------------------------------------
 
+
 def rank_state(rank: int, seed: int) -> dict:
     s = seed * 1000 + rank * 10
     return {
@@ -54,6 +55,7 @@ def cfg_of(args: dict):
 
 # -- scenarios ------------------------------------------------------------------------------------
 
+
 def save_load_exact(args: dict, rank: int, world: int) -> dict:
     """Each rank saves its own keys plus replicated ones, waits, then loads ``args['load']``.
 
@@ -75,8 +77,12 @@ def save_load_exact(args: dict, rank: int, world: int) -> dict:
         target["world"] = 0
     r = TieredReader(cfg)
     dcp.load(target, checkpoint_id=args.get("load_id", "latest"), storage_reader=r)
-    return {"mismatches": compare(expected, target), "resolved": r.resolved_id, "peer": peer,
-            "saved_id": w.stats.checkpoint_id if w.stats else None}
+    return {
+        "mismatches": compare(expected, target),
+        "resolved": r.resolved_id,
+        "peer": peer,
+        "saved_id": w.stats.checkpoint_id if w.stats else None,
+    }
 
 
 def generated_ids(args: dict, rank: int, world: int) -> dict:
@@ -140,15 +146,20 @@ def dtensor_load(args: dict, rank: int, world: int) -> dict:
     def placement(t):
         return [Shard(1) if t.dim() > 1 else Shard(0)]
 
-    target = {k: distribute_tensor(torch.zeros_like(v), mesh, placement(v), src_data_rank=None) for k, v in full.items()}
+    target = {
+        k: distribute_tensor(torch.zeros_like(v), mesh, placement(v), src_data_rank=None) for k, v in full.items()
+    }
     expected = {k: distribute_tensor(v, mesh, placement(v), src_data_rank=None).to_local() for k, v in full.items()}
     state = {"model": target, "step": 0}
     dcp.load(state, checkpoint_id=args["id"], storage_reader=TieredReader(cfg))
     got = {k: v.to_local() for k, v in target.items()}
     # every rank also checks the reassembled global tensors (float types only: gloo gathers)
     whole = {k: target[k].full_tensor() for k in ("a", "d", "v", "rep")}
-    return {"mismatches": compare(expected, got), "step": state["step"],
-            "whole_mismatches": compare({k: full[k] for k in whole}, whole)}
+    return {
+        "mismatches": compare(expected, got),
+        "step": state["step"],
+        "whole_mismatches": compare({k: full[k] for k in whole}, whole),
+    }
 
 
 def commit_then_die(args: dict, rank: int, world: int) -> None:
@@ -179,15 +190,20 @@ def error_report(args: dict, rank: int, world: int) -> dict:
         return {"ok": False, "error": _err(e), "tb": traceback.format_exc()[-3000:]}
 
 
-SCENARIOS = {f.__name__: f for f in [save_load_exact, generated_ids, dtensor_save, dtensor_load, commit_then_die,
-                                     error_report]}
-
+SCENARIOS = {
+    f.__name__: f for f in [save_load_exact, generated_ids, dtensor_save, dtensor_load, commit_then_die, error_report]
+}
 
 
 # -- many ranks: waits are bounded and name who is missing --------------------------------------
 
+
 def _small_state(rank: int, seed: int) -> dict:
-    return {f"r{rank}": {"w": bits((64, 4), torch.float32, seed * 100 + rank)}, "rep": shared_state(seed)["rep"], "step": seed}
+    return {
+        f"r{rank}": {"w": bits((64, 4), torch.float32, seed * 100 + rank)},
+        "rep": shared_state(seed)["rep"],
+        "step": seed,
+    }
 
 
 def staggered_load(args: dict, rank: int, world: int) -> dict:
@@ -284,8 +300,12 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
             dcp.load(target, checkpoint_id="latest", storage_reader=TieredReader(cfg))
         return {"error": None, "seconds": time.monotonic() - t0, "logged": logged}
     except BaseException as e:  # noqa: BLE001 - the error is the result
-        return {"error": _err(e), "seconds": time.monotonic() - t0, "logged": logged,
-                "tb": traceback.format_exc()[-2500:]}
+        return {
+            "error": _err(e),
+            "seconds": time.monotonic() - t0,
+            "logged": logged,
+            "tb": traceback.format_exc()[-2500:],
+        }
 
 
 SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase]})

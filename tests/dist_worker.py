@@ -35,8 +35,12 @@ def save_and_load(args: dict, rank: int, world: int) -> dict:
     w = TieredWriter(cfg)
     dcp.save(sd, checkpoint_id=args["id"], storage_writer=w)
     w.wait()
-    out = {f"r{rank}": {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"rank": None, "seed": None}
-                        for k, v in sd[f"r{rank}"].items()}}
+    out = {
+        f"r{rank}": {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"rank": None, "seed": None}
+            for k, v in sd[f"r{rank}"].items()
+        }
+    }
     dcp.load(out, checkpoint_id=args.get("load_id", "latest"), storage_reader=TieredReader(cfg))
     same = all(torch.equal(sd[f"r{rank}"][k], out[f"r{rank}"][k]) for k in sd[f"r{rank}"] if k != "meta")
     return {"same": same, "meta": out[f"r{rank}"]["meta"], "stats": w.stats.to_json()}
@@ -48,6 +52,7 @@ SCENARIOS = {f.__name__: f for f in [save_and_load]}
 def main() -> None:
     try:
         import dist_scenarios  # noqa: F401 - optional extra scenarios registered by tests
+
         SCENARIOS.update(getattr(dist_scenarios, "SCENARIOS", {}))
     except ImportError:
         pass

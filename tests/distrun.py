@@ -19,16 +19,35 @@ __all__ = ["free_port", "run_world"]
 HERE = Path(__file__).resolve().parent
 
 
-def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
-              node_of: Callable[[int], str] | None = None, timeout: float = 180.0,
-              expect_ok: bool = True, extra_env: dict[str, str] | None = None,
-              script: Path | None = None, agent_store: bool = False,
-              prefix_of: Callable[[int], list[str]] | None = None) -> list[dict]:
+def run_world(
+    world: int,
+    scenario: str,
+    args: dict[str, Any],
+    workdir: Path,
+    *,
+    node_of: Callable[[int], str] | None = None,
+    timeout: float = 180.0,
+    expect_ok: bool = True,
+    extra_env: dict[str, str] | None = None,
+    script: Path | None = None,
+    agent_store: bool = False,
+    prefix_of: Callable[[int], list[str]] | None = None,
+) -> list[dict]:
     """Run ``scenario`` on ``world`` ranks; return their results.
 
     ``script`` is the worker module (default tests/dist_worker.py); it is run as
     ``python SCRIPT SCENARIO ARGS_JSON RESULT_PATH``.
     """
-    return _run_world(world, scenario, args, workdir, script=script or HERE / "dist_worker.py", node_of=node_of,
-                      timeout=timeout, expect_ok=expect_ok, extra_env=extra_env, agent_store=agent_store,
-                      prefix_of=prefix_of)
+    return _run_world(
+        world,
+        scenario,
+        args,
+        workdir,
+        script=script or HERE / "dist_worker.py",
+        node_of=node_of,
+        timeout=timeout,
+        expect_ok=expect_ok,
+        extra_env=extra_env,
+        agent_store=agent_store,
+        prefix_of=prefix_of,
+    )

@@ -200,7 +200,12 @@ class FaultProxy:
         u = urlsplit(upstream_url)
         if u.scheme != "http" or not u.hostname or u.hostname not in _LOOPBACK:
             raise ValueError(f"FaultProxy only forwards to a loopback http:// endpoint, got {upstream_url!r}")
-        if not (0 <= error_rate <= 1 and 0 <= drop_rate <= 1 and 0 <= stall_rate <= 1 and error_rate + drop_rate + stall_rate <= 1):
+        if not (
+            0 <= error_rate <= 1
+            and 0 <= drop_rate <= 1
+            and 0 <= stall_rate <= 1
+            and error_rate + drop_rate + stall_rate <= 1
+        ):
             raise ValueError("error_rate, drop_rate and stall_rate must be in [0, 1] and sum to at most 1")
         self.upstream = (u.hostname, u.port or 80)
         self.error_rate = error_rate
@@ -216,8 +221,19 @@ class FaultProxy:
         self.stats: dict[str, int] = {
             k: 0
             for k in (
-                "connections", "refused", "requests", "forwarded", "errors", "drops", "drop_before",
-                "drop_after", "drop_truncate", "stalls", "outage", "rejected_conditional", "upstream_errors",
+                "connections",
+                "refused",
+                "requests",
+                "forwarded",
+                "errors",
+                "drops",
+                "drop_before",
+                "drop_after",
+                "drop_truncate",
+                "stalls",
+                "outage",
+                "rejected_conditional",
+                "upstream_errors",
             )
         }
         self._rng = random.Random(seed)
@@ -355,12 +371,17 @@ class FaultProxy:
                     rid = self._next_rid()
                     if decision == "outage":
                         self._count("outage")
-                        resp = _error_response(503, "ServiceUnavailable", "Injected outage", rid, head_only=method == "HEAD")
+                        resp = _error_response(
+                            503, "ServiceUnavailable", "Injected outage", rid, head_only=method == "HEAD"
+                        )
                     elif decision == "reject_conditional":
                         self._count("rejected_conditional")
                         resp = _error_response(
-                            501, "NotImplemented", "A header you provided implies functionality that is not implemented: If-None-Match",
-                            rid, head_only=method == "HEAD",
+                            501,
+                            "NotImplemented",
+                            "A header you provided implies functionality that is not implemented: If-None-Match",
+                            rid,
+                            head_only=method == "HEAD",
                         )
                     else:
                         self._count("errors")
@@ -385,7 +406,11 @@ class FaultProxy:
                         up[0].close()
                         up = None
                     rid = self._next_rid()
-                    csock.sendall(_error_response(503, "ServiceUnavailable", "Upstream unreachable", rid, head_only=method == "HEAD"))
+                    csock.sendall(
+                        _error_response(
+                            503, "ServiceUnavailable", "Upstream unreachable", rid, head_only=method == "HEAD"
+                        )
+                    )
                     if client_close:
                         return
                     continue
@@ -451,9 +476,10 @@ class FaultProxy:
             if no_body:
                 body = b""
             else:
-                delimited = _header(headers, "Content-Length") is not None or "chunked" in (
-                    _header(headers, "Transfer-Encoding") or ""
-                ).lower()
+                delimited = (
+                    _header(headers, "Content-Length") is not None
+                    or "chunked" in (_header(headers, "Transfer-Encoding") or "").lower()
+                )
                 body = _read_body(up[1], headers, until_eof=True)
                 close = close or not delimited
             return up, head, body, close

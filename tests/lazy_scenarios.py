@@ -26,6 +26,7 @@ from tierckpt.format.layout import metadata_key  # noqa: E402
 
 # -- scenarios (run on every rank after the gloo process group is up) ------------------------
 
+
 def lazy_training_loop(args: dict, rank: int, world: int) -> dict:
     """DDP training with ``writer.attach(opt)`` and a lazy save every step.
 
@@ -80,8 +81,12 @@ def lazy_training_loop(args: dict, rank: int, world: int) -> dict:
         out = _zeros(exp)
         dcp.load(out, checkpoint_id=cid, storage_reader=TieredReader(cfg))
         same[cid] = _equal(exp, out)
-    return {"ids": ids, "same": same, "history": len(writer.history),
-            "committed": [(Path(writer.engine.first_tier.root) / metadata_key(c)).is_file() for c in ids]}
+    return {
+        "ids": ids,
+        "same": same,
+        "history": len(writer.history),
+        "committed": [(Path(writer.engine.first_tier.root) / metadata_key(c)).is_file() for c in ids],
+    }
 
 
 def _clone(sd: Any) -> Any:
@@ -100,8 +105,11 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor):
-        return (a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        )
     return a == b
 
 
@@ -110,7 +118,10 @@ SCENARIOS = {f.__name__: f for f in [lazy_training_loop]}
 
 # -- launcher (test side) ------------------------------------------------------------------------
 
-def run_lazy_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *, timeout: float = 120.0) -> list[dict]:
+
+def run_lazy_world(
+    world: int, scenario: str, args: dict[str, Any], workdir: Path, *, timeout: float = 120.0
+) -> list[dict]:
     """Run ``scenario`` of this module on ``world`` ranks; return their results (raise on any failure)."""
     from distrun import run_world
 

@@ -82,8 +82,12 @@ def fit(args: dict, rank: int, world: int) -> dict:
     see :func:`_resumed_view`), reference_losses."""
     ref: dict = {}
     if args.get("reference_first"):
-        ref = _fit(args | {"io": "default", "reference": True, "ckpt_path": None,
-                           "dirpath": args["dirpath"] + "-reference"}, rank, world, {})
+        ref = _fit(
+            args | {"io": "default", "reference": True, "ckpt_path": None, "dirpath": args["dirpath"] + "-reference"},
+            rank,
+            world,
+            {},
+        )
     return _fit(args, rank, world, ref)
 
 
@@ -100,8 +104,13 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
-                                           torch.nn.Tanh(), torch.nn.Linear(width, 1))
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, width),
+                torch.nn.Tanh(),
+                torch.nn.Linear(width, width),
+                torch.nn.Tanh(),
+                torch.nn.Linear(width, 1),
+            )
             self.losses: dict[str, float] = {}
 
         def configure_model(self) -> None:
@@ -139,8 +148,12 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
             osd = get_optimizer_state_dict(model, opt)
         else:
             osd = opt.state_dict()
-        return {"model": _full(model.state_dict()), "optim": _full(osd),
-                "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "global_step": trainer.global_step}
+        return {
+            "model": _full(model.state_dict()),
+            "optim": _full(osd),
+            "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+            "global_step": trainer.global_step,
+        }
 
     out: dict = {"losses": {}, "blocked": [], "resumed_from": 0}
     records: dict = {}
@@ -159,8 +172,10 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # noqa: ANN001
             if ref:  # what Lightning loaded is what it dumped at that step, bit for bit
                 dump = ref["records"][checkpoint["global_step"]]["dump"]
-                out["loaded"] = compare({k: v for k, v in dump.items() if k in checkpoint},
-                                        _full({k: checkpoint[k] for k in COMPARED if k in checkpoint}))
+                out["loaded"] = compare(
+                    {k: v for k, v in dump.items() if k in checkpoint},
+                    _full({k: checkpoint[k] for k in COMPARED if k in checkpoint}),
+                )
                 out["loaded_keys"] = sorted(k for k in COMPARED if k in checkpoint)
 
         def on_train_batch_start(self, trainer, pl_module, batch, idx) -> None:  # noqa: ANN001
@@ -173,8 +188,10 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx) -> None:  # noqa: ANN001
             if reference and trainer.global_step % args["interval"] == 0:
                 dump = trainer._checkpoint_connector.dump_checkpoint()
-                records[trainer.global_step] = {"state": state(trainer),
-                                                "dump": _full({k: dump[k] for k in COMPARED if k in dump})}
+                records[trainer.global_step] = {
+                    "state": state(trainer),
+                    "dump": _full({k: dump[k] for k in COMPARED if k in dump}),
+                }
             if args.get("save_every_step"):
                 t0 = time.perf_counter()
                 trainer.save_checkpoint(os.path.join(args["dirpath"], f"bench-{trainer.global_step}.ckpt"))
@@ -192,8 +209,11 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         from tierckpt.integrations.lightning import TierckptModelParallelStrategy
 
         shape = {"data_parallel_size": world, "tensor_parallel_size": 1}
-        strategy = (ModelParallelStrategy(**shape) if args.get("io") == "default"
-                    else TierckptModelParallelStrategy(args["tiers"], **shape))
+        strategy = (
+            ModelParallelStrategy(**shape)
+            if args.get("io") == "default"
+            else TierckptModelParallelStrategy(args["tiers"], **shape)
+        )
     else:
         from tierckpt.integrations.lightning import TierckptCheckpointIO
 
@@ -202,13 +222,32 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
             plugins.append(TierckptCheckpointIO(args["tiers"]))
     callbacks = [Probe()]
     if not args.get("save_every_step") and not reference:
-        callbacks.append(ModelCheckpoint(dirpath=args["dirpath"], every_n_train_steps=args["interval"], save_top_k=2,
-                                         monitor="step", mode="max", save_last="link"))
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, plugins=plugins, max_steps=args["steps"],
-                        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=1 if args.get("validate") else 0, deterministic=True,
-                        enable_checkpointing=not (args.get("save_every_step") or reference),
-                        default_root_dir=args["dirpath"])
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args["dirpath"],
+                every_n_train_steps=args["interval"],
+                save_top_k=2,
+                monitor="step",
+                mode="max",
+                save_last="link",
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        plugins=plugins,
+        max_steps=args["steps"],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1 if args.get("validate") else 0,
+        deterministic=True,
+        enable_checkpointing=not (args.get("save_every_step") or reference),
+        default_root_dir=args["dirpath"],
+    )
     model = Net()
     if args.get("time_load"):  # the benchmark: seconds in the strategy's load_checkpoint (every restore goes there)
         load = trainer.strategy.load_checkpoint
@@ -234,8 +273,13 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         return {"records": records, "final": final, "losses": model.losses, "loops": loops, "load_s": out.get("load_s")}
     if args.get("save_every_step") and args.get("then_resume"):  # the benchmark: a new trainer loads the last save
         last = os.path.join(args["dirpath"], f"bench-{trainer.global_step}.ckpt")
-        again = _fit(args | {"save_every_step": False, "then_resume": False, "time_load": True, "ckpt_path": last,
-                             "reference": True}, rank, world, {})
+        again = _fit(
+            args
+            | {"save_every_step": False, "then_resume": False, "time_load": True, "ckpt_path": last, "reference": True},
+            rank,
+            world,
+            {},
+        )
         out["load_s"] = again["load_s"]
     if args.get("final_model") and rank == 0:
         torch.save(final["model"], args["final_model"])

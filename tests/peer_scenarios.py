@@ -25,8 +25,11 @@ from tierckpt.testing.errors import err_text, errors_in  # noqa: E402
 
 def state(rank: int, step: int, world: int) -> dict:
     """What ``rank`` of a ``world``-rank job saved at ``step``."""
-    return {f"rank{rank}": bits((3, 1000 + 7 * rank), torch.float32, seed=100 * step + rank),
-            "shared": bits((64, 33), torch.float32, seed=step), "step": step}
+    return {
+        f"rank{rank}": bits((3, 1000 + 7 * rank), torch.float32, seed=100 * step + rank),
+        "shared": bits((64, 33), torch.float32, seed=step),
+        "step": step,
+    }
 
 
 def full_state(step: int, world: int) -> dict:
@@ -64,8 +67,15 @@ def load_all(args: dict, rank: int, world: int) -> dict:
     bad = compare(want, got)
     if reader.fill is not None:  # the worker leaves with os._exit: wait for the local copy's commit
         reader.fill.wait()
-    return {"id": reader.resolved_id, "resolved": resolved, "bad": bad, "from_peers": reader.from_peers, "served": reader.served,
-            "recovered": reader.recovered, "filled": reader.fill.committed if reader.fill is not None else []}
+    return {
+        "id": reader.resolved_id,
+        "resolved": resolved,
+        "bad": bad,
+        "from_peers": reader.from_peers,
+        "served": reader.served,
+        "recovered": reader.recovered,
+        "filled": reader.fill.committed if reader.fill is not None else [],
+    }
 
 
 def save_partner_dies(args: dict, rank: int, world: int) -> dict:

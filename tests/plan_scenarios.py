@@ -59,12 +59,16 @@ def _version_for(args: dict, rank: int, save: int) -> dict:
     return cur
 
 
-
 def _load_back(cfg, rank: int, cid: str, sd: dict) -> list[str]:
     target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": -1, "note": None}
     dcp.load(target, checkpoint_id=cid, storage_reader=TieredReader(cfg))
-    bad = [k for k, v in sd["model"].items()
-           if target["model"][k].dtype != v.dtype or target["model"][k].shape != v.shape or not torch.equal(target["model"][k], v)]
+    bad = [
+        k
+        for k, v in sd["model"].items()
+        if target["model"][k].dtype != v.dtype
+        or target["model"][k].shape != v.shape
+        or not torch.equal(target["model"][k], v)
+    ]
     if target["step"] != sd["step"] or target["note"] != sd["note"]:
         bad.append("step/note")
     return bad
@@ -108,8 +112,13 @@ def cached_saves(args: dict, rank: int, world: int) -> dict:
                 dcp.save(sd, checkpoint_id=cid, storage_writer=w, planner=CachingPlanner())
             w.wait()
             saved = w.stats.checkpoint_id
-            out["saves"].append({"id": saved, "bad": _load_back(cfg, rank, saved, sd),
-                                 "builds": layout_cache(w.engine.chunk_size).builds - builds0})
+            out["saves"].append(
+                {
+                    "id": saved,
+                    "bad": _load_back(cfg, rank, saved, sd),
+                    "builds": layout_cache(w.engine.chunk_size).builds - builds0,
+                }
+            )
         except BaseException as e:  # noqa: BLE001 - reported to the test
             out["errors"].append(f"save {s}: {_err(e)}")
             out["saves"].append(None)
@@ -123,8 +132,14 @@ def refusals(args: dict, rank: int, world: int) -> dict:
     cfg = config_from_dict(args["config"])
     w = TieredWriter(cfg)
     out: dict = {"steps": []}
-    plan = [("step-0", None), ("step-1", None), ("step-1", "conflict"), ("step-2", None),
-            (f"step-3-r{rank}" if rank == world - 1 else "step-3", "ids"), ("step-4", None)]
+    plan = [
+        ("step-0", None),
+        ("step-1", None),
+        ("step-1", "conflict"),
+        ("step-2", None),
+        (f"step-3-r{rank}" if rank == world - 1 else "step-3", "ids"),
+        ("step-4", None),
+    ]
     for i, (cid, _expect) in enumerate(plan):
         sd = model_state(rank, {}, i)
         try:

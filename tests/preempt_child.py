@@ -91,8 +91,9 @@ def main() -> int:
     cfg = config_from_dict(json.loads(Path(cfg_path).read_text()))
     n = int(os.environ.get("PREEMPT_FLOATS", str(1 << 20)))
     tiers = make_tiers(cfg)
-    register_engine(Engine(cfg, tiers=[tiers[0]] + [wrap(t, point, go) if point == "promote" else t
-                                                     for t in tiers[1:]]))
+    register_engine(
+        Engine(cfg, tiers=[tiers[0]] + [wrap(t, point, go) if point == "promote" else t for t in tiers[1:]])
+    )
     writer = TieredWriter(cfg)
     dcp.save(state(1, n), checkpoint_id="step-000001", storage_writer=writer, no_dist=True)
     writer.wait()

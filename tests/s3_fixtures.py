@@ -22,7 +22,12 @@ import s3servers  # tools/s3servers.py (conftest puts tools/ on sys.path)
 
 from tierckpt.config import MiB, S3Config
 
-__all__ = ["moto_endpoint", "seaweed_endpoint", "s3cfg", "S3CfgFactory"]  # what conftest takes; serve_seaweedfs is imported by name
+__all__ = [
+    "moto_endpoint",
+    "seaweed_endpoint",
+    "s3cfg",
+    "S3CfgFactory",
+]  # what conftest takes; serve_seaweedfs is imported by name
 
 S3CfgFactory = Callable[..., S3Config]
 

@@ -67,6 +67,7 @@ def expected_state(world: int, seed: int) -> dict:
 
 # -- scenarios (run inside the worker processes) -------------------------------------------------
 
+
 def save_promote_lose_node_load(args: dict, rank: int, world: int) -> dict:
     """Save ``args['ids']`` (rank-own keys + a Shard(0) DTensor), wait (committed on S3), then
     node ``args['lost_rank']`` loses its local tier; every rank loads ``latest`` and compares its
@@ -84,9 +85,11 @@ def save_promote_lose_node_load(args: dict, rank: int, world: int) -> dict:
     out: dict = {"errors": [], "promote_s": [], "local_root": str(cfg.local.resolved_path())}
     w = TieredWriter(cfg)
     for seed, cid in enumerate(args["ids"], start=1):
-        sd = {f"r{rank}": own_state(rank, seed),
-              "w": distribute_tensor(sharded_full(world, seed), mesh, [Shard(0)], src_data_rank=None),
-              "step": seed}
+        sd = {
+            f"r{rank}": own_state(rank, seed),
+            "w": distribute_tensor(sharded_full(world, seed), mesh, [Shard(0)], src_data_rank=None),
+            "step": seed,
+        }
         try:
             dcp.save(sd, checkpoint_id=cid, storage_writer=w)
             # Wait before the next save: rank 0 runs S3 retention (which aborts stale multipart
@@ -102,9 +105,11 @@ def save_promote_lose_node_load(args: dict, rank: int, world: int) -> dict:
     dist.barrier()
     seed = len(args["ids"])
     expected_own = own_state(rank, seed)
-    target = {f"r{rank}": placeholder(expected_own),
-              "w": distribute_tensor(torch.zeros(SHARD_ROWS * world, SHARD_COLS), mesh, [Shard(0)], src_data_rank=None),
-              "step": 0}
+    target = {
+        f"r{rank}": placeholder(expected_own),
+        "w": distribute_tensor(torch.zeros(SHARD_ROWS * world, SHARD_COLS), mesh, [Shard(0)], src_data_rank=None),
+        "step": 0,
+    }
     reader = TieredReader(cfg)
     try:
         dcp.load(target, checkpoint_id="latest", storage_reader=reader)
@@ -112,8 +117,10 @@ def save_promote_lose_node_load(args: dict, rank: int, world: int) -> dict:
         out["errors"].append(f"load: {_err(e)}\n{traceback.format_exc()[-2000:]}")
         return out
     shard = distribute_tensor(sharded_full(world, seed), mesh, [Shard(0)], src_data_rank=None).to_local()
-    out["mismatches"] = compare({f"r{rank}": expected_own, "w": shard, "step": seed},
-                                {f"r{rank}": target[f"r{rank}"], "w": target["w"].to_local(), "step": target["step"]})
+    out["mismatches"] = compare(
+        {f"r{rank}": expected_own, "w": shard, "step": seed},
+        {f"r{rank}": target[f"r{rank}"], "w": target["w"].to_local(), "step": target["step"]},
+    )
     out["resolved"] = reader.resolved_id
     out["served"] = dict(reader.served)
     if reader.fill is not None:  # the worker leaves with os._exit: wait for the local copy's commit
@@ -127,13 +134,22 @@ SCENARIOS: dict[str, Callable[[dict, int, int], dict]] = {f.__name__: f for f in
 
 # -- launcher (test process) ----------------------------------------------------------------------
 
-def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
-              node_of: Callable[[int], str] | None = None, timeout: float = 120.0) -> list[dict]:
+
+def run_world(
+    world: int,
+    scenario: str,
+    args: dict[str, Any],
+    workdir: Path,
+    *,
+    node_of: Callable[[int], str] | None = None,
+    timeout: float = 120.0,
+) -> list[dict]:
     """Run ``scenario`` of this module on ``world`` ranks (real processes, gloo); return each rank's result."""
     import distrun
 
-    return distrun.run_world(world, scenario, args, workdir, node_of=node_of, timeout=timeout,
-                             script=Path(__file__).resolve())
+    return distrun.run_world(
+        world, scenario, args, workdir, node_of=node_of, timeout=timeout, script=Path(__file__).resolve()
+    )
 
 
 # -- worker entry ---------------------------------------------------------------------------------

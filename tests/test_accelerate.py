@@ -31,8 +31,10 @@ def test_fsdp2_kill_and_resume_bit_exact_one_id_per_save(tmp_path):
     from tierckpt.catalog.checkpoints import list_checkpoints
 
     toml = tmp_path / "tiers.toml"
-    toml.write_text(f'[host]\nbuffer_size = "16MiB"\nchunk_size = "4MiB"\n'
-                    f'[local]\npath = "{tmp_path / "local"}"\nkeep = 0\nfsync = false\n')
+    toml.write_text(
+        f'[host]\nbuffer_size = "16MiB"\nchunk_size = "4MiB"\n'
+        f'[local]\npath = "{tmp_path / "local"}"\nkeep = 0\nfsync = false\n'
+    )
     base = {"tiers": str(toml), "dump": str(tmp_path / "run"), "steps": STEPS, "interval": INTERVAL}
     crashed = _run(2, base | {"crash_after": CRASH}, tmp_path / "crashed")
     for r in crashed:  # one save_state, one tierckpt save, one id

@@ -27,19 +27,30 @@ SCRIPT = HERE / "async_scenarios.py"
 
 
 def _cfg_dict(root: Path) -> dict:
-    return {"host": {"buffer_size": "4MiB", "chunk_size": "1MiB"},
-            "local": {"path": str(root / "ckpt"), "keep": 0, "fsync": False}}
+    return {
+        "host": {"buffer_size": "4MiB", "chunk_size": "1MiB"},
+        "local": {"path": str(root / "ckpt"), "keep": 0, "fsync": False},
+    }
 
 
-@pytest.mark.parametrize("mode,stager,saves", [
-    ("thread", False, 3),
-    ("thread", True, 3),
-    ("process", False, 10),  # the case: 10 repetitions, each loaded right after its future
-    ("process", True, 3),
-])
+@pytest.mark.parametrize(
+    "mode,stager,saves",
+    [
+        ("thread", False, 3),
+        ("thread", True, 3),
+        ("process", False, 10),  # the case: 10 repetitions, each loaded right after its future
+        ("process", True, 3),
+    ],
+)
 def test_async_modes_two_ranks_bit_exact(tmp_path, mode, stager, saves):
-    res = run_world(2, "modes", {"config": _cfg_dict(tmp_path), "mode": mode, "stager": stager, "saves": saves,
-                                 "prefix": "s"}, tmp_path / "w", script=SCRIPT, timeout=240)
+    res = run_world(
+        2,
+        "modes",
+        {"config": _cfg_dict(tmp_path), "mode": mode, "stager": stager, "saves": saves, "prefix": "s"},
+        tmp_path / "w",
+        script=SCRIPT,
+        timeout=240,
+    )
     for r in res:
         assert r["errors"] == [], r
         assert len(r["shapes"]) == saves
@@ -87,8 +98,10 @@ def test_path_style_ids_and_catalog(tmp_path):
     assert latest(cfg) == "step-4"
     assert latest(cfg.source or cfg) == "step-4"
     cps = list_checkpoints(cfg)
-    assert [(c.id, c.step, c.tiers, c.peer_copies) for c in cps] == [("step-2", 2, ("local",), False),
-                                                                     ("step-4", 4, ("local",), False)]
+    assert [(c.id, c.step, c.tiers, c.peer_copies) for c in cps] == [
+        ("step-2", 2, ("local",), False),
+        ("step-4", 4, ("local",), False),
+    ]
     assert all(isinstance(c.committed, float) for c in cps) and cps[0].committed <= cps[1].committed
     # the same answers as tierckpt-restore list / latest
     from restore.catalog import find_latest, list_all, open_tiers

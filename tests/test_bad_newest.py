@@ -31,10 +31,12 @@ MiB = 1 << 20
 
 
 def cfg(tmp_path: Path, archive: bool = False) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
-                      local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
-                      sections={"archive": ArchiveConfig(path=str(tmp_path / "archive"))} if archive else {},
-                      job=JobConfig(commit_timeout=30))
+    return TierConfig(
+        host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
+        local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
+        sections={"archive": ArchiveConfig(path=str(tmp_path / "archive"))} if archive else {},
+        job=JobConfig(commit_timeout=30),
+    )
 
 
 def state(i: int) -> dict:

@@ -37,9 +37,17 @@ WORLD = 3
 MD = b'{"metadata": "merged"}'
 
 
-def _run_ranks(tier: Tier, cid: str, *, writer: Callable[[int], int] = lambda r: 0, work_fail: int | None = None,
-               merge_fail: bool = False, silent: int | None = None, timeout: float = 20.0,
-               channel: LocalChannel | None = None) -> tuple[dict[int, Any], LocalChannel]:
+def _run_ranks(
+    tier: Tier,
+    cid: str,
+    *,
+    writer: Callable[[int], int] = lambda r: 0,
+    work_fail: int | None = None,
+    merge_fail: bool = False,
+    silent: int | None = None,
+    timeout: float = 20.0,
+    channel: LocalChannel | None = None,
+) -> tuple[dict[int, Any], LocalChannel]:
     """Run the protocol for ``cid`` on WORLD rank threads; return each rank's result or error."""
     ch = channel or LocalChannel()
     out: dict[int, Any] = {}
@@ -141,12 +149,17 @@ class ChainContract:
         faulty.put("c-hop/metadata.json", MD)
         ch = LocalChannel()
         rnd = Round(ch, "tok", "1-test", 0, 1, 10.0, "checkpoint c-hop")
-        assert run_commit(rnd, faulty, "c-hop/metadata.json", work=lambda: {"size": 0}, writer=0, metadata=MD,
-                          same_ok=True) == MD
+        assert (
+            run_commit(
+                rnd, faulty, "c-hop/metadata.json", work=lambda: {"size": 0}, writer=0, metadata=MD, same_ok=True
+            )
+            == MD
+        )
         rnd = Round(ch, "tok2", "1-test", 0, 1, 10.0, "checkpoint c-hop")
         with pytest.raises(CommitConflict):
-            run_commit(rnd, faulty, "c-hop/metadata.json", work=lambda: {"size": 0}, writer=0, metadata=b"{}",
-                       same_ok=True)
+            run_commit(
+                rnd, faulty, "c-hop/metadata.json", work=lambda: {"size": 0}, writer=0, metadata=b"{}", same_ok=True
+            )
         assert ch.keys() == []
 
     @pytest.mark.parametrize("size", [0, 1, (3 << 20) + 5, (11 << 20) + 3])
@@ -165,7 +178,6 @@ class ChainContract:
             faulty.copy_from(src, "h/rank-00000.data")
         assert not faulty.exists("h/rank-00000.data")
 
-
     @pytest.mark.parametrize("compression", ["zstd", "none"])
     def test_encoded_copy_bit_exact_with_unchanged_frames(self, tier: Tier, tmp_path: Path, compression: str) -> None:
         src = LocalTier(tmp_path / "src", fsync=False)
@@ -174,12 +186,15 @@ class ChainContract:
         runs = [(0, len(data), 4)]
         enc = Encoding(compression, 1, True)
         src.put("_00/e-1/rank-00000.data", bytes(data))
-        idx1, _ = copy_encoded(src, tier, "_00/e-1/rank-00000.data", size=len(data), frame=frame, runs=runs, encoding=enc)
+        idx1, _ = copy_encoded(
+            src, tier, "_00/e-1/rank-00000.data", size=len(data), frame=frame, runs=runs, encoding=enc
+        )
         data[5] ^= 0xFF  # frame 0 changes; 13 MiB do not
         src.put("_00/e-2/rank-00000.data", bytes(data))
         prev = Previous("e-1", "_00/e-1/rank-00000.data", idx1)
-        idx2, figs = copy_encoded(src, tier, "_00/e-2/rank-00000.data", size=len(data), frame=frame, runs=runs,
-                                  encoding=enc, prev=prev)
+        idx2, figs = copy_encoded(
+            src, tier, "_00/e-2/rank-00000.data", size=len(data), frame=frame, runs=runs, encoding=enc, prev=prev
+        )
         assert figs.frames_copied == idx2.frames - 1
         assert figs.uploaded + figs.copied == idx2.stored
         from test_codec import _fake_md
@@ -195,8 +210,15 @@ class ChainContract:
         src.put("h/rank-00000.data", os.urandom((11 << 20) + 3))
         src.arm("read_into", TierError(5, "read error (injected)"), skip=5)
         with pytest.raises(TierError, match="injected"):
-            copy_encoded(src, faulty, "h/rank-00000.data", size=(11 << 20) + 3, frame=1 << 20, runs=[],
-                         encoding=Encoding("zstd", 1, False))
+            copy_encoded(
+                src,
+                faulty,
+                "h/rank-00000.data",
+                size=(11 << 20) + 3,
+                frame=1 << 20,
+                runs=[],
+                encoding=Encoding("zstd", 1, False),
+            )
         assert not faulty.exists("h/rank-00000.data")
 
 

@@ -50,6 +50,7 @@ def check(res: chaos.CaseResult, min_trials: int) -> None:
 
 # -- the cases, CI-sized --------------------------------------------------------------------------
 
+
 def test_crash(env):
     # 3 trials (about 6 s each): a SIGKILL at a random time, then kills inside a chunk write
     # (flush) and around the S3 commit (promotion); each followed by checks and a resume
@@ -85,6 +86,7 @@ def test_s3faults(env):
 
 
 # -- no committed checkpoint is ever lost (tools/chaos_loss.py), CI-sized ---------------------------
+
 
 def test_filetimes(env):
     # touched, back-dated and restored files: latest, list and gc keep=1 follow the commit order
@@ -145,6 +147,7 @@ def test_resource_checks_tell_a_leak_from_noise():
 
 # -- the driver ------------------------------------------------------------------------------------
 
+
 def test_cli_table_json_and_exit_status(tmp_path, monkeypatch, capsys):
     out = tmp_path / "chaos.json"
     assert chaos.main(["--trials", "2", "--cases", "corrupt", "--s3", "none", "--seed", "7", "--json", str(out)]) == 0
@@ -164,6 +167,7 @@ def test_cli_table_json_and_exit_status(tmp_path, monkeypatch, capsys):
 
 
 # -- the bugs the harness found, reproduced deterministically ---------------------------------------
+
 
 def test_known_bug_resume_without_checkpoint(env):
     """A trainer killed before its first commit must resume by starting fresh."""
@@ -215,6 +219,7 @@ def test_known_bug_error_to_other_writer(env):
 
 
 # -- larger runs, on demand ----------------------------------------------------------------------
+
 
 @pytest.mark.skipif(not LARGE, reason="set CHAOS_TRIALS=N to run every case with N trials")
 @pytest.mark.parametrize("case", chaos.CASES)

@@ -19,8 +19,19 @@ from tierckpt.format.stored import StoredFile, parse_stored
 from tierckpt.tiers.base import Encoding
 from tierckpt.tiers.local import LocalTier
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.uint8,
-          torch.bool, torch.complex64, torch.complex128, torch.int32]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.int32,
+]
 
 
 def _tensor(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
@@ -58,8 +69,13 @@ def test_frame_round_trip_every_dtype(dtype: torch.dtype, n: int) -> None:
 def test_non_contiguous_and_mixed_widths_in_one_frame() -> None:
     a = _tensor(torch.float32, 4096).reshape(64, 64).t()  # a transposed view: not contiguous
     assert not a.is_contiguous()
-    parts = [_bytes(a), _bytes(_tensor(torch.bfloat16, 999)), np.frombuffer(b"pickled object bytes" * 7, np.uint8),
-             _bytes(_tensor(torch.float64, 333)), _bytes(_tensor(torch.bfloat16, 10))]
+    parts = [
+        _bytes(a),
+        _bytes(_tensor(torch.bfloat16, 999)),
+        np.frombuffer(b"pickled object bytes" * 7, np.uint8),
+        _bytes(_tensor(torch.float64, 333)),
+        _bytes(_tensor(torch.bfloat16, 10)),
+    ]
     widths = [4, 2, 1, 8, 2]
     data = np.concatenate(parts)
     segs = [(len(p), w) for p, w in zip(parts, widths)]
@@ -123,9 +139,15 @@ def test_index_json_round_trip_and_hostile_entries() -> None:
     back = StoredFile.from_json(json.loads(json.dumps(idx.to_json())), "f", 10000)
     assert back == idx and back.offsets == [0, 100, 201, 303]
     assert parse_stored(None, {}) == {}
-    bad = [dict(idx.to_json(), size=9999), dict(idx.to_json(), codec="lz77"), dict(idx.to_json(), sizes="!!"),
-           dict(idx.to_json(), hashes=""), dict(idx.to_json(), frame=1), "nope",
-           dict(idx.to_json(), sizes=__import__("base64").b64encode(np.array([0, 1, 1], "<u4").tobytes()).decode())]
+    bad = [
+        dict(idx.to_json(), size=9999),
+        dict(idx.to_json(), codec="lz77"),
+        dict(idx.to_json(), sizes="!!"),
+        dict(idx.to_json(), hashes=""),
+        dict(idx.to_json(), frame=1),
+        "nope",
+        dict(idx.to_json(), sizes=__import__("base64").b64encode(np.array([0, 1, 1], "<u4").tobytes()).decode()),
+    ]
     for d in bad:
         with pytest.raises(CorruptCheckpoint, match="stored index of f|stored index"):
             parse_stored({"f": d}, {"f": 10000})
@@ -155,11 +177,16 @@ def _saved_metadata(tmp_path: Path) -> bytes:
     from tierckpt import TieredWriter
     from tierckpt.config import config_from_dict
 
-    cfg = config_from_dict({"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
-                            "local": {"path": str(tmp_path / "md"), "fsync": False}})
+    cfg = config_from_dict(
+        {"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"}, "local": {"path": str(tmp_path / "md"), "fsync": False}}
+    )
     w = TieredWriter(cfg)
-    dcp.save({"w": torch.randn(20000), "b": torch.zeros(3, dtype=torch.bfloat16)}, checkpoint_id="s-1",
-             storage_writer=w, no_dist=True)
+    dcp.save(
+        {"w": torch.randn(20000), "b": torch.zeros(3, dtype=torch.bfloat16)},
+        checkpoint_id="s-1",
+        storage_writer=w,
+        no_dist=True,
+    )
     w.wait()
     w.close()
     return (tmp_path / "md" / "s-1" / "metadata.json").read_bytes()
@@ -192,8 +219,9 @@ def test_copy_encoded_reads_back_through_the_view_and_copies_unchanged_frames(tm
     data2[:1000] ^= 1
     src.put("_00/c-2/rank-00000.data", data2.tobytes())
     prev = Previous("c-1", "_00/c-1/rank-00000.data", idx)
-    idx2, figs2 = copy_encoded(src, dst, "_00/c-2/rank-00000.data", size=len(data), frame=frame, runs=runs,
-                               encoding=enc, prev=prev)
+    idx2, figs2 = copy_encoded(
+        src, dst, "_00/c-2/rank-00000.data", size=len(data), frame=frame, runs=runs, encoding=enc, prev=prev
+    )
     assert figs2.frames_copied == idx2.frames - 1
     for cid, raw, ix in (("c-1", data, idx), ("c-2", data2, idx2)):
         dst.put(f"{cid}/metadata.json", add_stored(_fake_md(cid, len(data)), {"rank-00000.data": ix}))
@@ -203,7 +231,7 @@ def test_copy_encoded_reads_back_through_the_view_and_copies_unchanged_frames(tm
         assert view.get(key) == raw.tobytes()
         buf = bytearray(frame + 100)
         view.read_into(key, frame - 50, memoryview(buf))  # straddles two frames
-        assert bytes(buf) == raw[frame - 50:2 * frame + 50].tobytes()
+        assert bytes(buf) == raw[frame - 50 : 2 * frame + 50].tobytes()
         a, b = bytearray(10), bytearray(70000)
         view.read_ranges(key, 5, [memoryview(a), memoryview(b)])
         assert bytes(a + b) == raw[5:70015].tobytes()
@@ -214,12 +242,26 @@ def _fake_md(cid: str, size: int) -> bytes:
     """A minimal valid metadata.json of one data file (no items) for the view tests."""
     from tierckpt.checksum import crc32c
 
-    body = json.dumps({"format": "tierckpt/1", "checkpoint_id": cid, "step": 1, "created": 1.0, "committed": 2.0,
-                       "world_size": 1, "chunk_size": 1 << 20, "save_token": "", "seq": 1,
-                       "files": {"rank-00000.data": size}, "dcp": {"state_dict_metadata": {}}, "items": []},
-                      separators=(",", ":")).encode()
-    head = json.dumps({"format": "tierckpt/1", "length": len(body), "crc32c": crc32c(body), "seq": 1, "step": 1,
-                       "committed": 2.0}).encode()
+    body = json.dumps(
+        {
+            "format": "tierckpt/1",
+            "checkpoint_id": cid,
+            "step": 1,
+            "created": 1.0,
+            "committed": 2.0,
+            "world_size": 1,
+            "chunk_size": 1 << 20,
+            "save_token": "",
+            "seq": 1,
+            "files": {"rank-00000.data": size},
+            "dcp": {"state_dict_metadata": {}},
+            "items": [],
+        },
+        separators=(",", ":"),
+    ).encode()
+    head = json.dumps(
+        {"format": "tierckpt/1", "length": len(body), "crc32c": crc32c(body), "seq": 1, "step": 1, "committed": 2.0}
+    ).encode()
     return head + b"\n" + body
 
 

@@ -35,30 +35,41 @@ def make_cfg(tmp_path: Path, s3: S3Config, **s3_over: Any):
     s = dataclasses.asdict(s3)
     s["part_size"] = "5MiB"
     s.update(s3_over)
-    return config_from_dict({"job": {"commit_timeout": 60.0}, "host": {"buffer_size": "32MiB", "chunk_size": "8MiB"},
-                             "local": {"path": str(tmp_path / "local"), "keep": 0, "fsync": False}, "s3": s})
+    return config_from_dict(
+        {
+            "job": {"commit_timeout": 60.0},
+            "host": {"buffer_size": "32MiB", "chunk_size": "8MiB"},
+            "local": {"path": str(tmp_path / "local"), "keep": 0, "fsync": False},
+            "s3": s,
+        }
+    )
 
 
 def every_dtype_state(seed: int, frozen: dict | None = None) -> dict:
     """Weights-like tensors of every dtype (a few MiB), a non-contiguous one, empty ones, objects;
     ``frozen``: tensors kept from an earlier state (unchanged between checkpoints)."""
     g = torch.Generator().manual_seed(seed)
-    big = frozen or {"emb": (torch.randn(4 << 20, generator=torch.Generator().manual_seed(99)) * 0.02).to(torch.bfloat16),
-                     "w32": torch.randn(4 << 20, generator=torch.Generator().manual_seed(98)) * 0.02}
+    big = frozen or {
+        "emb": (torch.randn(4 << 20, generator=torch.Generator().manual_seed(99)) * 0.02).to(torch.bfloat16),
+        "w32": torch.randn(4 << 20, generator=torch.Generator().manual_seed(98)) * 0.02,
+    }
     return {
-        "model": dict(big, **{
-            "bf16": (torch.randn(3001, generator=g) * 0.02).to(torch.bfloat16),
-            "fp16": (torch.randn(777, generator=g)).to(torch.float16),
-            "fp64": torch.randn(1001, generator=g, dtype=torch.float64),
-            "i8": torch.randint(-128, 127, (333,), generator=g, dtype=torch.int8),
-            "i64": torch.randint(-(1 << 40), 1 << 40, (129,), generator=g, dtype=torch.int64),
-            "bool": torch.rand(77, generator=g) > 0.5,
-            "c64": torch.randn(55, generator=g, dtype=torch.complex64),
-            "c128": torch.randn(33, generator=g, dtype=torch.complex128),
-            "empty": torch.empty(0, 7),
-            "strided": torch.randn(64, 48, generator=g).t(),
-            "scalar": torch.tensor(seed + 0.5),
-        }),
+        "model": dict(
+            big,
+            **{
+                "bf16": (torch.randn(3001, generator=g) * 0.02).to(torch.bfloat16),
+                "fp16": (torch.randn(777, generator=g)).to(torch.float16),
+                "fp64": torch.randn(1001, generator=g, dtype=torch.float64),
+                "i8": torch.randint(-128, 127, (333,), generator=g, dtype=torch.int8),
+                "i64": torch.randint(-(1 << 40), 1 << 40, (129,), generator=g, dtype=torch.int64),
+                "bool": torch.rand(77, generator=g) > 0.5,
+                "c64": torch.randn(55, generator=g, dtype=torch.complex64),
+                "c128": torch.randn(33, generator=g, dtype=torch.complex128),
+                "empty": torch.empty(0, 7),
+                "strided": torch.randn(64, 48, generator=g).t(),
+                "scalar": torch.tensor(seed + 0.5),
+            },
+        ),
         "meta": {"seed": seed, "name": f"run-{seed}"},
     }
 
@@ -81,7 +92,8 @@ def endpoint(request: pytest.FixtureRequest) -> str:
 
 
 def test_encoded_promotion_loads_bit_exact_and_copies_unchanged_frames(
-        tmp_path: Path, endpoint: str, s3cfg: Callable[..., S3Config]) -> None:
+    tmp_path: Path, endpoint: str, s3cfg: Callable[..., S3Config]
+) -> None:
     s3 = s3cfg(endpoint)
     cfg = make_cfg(tmp_path, s3, compression="zstd", copy_unchanged=True)
     w = TieredWriter(cfg)
@@ -98,7 +110,7 @@ def test_encoded_promotion_loads_bit_exact_and_copies_unchanged_frames(
     try:
         for cid, st in (("step-1", st1), ("step-2", st2)):
             man = read_checkpoint_doc(tier, cid).manifest
-            (file, idx), = man.stored.items()
+            ((file, idx),) = man.stored.items()
             assert idx.codec == "zstd" and st.stored_bytes == idx.stored < man.files[file]
             assert tier.size(data_key(cid, file)) == idx.stored
             assert st.compress_cpu_s > 0 or cid == "step-2"
@@ -117,7 +129,8 @@ def test_encoded_promotion_loads_bit_exact_and_copies_unchanged_frames(
 
 
 def test_flipped_byte_in_a_stored_frame_is_served_from_the_next_tier(
-        tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config], caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config], caplog: pytest.LogCaptureFixture
+) -> None:
     s3 = s3cfg(moto_endpoint)
     cfg = make_cfg(tmp_path, s3, compression="zstd")
     w = TieredWriter(cfg)
@@ -129,7 +142,7 @@ def test_flipped_byte_in_a_stored_frame_is_served_from_the_next_tier(
     local = LocalTier(tmp_path / "local", fsync=False)
     try:
         doc = read_checkpoint_doc(tier, "step-3")
-        (file, idx), = doc.manifest.stored.items()
+        ((file, idx),) = doc.manifest.stored.items()
         key = data_key("step-3", file)
         client = s3_client(moto_endpoint)
         body = bytearray(client.get_object(Bucket=s3.bucket, Key=f"{PREFIX}/{key}")["Body"].read())
@@ -160,8 +173,9 @@ def test_flipped_byte_in_a_stored_frame_is_served_from_the_next_tier(
         local.close()
 
 
-def test_restore_tools_and_old_checkpoints(tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config],
-                                           capsys: pytest.CaptureFixture) -> None:
+def test_restore_tools_and_old_checkpoints(
+    tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config], capsys: pytest.CaptureFixture
+) -> None:
     from restore import fetch_checkpoint, verify_checkpoint
     from restore.cli import main as cli
 
@@ -204,13 +218,16 @@ def test_restore_tools_and_old_checkpoints(tmp_path: Path, moto_endpoint: str, s
 
 def _toml(cfg) -> str:
     s3 = cfg.s3
-    return (f'[local]\npath = "{cfg.local.path}"\nfsync = false\n'
-            f'[s3]\nbucket = "{s3.bucket}"\nprefix = "{s3.prefix}"\nendpoint_url = "{s3.endpoint_url}"\n'
-            f'part_size = "5MiB"\ncompression = "{s3.compression}"\n')
+    return (
+        f'[local]\npath = "{cfg.local.path}"\nfsync = false\n'
+        f'[s3]\nbucket = "{s3.bucket}"\nprefix = "{s3.prefix}"\nendpoint_url = "{s3.endpoint_url}"\n'
+        f'part_size = "5MiB"\ncompression = "{s3.compression}"\n'
+    )
 
 
 def test_two_nodes_one_lost_load_decodes_and_fill_writes_plain_metadata(
-        tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config]) -> None:
+    tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config]
+) -> None:
     """Two ranks on two simulated nodes, [s3] compression on; node 1 loses its disk: the job's
     agreed load reads rank 1's file from S3 (decoded) and refills node 1 with plain files whose
     metadata.json has no stored index."""
@@ -223,8 +240,13 @@ def test_two_nodes_one_lost_load_decodes_and_fill_writes_plain_metadata(
         "local": {"path": str(tmp_path / "nodes" / "{node}"), "keep": 0, "fsync": False},
         "s3": dataclasses.asdict(s3) | {"part_size": "5MiB", "compression": "zstd", "copy_unchanged": True},
     }
-    res = run_world(2, "save_promote_lose_node_load", {"config": conf, "ids": ["step-1", "step-2"], "lost_rank": 1},
-                    tmp_path / "w", node_of=lambda r: f"node{r}")
+    res = run_world(
+        2,
+        "save_promote_lose_node_load",
+        {"config": conf, "ids": ["step-1", "step-2"], "lost_rank": 1},
+        tmp_path / "w",
+        node_of=lambda r: f"node{r}",
+    )
     for r, out in enumerate(res):
         assert out["errors"] == [], (r, out["errors"])
         assert out["mismatches"] == [], (r, out)
@@ -242,13 +264,18 @@ def test_two_nodes_one_lost_load_decodes_and_fill_writes_plain_metadata(
 
 
 def test_backlog_promoted_encoded_when_compression_is_turned_on(
-        tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config]) -> None:
+    tmp_path: Path, moto_endpoint: str, s3cfg: Callable[..., S3Config]
+) -> None:
     """A checkpoint committed locally before [s3] existed is promoted by the backlog pass, encoded,
     with its stored index in the metadata committed on S3; both checkpoints load from S3 alone."""
     s3 = s3cfg(moto_endpoint)
     cfg = make_cfg(tmp_path, s3, compression="zstd", copy_unchanged=True)
-    local_only = config_from_dict({"host": {"buffer_size": "32MiB", "chunk_size": "8MiB"},
-                                   "local": {"path": str(tmp_path / "local"), "keep": 0, "fsync": False}})
+    local_only = config_from_dict(
+        {
+            "host": {"buffer_size": "32MiB", "chunk_size": "8MiB"},
+            "local": {"path": str(tmp_path / "local"), "keep": 0, "fsync": False},
+        }
+    )
     w = TieredWriter(local_only)
     sd1 = every_dtype_state(6)
     save(w, sd1, "step-6")

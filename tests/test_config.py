@@ -33,8 +33,11 @@ LOCAL = '[local]\npath = "/tmp/tierckpt-test"\n'
 
 # -- good files ---------------------------------------------------------------------------
 
+
 def test_full_file(tmp_path):
-    p = write(tmp_path, f"""
+    p = write(
+        tmp_path,
+        f"""
 [job]
 commit_timeout = 30
 log_level = "info"
@@ -61,7 +64,8 @@ keep_every = 1000
 connect_timeout = 3
 read_timeout = 4.5
 conditional_commit = false
-""")
+""",
+    )
     cfg = load_config(p)
     assert isinstance(cfg, TierConfig)
     assert cfg.source == str(p)
@@ -83,34 +87,52 @@ def test_minimal_files_and_defaults(tmp_path):
     assert cfg.local is None and cfg.s3.bucket == "b" and cfg.s3.part_size == 64 * MiB
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('"512MiB"', 512 * MiB),
-    ('"8GiB"', 8 * GiB),
-    ('"64MB"', 64_000_000),
-    ("1048576", 1048576),
-    ('"1048576"', 1048576),
-    ('"4 MiB"', 4 * MiB),
-    ('"256kib"', 256 * KiB),
-    ('"1.5GiB"', 3 * GiB // 2),
-    ('"3m"', 3_000_000),
-    ('"65536b"', 65536),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('"512MiB"', 512 * MiB),
+        ('"8GiB"', 8 * GiB),
+        ('"64MB"', 64_000_000),
+        ("1048576", 1048576),
+        ('"1048576"', 1048576),
+        ('"4 MiB"', 4 * MiB),
+        ('"256kib"', 256 * KiB),
+        ('"1.5GiB"', 3 * GiB // 2),
+        ('"3m"', 3_000_000),
+        ('"65536b"', 65536),
+    ],
+)
 def test_sizes_from_toml(tmp_path, text, expected):
-    cfg = load_config(write(tmp_path, f"[host]\nbuffer_size = \"64GiB\"\nchunk_size = {text}\n" + LOCAL))
+    cfg = load_config(write(tmp_path, f'[host]\nbuffer_size = "64GiB"\nchunk_size = {text}\n' + LOCAL))
     assert cfg.host.chunk_size == expected and cfg.host.buffer_size == 64 * GiB
-    cfg = load_config(write(tmp_path, f"[s3]\nbucket = \"b\"\npart_size = {text}\n", "s3.toml")) if 5 * MiB <= expected <= 5 * GiB else None
+    cfg = (
+        load_config(write(tmp_path, f'[s3]\nbucket = "b"\npart_size = {text}\n', "s3.toml"))
+        if 5 * MiB <= expected <= 5 * GiB
+        else None
+    )
     assert cfg is None or cfg.s3.part_size == expected
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("512MiB", 512 * MiB), ("8GiB", 8 * GiB), ("64MB", 64_000_000), (1048576, 1048576), ("2TiB", 2 << 40),
-    ("10KB", 10_000), ("0", 0), (0, 0),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("512MiB", 512 * MiB),
+        ("8GiB", 8 * GiB),
+        ("64MB", 64_000_000),
+        (1048576, 1048576),
+        ("2TiB", 2 << 40),
+        ("10KB", 10_000),
+        ("0", 0),
+        (0, 0),
+    ],
+)
 def test_parse_size(value, expected):
     assert parse_size(value) == expected
 
 
-@pytest.mark.parametrize("value", ["-1", "-1MiB", -5, "lots", "12 parsecs", "", "MiB", "1.2.3GiB", True, 1.5, None, [1]])
+@pytest.mark.parametrize(
+    "value", ["-1", "-1MiB", -5, "lots", "12 parsecs", "", "MiB", "1.2.3GiB", True, 1.5, None, [1]]
+)
 def test_parse_size_rejects(value):
     with pytest.raises(ConfigError) as ei:
         parse_size(value, "[host] buffer_size")
@@ -142,7 +164,9 @@ def test_environment_names_missing_file(tmp_path, monkeypatch):
 def test_writer_and_reader_accept_a_path(tmp_path, monkeypatch):
     from tierckpt import TieredReader, TieredWriter
 
-    p = write(tmp_path, f'[host]\nbuffer_size = "4MiB"\nchunk_size = "1MiB"\n[local]\npath = "{tmp_path}/c"\nfsync = false\n')
+    p = write(
+        tmp_path, f'[host]\nbuffer_size = "4MiB"\nchunk_size = "1MiB"\n[local]\npath = "{tmp_path}/c"\nfsync = false\n'
+    )
     assert TieredWriter(str(p)).cfg.local.path == f"{tmp_path}/c"
     monkeypatch.setenv("TIERCKPT_CONFIG", str(p))
     assert TieredReader().cfg.host.buffer_size == 4 * MiB
@@ -189,43 +213,44 @@ KEY_ERRORS = [
     (LOCAL + "flush_thread = 3\n", "[local]", "flush_thread", ["unknown key"]),
     ("[host]\nbufer_size = 1\n" + LOCAL, "[host]", "bufer_size", ["unknown key"]),
     # wrong types
-    ("[local]\npath = \"/x\"\nflush_threads = \"4\"\n", "[local]", "flush_threads", ["integer"]),
-    ("[local]\npath = \"/x\"\nkeep = 2.5\n", "[local]", "keep", ["integer"]),
-    ("[local]\npath = \"/x\"\nfsync = 1\n", "[local]", "fsync", ["true or false"]),
-    ("[host]\npinned = \"yes\"\n" + LOCAL, "[host]", "pinned", ["true or false"]),
-    ("[local]\npath = \"/x\"\nflush_threads = true\n", "[local]", "flush_threads", ["integer"]),
+    ('[local]\npath = "/x"\nflush_threads = "4"\n', "[local]", "flush_threads", ["integer"]),
+    ('[local]\npath = "/x"\nkeep = 2.5\n', "[local]", "keep", ["integer"]),
+    ('[local]\npath = "/x"\nfsync = 1\n', "[local]", "fsync", ["true or false"]),
+    ('[host]\npinned = "yes"\n' + LOCAL, "[host]", "pinned", ["true or false"]),
+    ('[local]\npath = "/x"\nflush_threads = true\n', "[local]", "flush_threads", ["integer"]),
     ("[host]\nbuffer_size = true\n" + LOCAL, "[host]", "buffer_size", ["boolean"]),
     ("[host]\nchunk_size = 1.5\n" + LOCAL, "[host]", "chunk_size", []),
     ("[local]\npath = 17\n", "[local]", "path", ["string"]),
-    ("[s3]\nbucket = \"b\"\nread_timeout = \"slow\"\n", "[s3]", "read_timeout", ["number"]),
+    ('[s3]\nbucket = "b"\nread_timeout = "slow"\n', "[s3]", "read_timeout", ["number"]),
     ("[job]\ncommit_timeout = false\n" + LOCAL, "[job]", "commit_timeout", ["number"]),
     # negative / unparseable sizes
     ("[host]\nbuffer_size = -1\n" + LOCAL, "[host]", "buffer_size", ["negative"]),
-    ("[host]\nbuffer_size = \"-8MiB\"\n" + LOCAL, "[host]", "buffer_size", ["negative"]),
-    ("[host]\nchunk_size = \"lots\"\n" + LOCAL, "[host]", "chunk_size", ["parse"]),
-    ("[s3]\nbucket = \"b\"\npart_size = \"64 potatoes\"\n", "[s3]", "part_size", ["parse"]),
+    ('[host]\nbuffer_size = "-8MiB"\n' + LOCAL, "[host]", "buffer_size", ["negative"]),
+    ('[host]\nchunk_size = "lots"\n' + LOCAL, "[host]", "chunk_size", ["parse"]),
+    ('[s3]\nbucket = "b"\npart_size = "64 potatoes"\n', "[s3]", "part_size", ["parse"]),
     # missing required keys
     ("[local]\nkeep = 1\n", "[local]", "path", ["missing"]),
-    ("[s3]\nprefix = \"p\"\n", "[s3]", "bucket", ["missing"]),
-    ("[local]\npath = \"\"\n", "[local]", "path", ["required"]),
+    ('[s3]\nprefix = "p"\n', "[s3]", "bucket", ["missing"]),
+    ('[local]\npath = ""\n', "[local]", "path", ["required"]),
     # out of range
-    ("[local]\npath = \"/x\"\nflush_threads = 0\n", "[local]", "flush_threads", ["between"]),
-    ("[local]\npath = \"/x\"\nflush_threads = 65\n", "[local]", "flush_threads", ["between"]),
-    ("[local]\npath = \"/x\"\nkeep = -1\n", "[local]", "keep", ["negative"]),
-    ("[s3]\nbucket = \"b\"\npart_size = \"1MiB\"\n", "[s3]", "part_size", ["5MiB"]),
-    ("[s3]\nbucket = \"b\"\npart_size = \"6GiB\"\n", "[s3]", "part_size", ["5GiB"]),
-    ("[s3]\nbucket = \"b\"\nconcurrency = 0\n", "[s3]", "concurrency", ["between"]),
-    ("[s3]\nbucket = \"b\"\nmax_attempts = 0\n", "[s3]", "max_attempts", []),
-    ("[s3]\nbucket = \"b\"\nprefix = \"../up\"\n", "[s3]", "prefix", [".."]),
-    ("[host]\nbuffer_size = \"1MiB\"\n" + LOCAL, "[host]", "buffer_size", ["2MiB"]),
+    ('[local]\npath = "/x"\nflush_threads = 0\n', "[local]", "flush_threads", ["between"]),
+    ('[local]\npath = "/x"\nflush_threads = 65\n', "[local]", "flush_threads", ["between"]),
+    ('[local]\npath = "/x"\nkeep = -1\n', "[local]", "keep", ["negative"]),
+    ('[s3]\nbucket = "b"\npart_size = "1MiB"\n', "[s3]", "part_size", ["5MiB"]),
+    ('[s3]\nbucket = "b"\npart_size = "6GiB"\n', "[s3]", "part_size", ["5GiB"]),
+    ('[s3]\nbucket = "b"\nconcurrency = 0\n', "[s3]", "concurrency", ["between"]),
+    ('[s3]\nbucket = "b"\nmax_attempts = 0\n', "[s3]", "max_attempts", []),
+    ('[s3]\nbucket = "b"\nprefix = "../up"\n', "[s3]", "prefix", [".."]),
+    ('[host]\nbuffer_size = "1MiB"\n' + LOCAL, "[host]", "buffer_size", ["2MiB"]),
     ("[host]\nchunk_size = 1024\n" + LOCAL, "[host]", "chunk_size", ["64KiB"]),
     ("[job]\ncommit_timeout = 0\n" + LOCAL, "[job]", "commit_timeout", ["positive"]),
-    ("[job]\nlog_level = \"LOUD\"\n" + LOCAL, "[job]", "log_level", []),
+    ('[job]\nlog_level = "LOUD"\n' + LOCAL, "[job]", "log_level", []),
 ]
 
 
-@pytest.mark.parametrize("text, section, key, words", KEY_ERRORS,
-                         ids=[f"{s}{k}-{i}" for i, (_t, s, k, _w) in enumerate(KEY_ERRORS)])
+@pytest.mark.parametrize(
+    "text, section, key, words", KEY_ERRORS, ids=[f"{s}{k}-{i}" for i, (_t, s, k, _w) in enumerate(KEY_ERRORS)]
+)
 def test_key_errors(tmp_path, text, section, key, words):
     err = config_error(write(tmp_path, text))
     msg = str(err)
@@ -234,11 +259,14 @@ def test_key_errors(tmp_path, text, section, key, words):
         assert w.lower() in msg.lower(), msg
 
 
-@pytest.mark.parametrize("text, section", [
-    ("[hots]\nbuffer_size = 1\n" + LOCAL, "[hots]"),
-    (LOCAL + "[S3]\nbucket = \"b\"\n", "[S3]"),
-    (LOCAL + "[local.extra]\nx = 1\n", "[local]"),  # a sub-table is an unknown key of [local]
-])
+@pytest.mark.parametrize(
+    "text, section",
+    [
+        ("[hots]\nbuffer_size = 1\n" + LOCAL, "[hots]"),
+        (LOCAL + '[S3]\nbucket = "b"\n', "[S3]"),
+        (LOCAL + "[local.extra]\nx = 1\n", "[local]"),  # a sub-table is an unknown key of [local]
+    ],
+)
 def test_unknown_section(tmp_path, text, section):
     err = config_error(write(tmp_path, text))
     assert section in str(err)
@@ -247,24 +275,27 @@ def test_unknown_section(tmp_path, text, section):
 def test_section_that_is_not_a_table(tmp_path):
     err = config_error(write(tmp_path, "local = 3\n"))
     assert "[local]" in str(err)
-    err = config_error(write(tmp_path, "[[local]]\npath = \"/x\"\n", "arr.toml"))
+    err = config_error(write(tmp_path, '[[local]]\npath = "/x"\n', "arr.toml"))
     assert "[local]" in str(err)
 
 
 def test_neither_local_nor_s3(tmp_path):
-    err = config_error(write(tmp_path, "[host]\nbuffer_size = \"8MiB\"\n"))
+    err = config_error(write(tmp_path, '[host]\nbuffer_size = "8MiB"\n'))
     assert "[local]" in str(err) and "[s3]" in str(err)
     err = config_error(write(tmp_path, "", "empty.toml"))
     assert "[local]" in str(err) and "[s3]" in str(err)
 
 
-@pytest.mark.parametrize("text", [
-    "[local\npath = \"/x\"\n",
-    "[local]\npath = /x\n",
-    "[local]\npath = \"/x\"\npath = \"/y\"\n",
-    "[local]\npath = \"unterminated\n",
-    "[local]\npath = \"/x\"\n[local]\nkeep = 1\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[local\npath = "/x"\n',
+        "[local]\npath = /x\n",
+        '[local]\npath = "/x"\npath = "/y"\n',
+        '[local]\npath = "unterminated\n',
+        '[local]\npath = "/x"\n[local]\nkeep = 1\n',
+    ],
+)
 def test_invalid_toml(tmp_path, text):
     err = config_error(write(tmp_path, text))
     assert "TOML" in str(err)
@@ -299,6 +330,7 @@ def test_quoted_section_with_newline_stays_one_line(tmp_path):
 
 # -- the same validation in Python ---------------------------------------------------------
 
+
 def test_python_config_validation():
     with pytest.raises(ConfigError):
         TierConfig()
@@ -314,8 +346,11 @@ def test_python_config_validation():
 
 
 def test_python_config_accepts_size_strings(tmp_path):
-    cfg = TierConfig(host=HostConfig(buffer_size="8MiB", chunk_size="1MiB"), local=LocalConfig(path=str(tmp_path)),
-                     s3=S3Config(bucket="b", part_size="64MiB"))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size="8MiB", chunk_size="1MiB"),
+        local=LocalConfig(path=str(tmp_path)),
+        s3=S3Config(bucket="b", part_size="64MiB"),
+    )
     assert cfg.host.buffer_size == 8 * MiB and cfg.host.chunk_size == 1 * MiB and cfg.s3.part_size == 64 * MiB
 
 

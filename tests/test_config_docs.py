@@ -32,7 +32,8 @@ def test_every_key_has_a_description() -> None:
     assert not missing, (
         f"config keys without a description: {', '.join(missing)}. Document each in its section "
         f"dataclass's 'Attributes:' docstring block (or EXTRA_DOCS in tools/gen_config_docs.py), "
-        f"then run `{gen.REGENERATE}`")
+        f"then run `{gen.REGENERATE}`"
+    )
 
 
 def test_every_section_and_key_is_on_the_page() -> None:
@@ -62,9 +63,14 @@ def test_committed_page_matches_the_dataclasses() -> None:
     path = REPO / "docs" / "configuration.md"
     have = path.read_text() if path.exists() else ""
     if have != want:
-        diff = "".join(list(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                                 "docs/configuration.md", "generated"))[:60])
-        raise AssertionError(f"docs/configuration.md is stale; regenerate it with `{gen.REGENERATE}` and commit it.\n{diff}")
+        diff = "".join(
+            list(
+                difflib.unified_diff(have.splitlines(True), want.splitlines(True), "docs/configuration.md", "generated")
+            )[:60]
+        )
+        raise AssertionError(
+            f"docs/configuration.md is stale; regenerate it with `{gen.REGENERATE}` and commit it.\n{diff}"
+        )
 
 
 def test_relative_links_in_readme_and_docs_resolve() -> None:

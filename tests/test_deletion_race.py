@@ -42,10 +42,12 @@ WAIT = 60  # a safety net for a broken interleaving, never reached when the code
 
 
 def cfg_two(tmp_path: Path) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
-                      local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
-                      sections={"archive": ArchiveConfig(path=str(tmp_path / "archive"))},
-                      job=JobConfig(commit_timeout=30))
+    return TierConfig(
+        host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
+        local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
+        sections={"archive": ArchiveConfig(path=str(tmp_path / "archive"))},
+        job=JobConfig(commit_timeout=30),
+    )
 
 
 def state(i: int) -> dict:
@@ -162,9 +164,11 @@ def test_a_save_whose_lease_lapsed_never_commits_what_a_deletion_removes(tmp_pat
     """The save's lease stopped being renewed (the process stalled); a deleter elsewhere judges
     it dead, checks the metadata is absent, and is about to delete the data file when the save
     goes on to its commit."""
-    cfg = TierConfig(host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
-                     local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
-                     job=JobConfig(commit_timeout=30))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
+        local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
+        job=JobConfig(commit_timeout=30),
+    )
     deleter = _PausingDeleter("step-2")
     tier = RacingLocal(tmp_path / "local", deleter)
     eng = register_engine(Engine(cfg, tiers=[tier]))
@@ -202,9 +206,11 @@ def test_a_save_waits_for_a_deletion_of_the_same_id_under_way(tmp_path, monkeypa
     """A stale partial of step-3 (a killed attempt) is being deleted when a new save of step-3
     starts: the save's lease is written after the deleter's lease check, so the save waits for
     the tombstone to go before its first file, then commits intact."""
-    cfg = TierConfig(host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
-                     local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
-                     job=JobConfig(commit_timeout=30))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
+        local=LocalConfig(path=str(tmp_path / "local"), keep=0, fsync=False),
+        job=JobConfig(commit_timeout=30),
+    )
     root = tmp_path / "local"
     tier = LocalTier(root, fsync=False)
     stale = root / data_key("step-3", "rank-00000-deadbeef.data")
@@ -220,6 +226,7 @@ def test_a_save_waits_for_a_deletion_of_the_same_id_under_way(tmp_path, monkeypa
             entered.set()
             assert leave.wait(WAIT)
             tier.delete_many([o.key for o in infos[0].objects.values()])
+
         return leases.guarded_delete(tier, "step-3", slow, reason="test")
 
     out: list = []

@@ -89,6 +89,7 @@ def _data(n: int, seed: int) -> bytes:
 
 # -- the pool -----------------------------------------------------------------------------------
 
+
 def test_pool_and_slots_are_page_aligned() -> None:
     for chunk in (64 * KiB, 1 * MiB + 4 * KiB):
         pool = HostPool(4 * chunk + 123, chunk, pinned=False)
@@ -220,6 +221,7 @@ def test_refused_at_first_transfer_falls_back(monkeypatch: pytest.MonkeyPatch, t
 
 # -- reads ----------------------------------------------------------------------------------------
 
+
 def test_direct_reads_cold_and_buffered_when_cached(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reads_mod, "DIRECT_READ_MIN", 4096)  # small test data: take the direct path
     monkeypatch.setattr(reads_mod, "BOUNCE_SIZE", 64 * KiB)  # several bounce rounds per read
@@ -243,8 +245,13 @@ def test_direct_reads_cold_and_buffered_when_cached(mode: str, tmp_path: Path, m
         return real(self, *a, **k)
 
     monkeypatch.setattr(local_mod.LocalTier, "_read_direct", spy)
-    for start, lens in ((0, [size]), (1, [4095, 1, 70 * KiB, 3]), (4096 * 3 + 64, [100 * KiB + 1, 0, 5000]),
-                        (size - 9000, [9000]), (123, [size - 123])):
+    for start, lens in (
+        (0, [size]),
+        (1, [4095, 1, 70 * KiB, 3]),
+        (4096 * 3 + 64, [100 * KiB + 1, 0, 5000]),
+        (size - 9000, [9000]),
+        (123, [size - 123]),
+    ):
         bufs = [memoryview(bytearray(n)) for n in lens]
         tier.read_ranges("r/rank-0.data", start, bufs)
         at = start
@@ -289,8 +296,13 @@ def test_direct_reads_in_place_into_aligned_buffers(mode: str, tmp_path: Path, m
 
     monkeypatch.setattr(reads_mod._bounce, "take", spy_take)
     buf = mmap.mmap(-1, 256 * KiB)
-    for start, n in ((0, 256 * KiB), (256 * KiB, 256 * KiB), (512 * KiB, size - 512 * KiB), (4096, 100 * KiB + 7),
-                     (4096 * 5, 3)):
+    for start, n in (
+        (0, 256 * KiB),
+        (256 * KiB, 256 * KiB),
+        (512 * KiB, size - 512 * KiB),
+        (4096, 100 * KiB + 7),
+        (4096 * 5, 3),
+    ):
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
@@ -304,7 +316,9 @@ def test_direct_reads_in_place_into_aligned_buffers(mode: str, tmp_path: Path, m
     buf.close()
 
 
-def test_direct_read_refused_falls_back(refuse_direct: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_direct_read_refused_falls_back(
+    refuse_direct: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(reads_mod, "DIRECT_READ_MIN", 4096)
     (tmp_path / "root" / "x").mkdir(parents=True)
     data = _data(200 * KiB + 1, 2)
@@ -321,6 +335,7 @@ def test_direct_read_refused_falls_back(refuse_direct: list[str], tmp_path: Path
 
 
 # -- through TieredWriter / TieredReader ---------------------------------------------------------
+
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(9)
@@ -341,14 +356,23 @@ def _state() -> dict:
 
 
 def _cfg(tmp_path: Path, mode: str, **host) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=host.get("buffer_size", 4 * MiB), chunk_size=host.get("chunk_size", 1 * MiB)),
-                      local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=True, direct_io=_direct_io(mode)))
+    return TierConfig(
+        host=HostConfig(buffer_size=host.get("buffer_size", 4 * MiB), chunk_size=host.get("chunk_size", 1 * MiB)),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=True, direct_io=_direct_io(mode)),
+    )
 
 
 def _load_into_zeros(cfg: TierConfig, sd: dict, cid: str) -> dict:
-    out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor)
-               else {kk: type(vv)() for kk, vv in v.items()} if isinstance(v, dict) else type(v)())
-           for k, v in sd.items()}
+    out = {
+        k: (
+            torch.zeros_like(v)
+            if isinstance(v, torch.Tensor)
+            else {kk: type(vv)() for kk, vv in v.items()}
+            if isinstance(v, dict)
+            else type(v)()
+        )
+        for k, v in sd.items()
+    }
     dcp.load(out, checkpoint_id=cid, storage_reader=TieredReader(cfg), no_dist=True)
     return out
 
@@ -357,7 +381,7 @@ def _file_digest(cfg: TierConfig, cid: str) -> tuple[str, int]:
     root = cfg.local.resolved_path()
     raw = (root / metadata_key(cid)).read_bytes()
     _md, man = metadata_from_json(raw, "m")
-    (file, size), = man.files.items()
+    ((file, size),) = man.files.items()
     data = (root / data_key(cid, file)).read_bytes()
     assert len(data) == size
     return hashlib.sha256(data).hexdigest(), size
@@ -436,6 +460,7 @@ def test_slot_larger_state_than_pool(mode: str, tmp_path: Path) -> None:
 
 
 # -- configuration ------------------------------------------------------------------------------
+
 
 def test_direct_io_config(tmp_path: Path) -> None:
     assert LocalConfig(path="/x").direct_io == "auto"

@@ -48,8 +48,17 @@ EVERY = 2
 MODEL = ["--d-model", "64", "--layers", "2"]
 TRAIN_SEED = 3  # the model/data seed: the same for every run, so every run is comparable
 WAIT_S = 240.0  # bound on any one subprocess (the machine may be heavily shared)
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "GROUP_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID")
+DIST_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -59,6 +68,7 @@ pytestmark = [
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
 
 def of(evs: list[dict], kind: str) -> list[dict]:
     return [e for e in evs if e.get("event") == kind]
@@ -81,13 +91,27 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 def trainer(log: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(TRAIN), "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--seed", str(TRAIN_SEED),
-            *MODEL, "--log", str(log), *extra]
+    return [
+        sys.executable,
+        str(TRAIN),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        "--seed",
+        str(TRAIN_SEED),
+        *MODEL,
+        "--log",
+        str(log),
+        *extra,
+    ]
 
 
 def run_ok(cmd: list[str], env: dict[str, str], what: str, **kw) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WAIT_S, **kw)
-    assert p.returncode == 0, f"{what} failed (exit {p.returncode})\nstdout: {p.stdout[-3000:]}\nstderr: {p.stderr[-3000:]}"
+    assert p.returncode == 0, (
+        f"{what} failed (exit {p.returncode})\nstdout: {p.stdout[-3000:]}\nstderr: {p.stderr[-3000:]}"
+    )
     return p
 
 
@@ -112,7 +136,7 @@ buffer_size = "8MiB"
 chunk_size = "1MiB"
 
 [local]
-path = "{self.local / '{node}'}"
+path = "{self.local / "{node}"}"
 flush_threads = 2
 keep = 2
 
@@ -138,14 +162,14 @@ read_timeout = 10.0
         out: dict[str, str] = {}
         for page in c.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
             for obj in page.get("Contents", ()):
-                parts = obj["Key"][len(self.prefix) + 1:].split("/")
+                parts = obj["Key"][len(self.prefix) + 1 :].split("/")
                 if len(parts) == 2 and parts[0].startswith("step-"):
                     if parts[1] == "metadata.json":
                         out[parts[0]] = "committed"
                     else:
                         out.setdefault(parts[0], "partial")
         for up in c.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix + "/").get("Uploads", ()):
-            parts = up["Key"][len(self.prefix) + 1:].split("/")
+            parts = up["Key"][len(self.prefix) + 1 :].split("/")
             if parts and parts[0].startswith("step-"):
                 out.setdefault(parts[0], "partial")
         return out
@@ -172,12 +196,15 @@ def kill_phase(evs: list[dict], story: Story, nodes: list[str]) -> dict:
     local = {n: story.local_state(n) for n in nodes}
     s3 = story.s3_state()
     # committed locally, not (yet) on S3: the promotion backlog (promoted in commit order)
-    pending = sorted(c for c in saved if s3.get(c) != "committed" and all(local[n].get(c) == "committed" for n in nodes))
+    pending = sorted(
+        c for c in saved if s3.get(c) != "committed" and all(local[n].get(c) == "committed" for n in nodes)
+    )
     backlog = ""
     if pending:
         head = pending[0]
-        backlog = (f"promotion backlog {pending[0]}..{pending[-1]} ({len(pending)}), promoting {head}: "
-                   + ("its upload had started" if s3.get(head) == "partial" else "nothing of it on S3 yet"))
+        backlog = f"promotion backlog {pending[0]}..{pending[-1]} ({len(pending)}), promoting {head}: " + (
+            "its upload had started" if s3.get(head) == "partial" else "nothing of it on S3 yet"
+        )
     if newest is None:
         phase = "before the first checkpoint"
     elif newest not in saved:
@@ -190,8 +217,14 @@ def kill_phase(evs: list[dict], story: Story, nodes: list[str]) -> dict:
         phase = f"training between checkpoints ({newest} committed on every tier)"
     if backlog:
         phase += f"; {backlog}"
-    return {"phase": phase, "last_step": last, "newest_checkpoint": newest, "not_yet_on_s3": pending,
-            "local": local, "s3": s3}
+    return {
+        "phase": phase,
+        "last_step": last,
+        "newest_checkpoint": newest,
+        "not_yet_on_s3": pending,
+        "local": local,
+        "s3": s3,
+    }
 
 
 def start_group(cmds_envs: list[tuple[list[str], dict[str, str]]], logs: list[Path]) -> list[subprocess.Popen]:
@@ -200,15 +233,24 @@ def start_group(cmds_envs: list[tuple[list[str], dict[str, str]]], logs: list[Pa
     for i, (cmd, env) in enumerate(cmds_envs):
         out = open(logs[i], "w")
         try:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          process_group=0 if i == 0 else procs[0].pid))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    process_group=0 if i == 0 else procs[0].pid,
+                )
+            )
         finally:
             out.close()
     return procs
 
 
-def kill_when(procs: list[subprocess.Popen], log: Path, story: Story, *, at_step: int, delay: float,
-              s3_min: int) -> tuple[bool, int]:
+def kill_when(
+    procs: list[subprocess.Popen], log: Path, story: Story, *, at_step: int, delay: float, s3_min: int
+) -> tuple[bool, int]:
     """SIGKILL the group once the trainer logged step ``at_step`` and S3 holds ``s3_min`` committed
     checkpoints (a lost node is only recoverable from what S3 committed), after ``delay`` seconds.
     Returns (killed, number of polls that waited only for S3)."""
@@ -241,6 +283,7 @@ def tail(path: Path, n: int = 3000) -> str:
 
 # -- fixtures -------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def s3_endpoint():
     url, stop = s3servers.start_moto()
@@ -259,8 +302,13 @@ class Reference:
         self.log = work / "reference.jsonl"
         self.out = work / "reference.out"
         with open(self.out, "w") as out:
-            self.proc = subprocess.Popen(trainer(self.log, "--writer", "dcp", "--dcp-dir", str(work / "dcp"), "--digests"),
-                                         env=base_env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                trainer(self.log, "--writer", "dcp", "--dcp-dir", str(work / "dcp"), "--digests"),
+                env=base_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self._evs: list[dict] | None = None
 
     def events(self) -> list[dict]:
@@ -295,12 +343,17 @@ def reference(tmp_path_factory):
 
 
 def fetch_latest(story: Story, node: str = "node0") -> dict:
-    p = run_ok([sys.executable, "-m", "restore", "fetch", "latest", "--quiet", "--json"], story.env(node),
-               "tierckpt-restore fetch latest", cwd=ROOT)
+    p = run_ok(
+        [sys.executable, "-m", "restore", "fetch", "latest", "--quiet", "--json"],
+        story.env(node),
+        "tierckpt-restore fetch latest",
+        cwd=ROOT,
+    )
     return json.loads(p.stdout)
 
 
 # -- 1. one process: kill, lose the node, fetch, resume, compare bit for bit -------------------------
+
 
 @pytest.mark.parametrize("seed", [11, 23, 42])
 def test_kill_lose_node_fetch_resume_single_process(seed, tmp_path, s3_endpoint, reference, record_property):
@@ -313,14 +366,18 @@ def test_kill_lose_node_fetch_resume_single_process(seed, tmp_path, s3_endpoint,
     procs = start_group([(trainer(log1, "--digests"), story.env())], [tmp_path / "run1.out"])
     killed, s3_waits = kill_when(procs, log1, story, at_step=kill_step, delay=delay, s3_min=1)
     run1 = events(log1)
-    assert killed, (f"the trainer ended (exit {procs[0].returncode}) before the kill at step {kill_step}: "
-                    f"{tail(tmp_path / 'run1.out')}")
+    assert killed, (
+        f"the trainer ended (exit {procs[0].returncode}) before the kill at step {kill_step}: "
+        f"{tail(tmp_path / 'run1.out')}"
+    )
     assert procs[0].returncode == -signal.SIGKILL
     info = kill_phase(run1, story, ["node0"])
     info.update(seed=seed, kill_step=kill_step, delay=round(delay, 3), waited_for_s3=s3_waits > 0)
-    print(f"\n[failure story, seed {seed}] kill planned after step {kill_step}{' (waited for S3)' if s3_waits else ''}, "
-          f"landed after step {info['last_step']} (+{delay:.2f} s): {info['phase']}; "
-          f"local {info['local']['node0']}, s3 {info['s3']}")
+    print(
+        f"\n[failure story, seed {seed}] kill planned after step {kill_step}{' (waited for S3)' if s3_waits else ''}, "
+        f"landed after step {info['last_step']} (+{delay:.2f} s): {info['phase']}; "
+        f"local {info['local']['node0']}, s3 {info['s3']}"
+    )
     record_property("kill_phase", json.dumps(info))
 
     on_s3 = story.s3_committed()
@@ -343,7 +400,9 @@ def test_kill_lose_node_fetch_resume_single_process(seed, tmp_path, s3_endpoint,
     step = resumed["step"]
     assert resumed["checkpoint"] == s3_latest and step == int(s3_latest.split("-")[1])
     assert step <= info["last_step"]
-    assert set(resumed["served"].values()) == {"local"}, f"expected every file from the rebuilt local tier: {resumed['served']}"
+    assert set(resumed["served"].values()) == {"local"}, (
+        f"expected every file from the rebuilt local tier: {resumed['served']}"
+    )
 
     # Bit for bit: the killed run's own digest at that step, and the uninterrupted reference's.
     killed_digest = {e["step"]: e.get("digest") for e in of(run1, "save")}
@@ -355,7 +414,9 @@ def test_kill_lose_node_fetch_resume_single_process(seed, tmp_path, s3_endpoint,
     new_losses = {e["step"]: e["loss"] for e in of(run2, "step")}
     assert sorted(new_losses) == list(range(step + 1, STEPS + 1))
     ref_losses = reference.losses()
-    assert {s: ref_losses[s] for s in new_losses} == new_losses, "losses after the resume differ from the uninterrupted run's"
+    assert {s: ref_losses[s] for s in new_losses} == new_losses, (
+        "losses after the resume differ from the uninterrupted run's"
+    )
     assert of(run2, "done")[-1]["digest"] == reference.final(), "final state differs from the uninterrupted run's"
     # and every checkpoint the resumed run saved equals the reference's at its step
     for e in of(run2, "save"):
@@ -367,6 +428,7 @@ def test_kill_lose_node_fetch_resume_single_process(seed, tmp_path, s3_endpoint,
 
 # -- 2. two ranks, two nodes: kill both, lose both nodes, fetch, resume on ONE process ---------------
 
+
 def test_two_ranks_killed_resume_on_one_process(tmp_path, s3_endpoint, record_property):
     rng = random.Random(7)
     kill_step = rng.randrange(3 * EVERY, STEPS - 4)
@@ -376,22 +438,31 @@ def test_two_ranks_killed_resume_on_one_process(tmp_path, s3_endpoint, record_pr
     log = tmp_path / "dist.jsonl"
     cmds = []
     for r in range(2):
-        env = story.env(node=f"node{r}", RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port))
+        env = story.env(
+            node=f"node{r}",
+            RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         cmds.append((trainer(log, "--digests"), env))
     outs = [tmp_path / f"rank{r}.out" for r in range(2)]
     procs = start_group(cmds, outs)
     killed, s3_waits = kill_when(procs, log, story, at_step=kill_step, delay=delay, s3_min=2)
     run1 = events(log)
-    assert killed, (f"the 2-rank run ended (exits {[p.returncode for p in procs]}) before the kill: "
-                    + "\n".join(f"--- rank {r}\n{tail(o)}" for r, o in enumerate(outs)))
+    assert killed, f"the 2-rank run ended (exits {[p.returncode for p in procs]}) before the kill: " + "\n".join(
+        f"--- rank {r}\n{tail(o)}" for r, o in enumerate(outs)
+    )
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
     assert of(run1, "start")[0]["world"] == 2
     info = kill_phase(run1, story, ["node0", "node1"])
     info.update(kill_step=kill_step, delay=round(delay, 3), waited_for_s3=s3_waits > 0)
-    print(f"\n[failure story, 2 ranks] kill planned after step {kill_step}{' (waited for S3)' if s3_waits else ''}, "
-          f"landed after step {info['last_step']} (+{delay:.2f} s): {info['phase']}; "
-          f"local {info['local']}, s3 {info['s3']}")
+    print(
+        f"\n[failure story, 2 ranks] kill planned after step {kill_step}{' (waited for S3)' if s3_waits else ''}, "
+        f"landed after step {info['last_step']} (+{delay:.2f} s): {info['phase']}; "
+        f"local {info['local']}, s3 {info['s3']}"
+    )
     record_property("kill_phase", json.dumps(info))
 
     on_s3 = story.s3_committed()

@@ -26,8 +26,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 def node_config(base: Path, s3: dict | None = None) -> Path:
     """The TOML every node uses (``{node}`` in the local path)."""
-    lines = ["[host]", 'buffer_size = "8MiB"', 'chunk_size = "1MiB"', "[local]", f'path = "{base}/{{node}}"',
-             "fsync = false", "[peer]", "replicas = 1"]
+    lines = [
+        "[host]",
+        'buffer_size = "8MiB"',
+        'chunk_size = "1MiB"',
+        "[local]",
+        f'path = "{base}/{{node}}"',
+        "fsync = false",
+        "[peer]",
+        "replicas = 1",
+    ]
     if s3:
         lines += ["[s3]"] + [f"{k} = {json.dumps(v)}" for k, v in s3.items() if v is not None and v != ""]
     path = base.parent / ("with-s3.toml" if s3 else "nodes.toml")
@@ -39,8 +47,14 @@ def cli_on(node: str, config: Path, *args: str) -> subprocess.CompletedProcess:
     """``python -m restore ARGS`` as a launcher on ``node`` runs it."""
     env = dict(os.environ, TIERCKPT_NODE=node, PYTHONPATH=str(REPO))
     env.pop("TIERCKPT_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "restore", "--config", str(config), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "restore", "--config", str(config), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def load_on(node: str, config: Path) -> None:
@@ -95,14 +109,18 @@ def test_lost_node_fetches_its_files_from_the_peer_copies(replicated_master: Pat
     res = json.loads(p.stdout)
     assert res["checkpoint_id"] == "step-1" and res["committed"] and len(res["files"]) == 2, res
     assert set(res["sources"].values()) == {"node n0"}, res
-    assert (base / "n1" / "step-1" / "metadata.json").read_bytes() == (base / "n0" / "step-1" / "metadata.json").read_bytes()
+    assert (base / "n1" / "step-1" / "metadata.json").read_bytes() == (
+        base / "n0" / "step-1" / "metadata.json"
+    ).read_bytes()
     load_on("n1", conf)
 
     # What a launcher runs on every restart, in one process: torch is never imported.
-    probe = ("import sys\nfrom restore.cli import main\n"
-             f"codes = [main(['--config', {str(conf)!r}, *a]) for a in "
-             "(['latest'], ['list'], ['verify', 'latest', '-q'], ['fetch', 'latest', '-q'])]\n"
-             "assert 'torch' not in sys.modules, 'torch was imported'\nprint('codes', codes)\n")
+    probe = (
+        "import sys\nfrom restore.cli import main\n"
+        f"codes = [main(['--config', {str(conf)!r}, *a]) for a in "
+        "(['latest'], ['list'], ['verify', 'latest', '-q'], ['fetch', 'latest', '-q'])]\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\nprint('codes', codes)\n"
+    )
     env = dict(os.environ, TIERCKPT_NODE="n1", PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr

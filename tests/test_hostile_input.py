@@ -47,6 +47,7 @@ MAX_MESSAGE = 1000
 
 # -- helpers ----------------------------------------------------------------------------------
 
+
 def seal(body: bytes) -> bytes:
     """``body`` behind a header line whose format, length and CRC32C are all correct."""
     header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": crc32c(body)}).encode()
@@ -105,25 +106,65 @@ def nested(depth: int) -> Any:
 
 
 REPLACEMENTS: list[Any] = [
-    None, True, False, 0, -1, 2**63, 2**64 + 1, 10**39, 1.5, -0.0, 1e308, "", "x", "float32", "bytes", "tensor",
-    "rank-00000.data", "../../etc/passwd", "latest", "a" * 5000, [], [None], [[[]]], [0, 0, 0], ["a", 1, None],
-    {}, {"a": 1}, {"__tuple__": [1]}, {"__dict__": {}}, {"type": "tensor"}, nested(150), [0] * 5000,
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**63,
+    2**64 + 1,
+    10**39,
+    1.5,
+    -0.0,
+    1e308,
+    "",
+    "x",
+    "float32",
+    "bytes",
+    "tensor",
+    "rank-00000.data",
+    "../../etc/passwd",
+    "latest",
+    "a" * 5000,
+    [],
+    [None],
+    [[[]]],
+    [0, 0, 0],
+    ["a", 1, None],
+    {},
+    {"a": 1},
+    {"__tuple__": [1]},
+    {"__dict__": {}},
+    {"type": "tensor"},
+    nested(150),
+    [0] * 5000,
 ]
 
 
 # -- a real checkpoint ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory) -> tuple[bytes, dict]:
     """``(metadata.json bytes, its body as a dict)`` of a real checkpoint with tensors of several
     dtypes and shapes, an empty and a 0-dim tensor, and non-tensor items."""
     root = tmp_path_factory.mktemp("hostile") / "ckpt"
-    cfg = TierConfig(host=HostConfig(buffer_size=2 * MiB, chunk_size=256 << 10),
-                     local=LocalConfig(path=str(root), keep=0, fsync=False))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=2 * MiB, chunk_size=256 << 10),
+        local=LocalConfig(path=str(root), keep=0, fsync=False),
+    )
     g = torch.Generator().manual_seed(0)
-    sd = {"model": {"w": torch.randn(40, 30, generator=g), "b": torch.randn(30, generator=g).bfloat16(),
-                    "scale": torch.tensor(2.0), "empty": torch.empty(0, 3)},
-          "optim": {"lr": 0.1, "betas": (0.9, 0.99)}, "step": 7, "name": "run"}
+    sd = {
+        "model": {
+            "w": torch.randn(40, 30, generator=g),
+            "b": torch.randn(30, generator=g).bfloat16(),
+            "scale": torch.tensor(2.0),
+            "empty": torch.empty(0, 3),
+        },
+        "optim": {"lr": 0.1, "betas": (0.9, 0.99)},
+        "step": 7,
+        "name": "run",
+    }
     w = TieredWriter(cfg)
     dcp.save(sd, checkpoint_id=CID, storage_writer=w, no_dist=True)
     w.wait()
@@ -139,15 +180,20 @@ def test_real_metadata_parses(real):
 
 # -- item 4: the reported case and its relatives ----------------------------------------------
 
-@pytest.mark.parametrize("body", [
-    b"[" * 200_000,
-    b"{" * 200_000,
-    b'{"a":' * 100_000,
-    b"[{" * 100_000,
-    b'["]]]]",' * 1000 + b"[" * 300,            # brackets in strings do not hide real nesting
-    b'["\\\\",' + b"[" * 300,                     # nor do escaped backslashes
-    b'"\\"[[[' + b"[" * 300 + b'"',               # a string full of brackets is fine (not nesting)
-], ids=["arrays", "objects-unterminated", "object-chain", "mixed", "strings-with-brackets", "escapes", "string"])
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 200_000,
+        b"{" * 200_000,
+        b'{"a":' * 100_000,
+        b"[{" * 100_000,
+        b'["]]]]",' * 1000 + b"[" * 300,  # brackets in strings do not hide real nesting
+        b'["\\\\",' + b"[" * 300,  # nor do escaped backslashes
+        b'"\\"[[[' + b"[" * 300 + b'"',  # a string full of brackets is fine (not nesting)
+    ],
+    ids=["arrays", "objects-unterminated", "object-chain", "mixed", "strings-with-brackets", "escapes", "string"],
+)
 def test_deep_nesting_is_corrupt(body):
     e = parse(seal(body))
     assert e is not None
@@ -170,18 +216,49 @@ def test_deep_nesting_with_a_high_recursion_limit_does_not_crash(tmp_path):
         "except CorruptCheckpoint as e:\n"
         "    print('corrupt:', e)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
     assert p.stdout.startswith("corrupt: X: ") and "nested deeper" in p.stdout
 
 
-@pytest.mark.parametrize("body", [
-    b'"a string"', b"42", b"-1", b"1e999", b"null", b"true", b"[]", b"{}", b"NaN", b"Infinity", b"-Infinity",
-    b"[NaN]", b"[1e999]", b"[-1e999]", b"1" * 100_000, b'{"format":"tierckpt/1","format":"tierckpt/1"}',
-    b'{"a":{"b":1,"b":2}}', b"", b" ", b"\xff\xfe[\x00]\x00", b"\xef\xbb\xbf{}", b'{"a":"\xff"}', b"[1,2",
-    b"{}garbage", b'{"a":"\x01"}', b'["\\ud800"]', b'["\\x"]', b"[" + b"0," * 500_000 + b"0]",
-], ids=lambda b: repr(b[:24]))
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'"a string"',
+        b"42",
+        b"-1",
+        b"1e999",
+        b"null",
+        b"true",
+        b"[]",
+        b"{}",
+        b"NaN",
+        b"Infinity",
+        b"-Infinity",
+        b"[NaN]",
+        b"[1e999]",
+        b"[-1e999]",
+        b"1" * 100_000,
+        b'{"format":"tierckpt/1","format":"tierckpt/1"}',
+        b'{"a":{"b":1,"b":2}}',
+        b"",
+        b" ",
+        b"\xff\xfe[\x00]\x00",
+        b"\xef\xbb\xbf{}",
+        b'{"a":"\xff"}',
+        b"[1,2",
+        b"{}garbage",
+        b'{"a":"\x01"}',
+        b'["\\ud800"]',
+        b'["\\x"]',
+        b"[" + b"0," * 500_000 + b"0]",
+    ],
+    ids=lambda b: repr(b[:24]),
+)
 def test_wrong_shapes_are_corrupt(body):
     assert parse(seal(body)) is not None
 
@@ -279,6 +356,7 @@ def test_items_with_absurd_ranges_are_refused_without_iterating_them(real):
 
 # -- the bound on nesting itself --------------------------------------------------------------
 
+
 def _depth(x: Any) -> int:
     if isinstance(x, list):
         return 1 + max((_depth(v) for v in x), default=0)
@@ -290,11 +368,15 @@ def _depth(x: Any) -> int:
 def _random_json(rng: random.Random, depth: int) -> Any:
     tricky = ['"', "\\", "[", "]", "{", "}", '\\"', "\\\\", '""', "\\[", "a", "é", "\u2028"]
     if depth == 0 or rng.random() < 0.25:
-        return "".join(rng.choice(tricky) for _ in range(rng.randint(0, 8))) if rng.random() < 0.6 else rng.randint(-9, 9)
+        return (
+            "".join(rng.choice(tricky) for _ in range(rng.randint(0, 8))) if rng.random() < 0.6 else rng.randint(-9, 9)
+        )
     if rng.random() < 0.5:
         return [_random_json(rng, depth - 1) for _ in range(rng.randint(0, 3))]
-    return {"".join(rng.choice(tricky) for _ in range(rng.randint(0, 4))) + str(i): _random_json(rng, depth - 1)
-            for i in range(rng.randint(0, 3))}
+    return {
+        "".join(rng.choice(tricky) for _ in range(rng.randint(0, 4))) + str(i): _random_json(rng, depth - 1)
+        for i in range(rng.randint(0, 3))
+    }
 
 
 def test_too_deep_matches_the_real_depth():
@@ -310,7 +392,7 @@ def test_too_deep_matches_the_real_depth():
 
 
 def test_safejson_accepts_what_the_writer_writes():
-    doc = {"a": [1, -2, 3.5, -0.0, 1e-300, 2**62, "x\\\"[]{}", None, True, False], "b": {"c": {"d": []}}}
+    doc = {"a": [1, -2, 3.5, -0.0, 1e-300, 2**62, 'x\\"[]{}', None, True, False], "b": {"c": {"d": []}}}
     assert safejson.loads(json.dumps(doc).encode()) == doc
 
 
@@ -364,8 +446,12 @@ def test_cli_reports_hostile_metadata_in_one_line(tmp_path):
         p = run("verify", CID, config=cfg)
         assert_one_line_error(p, 1, "failed verification", CID)
         assert f"BAD local: metadata.json: {root}/{CID}/metadata.json" in p.stdout, p.stdout
-        line = assert_one_line_error(cli("consolidate", CID, "--out", str(tmp_path / "x.pt"), config=cfg), 1,
-                                     "corrupt checkpoint", f"{CID}/metadata.json")
+        line = assert_one_line_error(
+            cli("consolidate", CID, "--out", str(tmp_path / "x.pt"), config=cfg),
+            1,
+            "corrupt checkpoint",
+            f"{CID}/metadata.json",
+        )
         p = cli("latest", config=cfg)
         assert p.returncode == 1 and "internal error" not in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert "internal error" not in line

@@ -42,9 +42,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 # -- helpers --------------------------------------------------------------------------------
 
+
 def make_cfg(tmp_path) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=2 * MiB, chunk_size=CHUNK),
-                      local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=False))
+    return TierConfig(
+        host=HostConfig(buffer_size=2 * MiB, chunk_size=CHUNK),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=False),
+    )
 
 
 def save(cfg, sd, cid) -> None:
@@ -176,8 +179,12 @@ def state(seed: int = 0) -> dict:
 
 
 def target() -> dict:
-    return {"small": torch.zeros(7, 3), "big": torch.zeros(150_000), "ints": torch.zeros(100, dtype=torch.int64),
-            "obj": {"name": None, "lr": None}}
+    return {
+        "small": torch.zeros(7, 3),
+        "big": torch.zeros(150_000),
+        "ints": torch.zeros(100, dtype=torch.int64),
+        "obj": {"name": None, "lr": None},
+    }
 
 
 @pytest.fixture
@@ -198,10 +205,19 @@ def assert_loads_ok(cfg, sd, cid="step-5") -> None:
 
 # -- corrupted data bytes ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("fqn, where", [
-    ("small", "first"), ("small", "last"), ("big", "first"), ("big", "middle"), ("big", "last"),
-    ("ints", "middle"), ("obj.name", "middle"),
-])
+
+@pytest.mark.parametrize(
+    "fqn, where",
+    [
+        ("small", "first"),
+        ("small", "last"),
+        ("big", "first"),
+        ("big", "middle"),
+        ("big", "last"),
+        ("ints", "middle"),
+        ("obj.name", "middle"),
+    ],
+)
 def test_flipped_data_byte_is_detected(saved, fqn, where):
     cfg, sd = saved
     assert_loads_ok(cfg, sd)
@@ -271,6 +287,7 @@ def test_missing_data_file(saved):
 
 # -- corrupted / malformed metadata -----------------------------------------------------------
 
+
 def _refused_metadata(cfg, cid="step-5") -> CorruptCheckpoint:
     r = TieredReader(cfg)
     r.reset(cid)
@@ -286,8 +303,13 @@ def test_flipped_metadata_byte(saved, where):
     path = ckpt_dir(cfg, "step-5") / "metadata.json"
     raw = path.read_bytes()
     nl = raw.find(b"\n")
-    off = {"first": 0, "header_end": max(nl - 2, 1), "body_start": nl + 1, "body_middle": (nl + len(raw)) // 2,
-           "last": len(raw) - 1}[where]
+    off = {
+        "first": 0,
+        "header_end": max(nl - 2, 1),
+        "body_start": nl + 1,
+        "body_middle": (nl + len(raw)) // 2,
+        "last": len(raw) - 1,
+    }[where]
     flip(path, off)
     err = _refused_metadata(cfg)
     assert "step-5" in str(err) and "metadata" in str(err)
@@ -300,7 +322,7 @@ def test_flipped_crc_digit_in_metadata(saved):
     raw = path.read_bytes()
     at = raw.index(b'"crcs":[') + len(b'"crcs":[')
     b = bytearray(raw)
-    b[at] = ord("1") if raw[at:at + 1] != b"1" else ord("2")
+    b[at] = ord("1") if raw[at : at + 1] != b"1" else ord("2")
     path.write_bytes(bytes(b))
     _refused_metadata(cfg)
 
@@ -321,7 +343,7 @@ def test_truncated_metadata(saved, cut):
     cfg, _sd = saved
     path = ckpt_dir(cfg, "step-5") / "metadata.json"
     raw = path.read_bytes()
-    path.write_bytes(raw[:cut] if cut > 0 else raw[:len(raw) + cut] if cut else b"")
+    path.write_bytes(raw[:cut] if cut > 0 else raw[: len(raw) + cut] if cut else b"")
     _refused_metadata(cfg)
 
 
@@ -531,6 +553,7 @@ def test_invalid_checkpoint_ids_are_rejected(saved, cid):
 
 # -- pickles in non-tensor items ----------------------------------------------------------------
 
+
 def _replace_bytes_item(cfg, cid: str, fqn: str, payload: bytes) -> None:
     """Point ``fqn`` at ``payload``, appended to its data file, with correct CRCs and frame."""
     header, doc = read_meta(cfg, cid)
@@ -607,7 +630,10 @@ def test_corruption_names_the_writing_rank(tmp_path):
     from distrun import run_world
 
     cfg = make_cfg(tmp_path)
-    conf = {"host": {"buffer_size": "2MiB", "chunk_size": "256KiB"}, "local": {"path": cfg.local.path, "fsync": False, "keep": 0}}
+    conf = {
+        "host": {"buffer_size": "2MiB", "chunk_size": "256KiB"},
+        "local": {"path": cfg.local.path, "fsync": False, "keep": 0},
+    }
     res = run_world(2, "save_load_exact", {"config": conf, "id": "step-1"}, tmp_path / "w")
     assert all(r["mismatches"] == [] for r in res), res
     _h, doc = read_meta(cfg, "step-1")

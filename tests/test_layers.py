@@ -42,8 +42,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("api",),  # the package root: tierckpt/__init__.py
     ("integrations", "testing", "restore"),
 ]
-BASE = {"tierckpt.errors", "tierckpt.checksum", "tierckpt.background", "tierckpt.lazyexports", "tierckpt.moved",
-        "tierckpt.loading"}
+BASE = {
+    "tierckpt.errors",
+    "tierckpt.checksum",
+    "tierckpt.background",
+    "tierckpt.lazyexports",
+    "tierckpt.moved",
+    "tierckpt.loading",
+}
 LEVEL = {stage: level for level, stages in enumerate(LAYERS) for stage in stages}
 
 
@@ -215,8 +221,11 @@ def test_find_cycles_reports_the_path():
 
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_no_module_over_500_lines(pkg):
-    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / pkg).rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines (split by responsibility): {long}"
 
 
@@ -226,7 +235,9 @@ def test_every_stage_states_its_rules():
     for stage in LEVEL:
         if stage in ("base", "api", "restore"):
             continue
-        doc = " ".join((ast.get_docstring(ast.parse((ROOT / "tierckpt" / stage / "__init__.py").read_text())) or "").split())
+        doc = " ".join(
+            (ast.get_docstring(ast.parse((ROOT / "tierckpt" / stage / "__init__.py").read_text())) or "").split()
+        )
         if "May import" not in doc or "May be imported by" not in doc:
             missing.append(stage)
     assert not missing, f"stage packages whose __init__ docstring lacks 'May import' / 'May be imported by': {missing}"

@@ -48,16 +48,24 @@ MiB = 1 << 20
 
 # -- helpers ----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def make_cfg(tmp_path):
     """Build a small config rooted under tmp_path; close its engine at teardown."""
     cfgs: list[TierConfig] = []
 
-    def make(name: str = "ckpt", buffer: str = "8MiB", chunk: str = "1MiB", keep: int = 0,
-             fsync: bool = False, flush_threads: int = 4) -> TierConfig:
-        cfg = TierConfig(host=HostConfig(buffer_size=parse_size(buffer), chunk_size=parse_size(chunk)),
-                         local=LocalConfig(path=str(tmp_path / name), keep=keep, fsync=fsync,
-                                           flush_threads=flush_threads))
+    def make(
+        name: str = "ckpt",
+        buffer: str = "8MiB",
+        chunk: str = "1MiB",
+        keep: int = 0,
+        fsync: bool = False,
+        flush_threads: int = 4,
+    ) -> TierConfig:
+        cfg = TierConfig(
+            host=HostConfig(buffer_size=parse_size(buffer), chunk_size=parse_size(chunk)),
+            local=LocalConfig(path=str(tmp_path / name), keep=keep, fsync=fsync, flush_threads=flush_threads),
+        )
         cfgs.append(cfg)
         return cfg
 
@@ -90,8 +98,11 @@ def bit_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor):
-        return (a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        )
     return a == b
 
 
@@ -118,8 +129,11 @@ def files_of(root: Path, cid: str) -> list[Path]:
 
 def ids_on_disk(root: Path) -> set[str]:
     """Checkpoint ids with any file under ``root`` (``_history/`` and other ``_`` directories hold none)."""
-    return {p.relative_to(root).parts[-2] for p in root.rglob("*")
-            if p.is_file() and len(p.relative_to(root).parts) >= 2 and not p.relative_to(root).parts[0].startswith("_")}
+    return {
+        p.relative_to(root).parts[-2]
+        for p in root.rglob("*")
+        if p.is_file() and len(p.relative_to(root).parts) >= 2 and not p.relative_to(root).parts[0].startswith("_")
+    }
 
 
 @contextmanager
@@ -156,10 +170,12 @@ def take_all(pool: HostPool, timeout: float = 60.0) -> list[int]:
 
 def release_later(pool: HostPool, slots: list[int], delay: float = 0.05) -> threading.Thread:
     """Give ``slots`` back from another thread after ``delay`` s (while the caller blocks in a hook)."""
+
     def run():
         time.sleep(delay)
         for s in slots:
             pool.release(s)
+
     th = threading.Thread(target=run, daemon=True)
     th.start()
     return th
@@ -205,8 +221,15 @@ class _TestTier(LocalTier):
     that it went on); the write at ``fail_offset`` fails with ENOSPC.
     """
 
-    def __init__(self, root, *, fsync: bool, fail_offset: int | None = None, open_gate: bool = True,
-                 hold_offset: int | None = None) -> None:
+    def __init__(
+        self,
+        root,
+        *,
+        fsync: bool,
+        fail_offset: int | None = None,
+        open_gate: bool = True,
+        hold_offset: int | None = None,
+    ) -> None:
         super().__init__(root, fsync=fsync)
         self.gate = threading.Event()
         if open_gate:
@@ -254,6 +277,7 @@ def _swap_tier(monkeypatch, writer: TieredWriter, **kw) -> _TestTier:
 
 # -- 1. dcp.save returns before the copy ------------------------------------------------------
 
+
 def test_save_returns_before_bytes_are_copied(make_cfg):
     cfg = make_cfg()
     sd = state(1)
@@ -279,6 +303,7 @@ def test_save_returns_before_bytes_are_copied(make_cfg):
 
 # -- 2. mutation after wait_captured() does not leak ---------------------------------------------
 
+
 def test_mutation_after_wait_captured_does_not_leak(make_cfg, monkeypatch):
     cfg = make_cfg()
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 300))  # ~1.7 MiB < pool
@@ -303,6 +328,7 @@ def test_mutation_after_wait_captured_does_not_leak(make_cfg, monkeypatch):
 
 
 # -- 3. mutation before capture trips the torn-capture guard --------------------------------------
+
 
 def test_mutation_before_capture_is_a_torn_capture(make_cfg):
     cfg = make_cfg()
@@ -371,13 +397,17 @@ def test_background_error_raised_by_the_first_wait(make_cfg):
 
 # -- 4. the optimizer pre-step hook ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("optim", ["sgd", "adam"])
 def test_training_loop_with_prestep_hook(make_cfg, optim):
     cfg = make_cfg(buffer="4MiB", chunk="256KiB")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))  # ~1.5 MiB
-    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optim == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if optim == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=1e-2)
+    )
     w = TieredWriter(cfg)
     w.attach(opt)
     g = torch.Generator().manual_seed(1)
@@ -425,6 +455,7 @@ def test_training_loop_with_prestep_hook(make_cfg, optim):
 
 # -- 5. a pool 4x smaller than the state; bounded host memory -------------------------------------
 
+
 def test_pool_smaller_than_state_bounds_rss(make_cfg):
     cfg = make_cfg(buffer="16MiB", chunk="4MiB")
     n = (64 * MiB // 3) // 4  # three float32 tensors of ~21.3 MiB: each larger than the pool
@@ -465,6 +496,7 @@ def test_pool_smaller_than_state_bounds_rss(make_cfg):
 
 # -- 6. no reallocation, no thread growth ----------------------------------------------------------
 
+
 def test_pool_and_threads_reused_across_saves(make_cfg):
     cfg = make_cfg(keep=3)
     sd = state(6)
@@ -490,6 +522,7 @@ def test_pool_and_threads_reused_across_saves(make_cfg):
 
 
 # -- 7. an injected flush error surfaces on wait(), once ---------------------------------------------
+
 
 def test_flush_error_surfaces_on_wait_once(make_cfg, monkeypatch):
     cfg = make_cfg()
@@ -579,6 +612,7 @@ def test_failed_checkpoint_never_writes_into_another_file(make_cfg, monkeypatch)
 
 # -- 8. dcp.async_save -----------------------------------------------------------------------------
 
+
 def _result(resp) -> Any:
     if isinstance(resp, Future):
         return resp.result(timeout=60)
@@ -634,9 +668,12 @@ def test_async_save_training_loop_with_hook(make_cfg):
 
 # -- 9. two ranks, real processes -------------------------------------------------------------------
 
+
 def test_two_ranks_training_loop_lazy_saves(tmp_path):
-    cfg = {"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
-           "local": {"path": str(tmp_path / "ckpt"), "keep": 0, "fsync": False}}
+    cfg = {
+        "host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
+        "local": {"path": str(tmp_path / "ckpt"), "keep": 0, "fsync": False},
+    }
     res = run_lazy_world(2, "lazy_training_loop", {"config": cfg, "steps": 3}, tmp_path / "w")
     for r in res:
         assert r["ids"] == ["step-0", "step-1", "step-2"]
@@ -649,6 +686,7 @@ def test_two_ranks_training_loop_lazy_saves(tmp_path):
 
 
 # -- 10. stats ----------------------------------------------------------------------------------
+
 
 def test_stats_after_wait(make_cfg):
     cfg = make_cfg()

@@ -25,9 +25,11 @@ STEPS, CRASH, INTERVAL = 8, 5, 2  # saves at steps 2, 4, 6, 8 (epoch ends); kill
 def _tiers(root: Path) -> str:
     root.mkdir(parents=True, exist_ok=True)
     toml = root / "tiers.toml"
-    toml.write_text(f'[host]\nbuffer_size = "16MiB"\nchunk_size = "4MiB"\n'
-                    f'[local]\npath = "{root / "local"}"\nkeep = 0\nfsync = false\n'
-                    f'[archive]\npath = "{root / "archive"}"\n')
+    toml.write_text(
+        f'[host]\nbuffer_size = "16MiB"\nchunk_size = "4MiB"\n'
+        f'[local]\npath = "{root / "local"}"\nkeep = 0\nfsync = false\n'
+        f'[archive]\npath = "{root / "archive"}"\n'
+    )
     return str(toml)
 
 
@@ -84,10 +86,14 @@ def test_fsdp2_model_parallel_kill_resume_then_one_rank_load(tmp_path):
     ck = tmp_path / "ckpt"
     base = {"strategy": "fsdp2", "tiers": tiers, "dirpath": str(ck), "steps": STEPS, "interval": INTERVAL}
     _run(2, base | {"crash_after": CRASH}, tmp_path / "crashed")
-    res = _run(2, base | {"ckpt_path": "last", "reference_first": True, "final_model": str(tmp_path / "final.pt")},
-               tmp_path / "resumed")
+    res = _run(
+        2,
+        base | {"ckpt_path": "last", "reference_first": True, "final_model": str(tmp_path / "final.pt")},
+        tmp_path / "resumed",
+    )
     _check_resumed(res, CRASH)
     assert [c.id for c in list_checkpoints(tiers)] == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt"]
-    one = _run(1, base | {"validate": True, "ckpt_path": "last", "expect": str(tmp_path / "final.pt")},
-               tmp_path / "one-rank")
+    one = _run(
+        1, base | {"validate": True, "ckpt_path": "last", "expect": str(tmp_path / "final.pt")}, tmp_path / "one-rank"
+    )
     assert one[0]["check"] == [], one

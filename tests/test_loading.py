@@ -47,9 +47,7 @@ def test_pool_touch_waits_while_a_load_is_in_flight():
 
     box: list[HostPool] = []
     with loading.loading():
-        t = threading.Thread(
-            target=lambda: box.append(HostPool(4 * MiB, MiB, False, pause))
-        )
+        t = threading.Thread(target=lambda: box.append(HostPool(4 * MiB, MiB, False, pause)))
         t.start()
         assert asked.wait(60)
         t.join(0.2)
@@ -86,12 +84,8 @@ def test_a_reader_counts_from_metadata_to_the_end_of_read_data(cfg):
     assert torch.equal(out["w"], sd["w"])
     assert _Probe.seen and all(_Probe.seen)
     assert not loading.in_flight()
-    with pytest.raises(
-        CheckpointException, match="step-9 is not committed"
-    ):  # a failed load stops counting too
-        dcp.load(
-            out, checkpoint_id="step-9", storage_reader=TieredReader(cfg), no_dist=True
-        )
+    with pytest.raises(CheckpointException, match="step-9 is not committed"):  # a failed load stops counting too
+        dcp.load(out, checkpoint_id="step-9", storage_reader=TieredReader(cfg), no_dist=True)
     assert not loading.in_flight()
 
 
@@ -104,7 +98,5 @@ def test_a_save_during_a_load_does_not_wait_for_it(cfg):
         w.wait(timeout=120)
         assert loading.in_flight()
     out = {"w": torch.zeros(300, 1000)}
-    dcp.load(
-        out, checkpoint_id="step-1", storage_reader=TieredReader(cfg), no_dist=True
-    )
+    dcp.load(out, checkpoint_id="step-1", storage_reader=TieredReader(cfg), no_dist=True)
     assert torch.equal(out["w"], sd["w"])

@@ -23,16 +23,21 @@ def _cfg(tmp_path) -> dict:
 
 
 def test_ranks_entering_the_load_seconds_apart_still_load(tmp_path):
-    res = run_world(WORLD, "staggered_load", {"config": _cfg(tmp_path), "stagger": 0.3}, tmp_path / "w",
-                    node_of=_node, timeout=300)
+    res = run_world(
+        WORLD, "staggered_load", {"config": _cfg(tmp_path), "stagger": 0.3}, tmp_path / "w", node_of=_node, timeout=300
+    )
     assert all(r["mismatches"] == [] and r["resolved"] == "step-1" for r in res), res
 
 
 def _named_in(out: dict, rank: int) -> bool:
     """Whether this rank's error, or a tierckpt error it logged, names ``rank`` as the one at fault."""
     texts = [out["error"] or "", *out["logged"]]
-    pats = [r"ranks? ([\d, ]+) did not take part", r"no report from ranks? ([\d, ]+) within",
-            r"(?:from|to) rank (\d+)", r"\(rank (\d+): dead or hung\?\)"]
+    pats = [
+        r"ranks? ([\d, ]+) did not take part",
+        r"no report from ranks? ([\d, ]+) within",
+        r"(?:from|to) rank (\d+)",
+        r"\(rank (\d+): dead or hung\?\)",
+    ]
     return any(str(rank) in m.group(1).split(", ") for t in texts for p in pats for m in re.finditer(p, t))
 
 
@@ -44,8 +49,16 @@ def _committed(tmp_path, cid: str) -> list[str]:
 @pytest.mark.parametrize("phase,victim", [("plan", VICTIM), ("save", VICTIM), ("commit", 0), ("load", VICTIM)])
 def test_a_dead_rank_is_named_by_every_other(tmp_path, phase, victim):
     # The job's store lives outside the ranks, as under torchrun (its agent hosts it): rank 0 may die too.
-    res = run_world(WORLD, "die_in_phase", {"config": _cfg(tmp_path), "victim": victim, "phase": phase}, tmp_path / "w",
-                    node_of=_node, timeout=300, expect_ok=False, agent_store=True)
+    res = run_world(
+        WORLD,
+        "die_in_phase",
+        {"config": _cfg(tmp_path), "victim": victim, "phase": phase},
+        tmp_path / "w",
+        node_of=_node,
+        timeout=300,
+        expect_ok=False,
+        agent_store=True,
+    )
     assert res[victim].get("exit") == 9, res[victim]
     namers = [r for r, out in enumerate(res) if r != victim and _named_in(out, victim)]
     for r, out in enumerate(res):
@@ -67,8 +80,15 @@ def test_a_rank_dying_in_the_s3_hop_is_named_and_nothing_is_committed_there(tmp_
     s3 = dataclasses.asdict(s3cfg(moto_endpoint))
     # 16 uploads to one single-threaded moto server must all report within the commit timeout
     cfg = _cfg(tmp_path) | {"s3": s3, "job": {"commit_timeout": 45}}
-    res = run_world(WORLD, "die_in_phase", {"config": cfg, "victim": VICTIM, "phase": "hop"}, tmp_path / "w",
-                    node_of=_node, timeout=300, expect_ok=False)
+    res = run_world(
+        WORLD,
+        "die_in_phase",
+        {"config": cfg, "victim": VICTIM, "phase": "hop"},
+        tmp_path / "w",
+        node_of=_node,
+        timeout=300,
+        expect_ok=False,
+    )
     assert res[VICTIM].get("exit") == 9, res[VICTIM]
     for r, out in enumerate(res):
         if r != VICTIM:  # the hop's commit names it on every rank, raised by wait()
@@ -83,8 +103,15 @@ def test_a_rank_dying_in_the_s3_hop_is_named_and_nothing_is_committed_there(tmp_
 
 def test_a_rank_dying_in_the_peer_copies_is_named(tmp_path):
     cfg = _cfg(tmp_path) | {"peer": {"replicas": 1}}
-    res = run_world(WORLD, "die_in_phase", {"config": cfg, "victim": VICTIM, "phase": "peer"}, tmp_path / "w",
-                    node_of=_node, timeout=300, expect_ok=False)
+    res = run_world(
+        WORLD,
+        "die_in_phase",
+        {"config": cfg, "victim": VICTIM, "phase": "peer"},
+        tmp_path / "w",
+        node_of=_node,
+        timeout=300,
+        expect_ok=False,
+    )
     assert res[VICTIM].get("exit") == 9, res[VICTIM]
     for r, out in enumerate(res):
         if r != VICTIM:  # the peer hop's commit fails on every rank, naming the dead one
@@ -102,9 +129,16 @@ def test_a_rank_dying_while_serving_a_lost_node_is_named(tmp_path):
     nodes = [tmp_path / "ckpt" / f"n{n}" for n in range(WORLD // 2)]
     for d in nodes:
         d.mkdir(parents=True)
-    res = run_world(WORLD, "die_in_phase", {"config": cfg, "victim": 8, "phase": "exchange", "wiped": "n3"},
-                    tmp_path / "w", node_of=_node, timeout=300, expect_ok=False,
-                    prefix_of=lambda r: hide_paths([str(d) for d in nodes if d.name != _node(r)]))
+    res = run_world(
+        WORLD,
+        "die_in_phase",
+        {"config": cfg, "victim": 8, "phase": "exchange", "wiped": "n3"},
+        tmp_path / "w",
+        node_of=_node,
+        timeout=300,
+        expect_ok=False,
+        prefix_of=lambda r: hide_paths([str(d) for d in nodes if d.name != _node(r)]),
+    )
     assert res[8].get("exit") == 9, res[8]
     for r, out in enumerate(res):
         if r != 8:

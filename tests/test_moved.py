@@ -76,9 +76,13 @@ def test_old_names_of_packages_that_kept_their_path():
 
 def test_old_path_in_a_fresh_process():
     """As a user's script meets it: the warning points at the importing line, the module works."""
-    code = ("import warnings; warnings.simplefilter('always')\n"
-            "import tierckpt.replicate as r, tierckpt.chain.replicate as n\n"
-            "assert r is n and r.Replicator is n.Replicator\n")
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "import tierckpt.replicate as r, tierckpt.chain.replicate as n\n"
+        "assert r is n and r.Replicator is n.Replicator\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "<string>:2: DeprecationWarning: old import path tierckpt.replicate: use tierckpt.chain.replicate" in out.stderr
+    assert (
+        "<string>:2: DeprecationWarning: old import path tierckpt.replicate: use tierckpt.chain.replicate" in out.stderr
+    )

@@ -41,9 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cfg_local(tmp_path: Path, keep: int = 0, s3=None, **job) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
-                      local=LocalConfig(path=str(tmp_path / "ckpt"), keep=keep, fsync=False),
-                      s3=s3, job=JobConfig(**({"commit_timeout": 30} | job)))
+    return TierConfig(
+        host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), keep=keep, fsync=False),
+        s3=s3,
+        job=JobConfig(**({"commit_timeout": 30} | job)),
+    )
 
 
 def state(i: int) -> dict:
@@ -66,7 +69,9 @@ def load(cfg: TierConfig, cid: str = "latest") -> dict:
 
 def cli(cfg_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TIERCKPT_CONFIG=str(cfg_path), PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "restore", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "restore", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def write_toml(path: Path, root: Path, keep: int) -> Path:
@@ -83,6 +88,7 @@ def _fresh_engines():
 
 
 # -- 1. order by commit, never by file times -------------------------------------------------------
+
 
 def test_touch_does_not_change_latest_list_or_gc(tmp_path):
     cfg = cfg_local(tmp_path)
@@ -184,6 +190,7 @@ def test_latest_skips_hostile_newest_metadata(tmp_path):
 
 
 # -- 2. a deletion never takes the file of a save that started meanwhile -------------------------
+
 
 def _stale_partial(tier: LocalTier, cid: str, token: str = "deadbeef") -> Path:
     p = tier.root / data_key(cid, f"rank-00000-{token}.data.partial")
@@ -335,6 +342,7 @@ sys.stdin.readline()
 
 # -- 3. every committed checkpoint reaches S3 -----------------------------------------------------
 
+
 def _s3_ids(cfg: TierConfig) -> list[str]:
     from tierckpt.tiers import make_s3
 
@@ -356,8 +364,11 @@ def test_unpromoted_backlog_is_promoted_by_the_next_job(tmp_path, moto_endpoint,
         save(both, i)
     drain_deletions()
     assert _s3_ids(both) == ["step-1", "step-2", "step-3", "step-4", "step-5", "step-6"]
-    assert [c.checkpoint_id for c in list_checkpoints(LocalTier(both.local.resolved_path())) if c.committed] == \
-        ["step-4", "step-5", "step-6"]
+    assert [c.checkpoint_id for c in list_checkpoints(LocalTier(both.local.resolved_path())) if c.committed] == [
+        "step-4",
+        "step-5",
+        "step-6",
+    ]
     out = {"w": torch.zeros(300, 100), "step": -1}
     dcp.load(out, checkpoint_id="step-2", storage_reader=TieredReader(both), no_dist=True)
     assert out["step"] == 2 and torch.equal(out["w"], state(2)["w"])
@@ -404,16 +415,20 @@ def test_local_retention_never_drops_what_s3_lacks(tmp_path, moto_endpoint, s3cf
         save(both, 5)
         drain_deletions()
         assert _s3_ids(both) == ["step-1", "step-2", "step-3", "step-4", "step-5"]
-        assert [c.checkpoint_id for c in list_checkpoints(LocalTier(both.local.resolved_path())) if c.committed] == ["step-5"]
+        assert [c.checkpoint_id for c in list_checkpoints(LocalTier(both.local.resolved_path())) if c.committed] == [
+            "step-5"
+        ]
 
 
 def test_backlog_on_two_simulated_nodes(tmp_path, moto_endpoint, s3cfg):
     """2 ranks on 2 simulated nodes (node-local paths): a job without [s3] commits 2
     checkpoints; the next job with [s3] promotes them, each rank uploading the files its node holds."""
     s3 = s3cfg(moto_endpoint, keep=10)
-    base = {"host": {"buffer_size": 8 * MiB, "chunk_size": 1 * MiB},
-            "local": {"path": str(tmp_path / "nodes" / "{node}"), "keep": 0, "fsync": False},
-            "job": {"commit_timeout": 60}}
+    base = {
+        "host": {"buffer_size": 8 * MiB, "chunk_size": 1 * MiB},
+        "local": {"path": str(tmp_path / "nodes" / "{node}"), "keep": 0, "fsync": False},
+        "job": {"commit_timeout": 60},
+    }
     node_of = lambda r: f"n{r}"  # noqa: E731
     run_world(2, "save_and_load", {"config": base, "id": "step-1"}, tmp_path / "a", node_of=node_of)
     run_world(2, "save_and_load", {"config": base, "id": "step-2", "seed": 1}, tmp_path / "b", node_of=node_of)
@@ -422,12 +437,18 @@ def test_backlog_on_two_simulated_nodes(tmp_path, moto_endpoint, s3cfg):
     both = cfg_local(tmp_path, s3=s3)
     assert _s3_ids(both) == ["step-1", "step-2", "step-3"]
     shutil.rmtree(tmp_path / "nodes")  # both nodes lost: S3 alone serves step-2 bit-exact
-    res = run_world(2, "save_and_load", {"config": with_s3, "id": "step-4", "seed": 9, "load_id": "step-4"},
-                    tmp_path / "d", node_of=node_of)
+    res = run_world(
+        2,
+        "save_and_load",
+        {"config": with_s3, "id": "step-4", "seed": 9, "load_id": "step-4"},
+        tmp_path / "d",
+        node_of=node_of,
+    )
     assert all(r["same"] for r in res)
 
 
 # -- 4. readers hold leases ------------------------------------------------------------------------
+
 
 def test_gc_skips_a_checkpoint_being_read(tmp_path):
     cfg = cfg_local(tmp_path)

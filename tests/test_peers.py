@@ -26,21 +26,43 @@ ISOLATED = can_hide_paths()
 
 
 def conf(base: Path, replicas: int = 0, s3: dict | None = None, timeout: float = 60.0) -> dict:
-    return {"host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
-            "local": {"path": f"{base}/{{node}}", "fsync": False, "keep": 3},
-            "peer": {"replicas": replicas}, "job": {"commit_timeout": timeout}, **({"s3": s3} if s3 else {})}
+    return {
+        "host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
+        "local": {"path": f"{base}/{{node}}", "fsync": False, "keep": 3},
+        "peer": {"replicas": replicas},
+        "job": {"commit_timeout": timeout},
+        **({"s3": s3} if s3 else {}),
+    }
 
 
-def run(base: Path, world: int, scenario: str, args: dict, work: str, node_of, replicas: int = 0,
-        s3: dict | None = None, commit_timeout: float = 60.0, **kw) -> list[dict]:
+def run(
+    base: Path,
+    world: int,
+    scenario: str,
+    args: dict,
+    work: str,
+    node_of,
+    replicas: int = 0,
+    s3: dict | None = None,
+    commit_timeout: float = 60.0,
+    **kw,
+) -> list[dict]:
     """``scenario`` on ``world`` ranks; each rank blind to the other nodes' directories when possible."""
     for n in NODES:
         (base / n).mkdir(parents=True, exist_ok=True)
     prefix = None
     if ISOLATED:
         prefix = lambda r: hide_paths([str(base / n) for n in NODES if n != node_of(r)])  # noqa: E731
-    return run_world(world, scenario, {"config": conf(base, replicas, s3, commit_timeout), **args}, base / work, script=SCRIPT, node_of=node_of,
-                     prefix_of=prefix, **kw)
+    return run_world(
+        world,
+        scenario,
+        {"config": conf(base, replicas, s3, commit_timeout), **args},
+        base / work,
+        script=SCRIPT,
+        node_of=node_of,
+        prefix_of=prefix,
+        **kw,
+    )
 
 
 def two_per_node(r: int) -> str:
@@ -109,6 +131,7 @@ def test_node_lost_without_copies_is_a_clear_error(saved: Path) -> None:
 
 # -- [peer] replicas = 1: every rank's file also on the other node ------------------------------
 
+
 @pytest.fixture(scope="module")
 def replicated_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("replicated") / "ckpt"
@@ -140,8 +163,15 @@ def test_node_lost_resumes_newest_from_peer_copies(replicated: Path) -> None:
     """Node n1's disk is lost; a replacement n1 with an empty directory (blind to n0's) rejoins: all
     4 ranks resume the newest checkpoint bit-exact, n1's ranks receiving every byte from n0."""
     shutil.rmtree(replicated / "n1")
-    res = run(replicated, 4, "load_all", {"saved_world": 4, "expect_step": 2, "resolve_first": True}, "load",
-              two_per_node, replicas=1)
+    res = run(
+        replicated,
+        4,
+        "load_all",
+        {"saved_world": 4, "expect_step": 2, "resolve_first": True},
+        "load",
+        two_per_node,
+        replicas=1,
+    )
     for r, out in enumerate(res):
         assert "error" not in out and out["bad"] == [] and out["id"] == "step-2", (r, out)
         assert out["resolved"] == "step-2", out  # resolve() answers for the job, even on the empty node
@@ -153,8 +183,9 @@ def test_node_lost_resumes_newest_from_peer_copies(replicated: Path) -> None:
     assert all(res[r]["filled"] == own[r] and len(own[r]) == 1 for r in (2, 3)), res
     assert not res[0]["filled"] and not res[1]["filled"], res
     assert _files(replicated / "n1", "step-2") == set(own[2] + own[3])
-    assert (replicated / "n1" / "step-2" / "metadata.json").read_bytes() == \
-        (replicated / "n0" / "step-2" / "metadata.json").read_bytes()
+    assert (replicated / "n1" / "step-2" / "metadata.json").read_bytes() == (
+        replicated / "n0" / "step-2" / "metadata.json"
+    ).read_bytes()
     for f in own[2] + own[3]:
         [a] = [p for p in (replicated / "n0").rglob(f)]
         [b] = [p for p in (replicated / "n1").rglob(f)]
@@ -169,6 +200,7 @@ def test_node_lost_resharded_onto_the_survivor(replicated: Path) -> None:
 
 
 # -- with S3 behind the nodes --------------------------------------------------------------------
+
 
 @pytest.fixture
 def with_s3(tmp_path: Path, moto_endpoint: str, s3cfg) -> tuple[Path, dict]:
@@ -211,8 +243,18 @@ def test_partner_killed_during_replication(tmp_path: Path) -> None:
     job restarts, resumes step-2 bit-exact, and the next checkpoint's copies commit."""
     base = tmp_path / "ckpt"
     cfg_over = {"steps": [1, 2]}
-    res = run(base, 2, "save_partner_dies", cfg_over, "die", one_per_node, replicas=1, expect_ok=False, timeout=240,
-              commit_timeout=15.0)
+    res = run(
+        base,
+        2,
+        "save_partner_dies",
+        cfg_over,
+        "die",
+        one_per_node,
+        replicas=1,
+        expect_ok=False,
+        timeout=240,
+        commit_timeout=15.0,
+    )
     assert res[1].get("exit") == 137, res[1]
     assert len(res[0]["errors"]) == 1 and "step-2" in res[0]["errors"][0], res[0]
     for n in NODES:
@@ -232,8 +274,12 @@ def test_partner_killed_during_replication(tmp_path: Path) -> None:
         os.utime(p, (old, old))
     conf_path = base / "n1.toml"
     conf_path.write_text(f'[local]\npath = "{base}/n1"\nkeep = 3\n')
-    gc = subprocess.run([sys.executable, "-m", "restore", "--config", str(conf_path), "gc", "--json"],
-                        capture_output=True, text=True, timeout=120)
+    gc = subprocess.run(
+        [sys.executable, "-m", "restore", "--config", str(conf_path), "gc", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert json.loads(gc.stdout)["aborted_uploads"] == len(leftovers) and not any(p.exists() for p in leftovers)
     assert all((base / "n1" / c / "metadata.json").exists() for c in ("step-1", "step-2", "step-3"))
@@ -244,8 +290,13 @@ def test_list_and_verify_peer_copies(replicated: Path) -> None:
     ``verify`` checks the copies with the node's own files."""
     conf_path = replicated / "n0.toml"
     conf_path.write_text(f'[local]\npath = "{replicated}/n0"\n')
-    out = subprocess.run([sys.executable, "-m", "restore", "--config", str(conf_path), "list", "--json"],
-                         capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "restore", "--config", str(conf_path), "list", "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     rows = {r["checkpoint_id"]: r for r in json.loads(out.stdout)}
     assert all(rows[c]["tiers"]["local"]["peer_copies"] for c in ("step-1", "step-2")), rows
@@ -269,9 +320,16 @@ def test_stale_leftovers_only(tmp_path: Path) -> None:
 
     d = tmp_path / "c1"
     d.mkdir()
-    names = ["rank-00001-a.data.partial", ".tmp-x-metadata.json", "rank-00002-b.data.partial",
-             "rank-00002-b.data.ranges.partial", ".tmp-rank-00002-b.data.lock", "rank-00000-c.data", "metadata.json",
-             "rank-00003-d.data.partial"]
+    names = [
+        "rank-00001-a.data.partial",
+        ".tmp-x-metadata.json",
+        "rank-00002-b.data.partial",
+        "rank-00002-b.data.ranges.partial",
+        ".tmp-rank-00002-b.data.lock",
+        "rank-00000-c.data",
+        "metadata.json",
+        "rank-00003-d.data.partial",
+    ]
     for n in names:
         (d / n).write_bytes(b"x")
     old = (d / names[0]).stat().st_mtime - 3600

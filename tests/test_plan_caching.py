@@ -72,8 +72,15 @@ def check_saves(root: Path, results: list[dict], ids: list[str] | None = None) -
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_cached_saves_reuse_layouts_and_follow_changes(tmp_path, world):
     root = tmp_path / "ckpt"
-    res = ok(run_world(world, "cached_saves", {"config": conf(root), "saves": 9, "versions": VERSIONS},
-                       tmp_path / "w", script=SCRIPT))
+    res = ok(
+        run_world(
+            world,
+            "cached_saves",
+            {"config": conf(root), "saves": 9, "versions": VERSIONS},
+            tmp_path / "w",
+            script=SCRIPT,
+        )
+    )
     check_saves(root, res, [f"step-{s:03d}" for s in range(9)])
     # DCP served cached plans whenever a rank's plan had not changed (save 5's dtype change
     # included: DCP does not compare dtypes); rank 1's reshape (save 3) and save 7 were re-planned
@@ -97,16 +104,26 @@ def test_cached_saves_reuse_layouts_and_follow_changes(tmp_path, world):
 
 def test_cached_async_save(tmp_path):
     root = tmp_path / "ckpt"
-    res = ok(run_world(2, "cached_saves", {"config": conf(root), "saves": 6, "versions": VERSIONS[:2], "mode": "async"},
-                       tmp_path / "w", script=SCRIPT))
+    res = ok(
+        run_world(
+            2,
+            "cached_saves",
+            {"config": conf(root), "saves": 6, "versions": VERSIONS[:2], "mode": "async"},
+            tmp_path / "w",
+            script=SCRIPT,
+        )
+    )
     check_saves(root, res, [f"step-{s:03d}" for s in range(6)])
     assert [s["builds"] for s in res[1]["saves"]] == [1, 1, 1, 2, 2, 2]
 
 
 def test_cached_saves_with_generated_ids(tmp_path):
     root = tmp_path / "ckpt"
-    res = ok(run_world(2, "cached_saves", {"config": conf(root), "saves": 4, "generated": True}, tmp_path / "w",
-                       script=SCRIPT))
+    res = ok(
+        run_world(
+            2, "cached_saves", {"config": conf(root), "saves": 4, "generated": True}, tmp_path / "w", script=SCRIPT
+        )
+    )
     check_saves(root, res)
     assert all(cid.startswith("ckpt-") for cid in (s["id"] for s in res[0]["saves"]))
 
@@ -120,7 +137,12 @@ def test_cached_saves_still_refuse_committed_and_mismatched_ids(tmp_path):
         assert "CommitConflict" in steps[2]["error"] and "step-1" in steps[2]["error"], steps[2]
         assert "different checkpoint ids" in steps[4]["error"], steps[4]
         assert all(s["bad"] == [] for s in steps if s["ok"])
-    assert {p.name for p in root.iterdir() if (p / "metadata.json").is_file()} == {"step-0", "step-1", "step-2", "step-4"}
+    assert {p.name for p in root.iterdir() if (p / "metadata.json").is_file()} == {
+        "step-0",
+        "step-1",
+        "step-2",
+        "step-4",
+    }
 
 
 def test_restart_reuses_plans_only_when_every_rank_agrees(tmp_path):
@@ -137,8 +159,9 @@ def test_restart_reuses_plans_only_when_every_rank_agrees(tmp_path):
     # a changed model (rank 1 reshapes a tensor, rank 0 changes a dtype): plans agree on disk,
     # DCP re-plans rank 1, and the dtype change is caught by the layout check
     changed = {"1": {"shapes": {"2": [9, 9]}}, "0": {"dtypes": {"4": "bfloat16"}}}
-    res = run_world(2, "restart_save", {"config": cfg, "id": "restart-2", "version_by_rank": changed},
-                    tmp_path / "c", script=SCRIPT)
+    res = run_world(
+        2, "restart_save", {"config": cfg, "id": "restart-2", "version_by_rank": changed}, tmp_path / "c", script=SCRIPT
+    )
     for r, out in enumerate(res):
         assert "error" not in out, (r, out)
         assert out["bad"] == [] and out["bad2"] == [], (r, out)
@@ -153,8 +176,10 @@ def test_restart_reuses_plans_only_when_every_rank_agrees(tmp_path):
 
 
 def test_persisted_plans_are_json_and_verified(tmp_path):
-    cfg = TierConfig(host=HostConfig(buffer_size=8 << 20, chunk_size=1 << 20),
-                     local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=False))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=8 << 20, chunk_size=1 << 20),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=False),
+    )
 
     class TestPersistPlanner(DefaultSavePlanner):
         pass
@@ -162,7 +187,13 @@ def test_persisted_plans_are_json_and_verified(tmp_path):
     sd = {"m": {f"t{i}": torch.full((3 + i,), float(i)) for i in range(5)}, "n": 1}
     w = TieredWriter(cfg)
     for s in range(2):
-        dcp.save(sd, checkpoint_id=f"s{s}", storage_writer=w, planner=TestPersistPlanner(enable_plan_caching=True), no_dist=True)
+        dcp.save(
+            sd,
+            checkpoint_id=f"s{s}",
+            storage_writer=w,
+            planner=TestPersistPlanner(enable_plan_caching=True),
+            no_dist=True,
+        )
         w.wait()
     path = tmp_path / "ckpt" / "_plans" / "g00000.json"
     raw = path.read_bytes()
@@ -175,12 +206,22 @@ def test_persisted_plans_are_json_and_verified(tmp_path):
     props = item.tensor_data.properties
     import dataclasses
 
-    other = dataclasses.replace(p.local, items=[dataclasses.replace(item, tensor_data=dataclasses.replace(
-        item.tensor_data, properties=dataclasses.replace(props, dtype=torch.float16)))] + p.local.items[1:])
+    other = dataclasses.replace(
+        p.local,
+        items=[
+            dataclasses.replace(
+                item,
+                tensor_data=dataclasses.replace(
+                    item.tensor_data, properties=dataclasses.replace(props, dtype=torch.float16)
+                ),
+            )
+        ]
+        + p.local.items[1:],
+    )
     assert plan_hash(other) != p.h_local
     # a corrupted file is refused, never half-used
     i = raw.index(b'"fqn"') + 8
-    bad = raw[:i] + bytes([raw[i] ^ 1]) + raw[i + 1:]
+    bad = raw[:i] + bytes([raw[i] ^ 1]) + raw[i + 1 :]
     with pytest.raises(Exception, match="SHA-256"):
         from_bytes(bad, "x")
     # and the checkpoints are fine
@@ -191,8 +232,10 @@ def test_persisted_plans_are_json_and_verified(tmp_path):
 
 def test_cached_saves_in_one_process(tmp_path):
     """no_dist saves with plan caching: layouts reused, shape and dtype changes followed."""
-    cfg = TierConfig(host=HostConfig(buffer_size=8 << 20, chunk_size=1 << 20),
-                     local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=False))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=8 << 20, chunk_size=1 << 20),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), keep=0, fsync=False),
+    )
 
     class TestOneProcessPlanner(DefaultSavePlanner):
         pass
@@ -200,15 +243,25 @@ def test_cached_saves_in_one_process(tmp_path):
     w = TieredWriter(cfg)
     cache = layout_cache(w.engine.chunk_size)
     sd = {"a": torch.randn(100, 10), "b": torch.arange(7), "s": "x"}
-    variants = [lambda d: None, lambda d: None, lambda d: d.__setitem__("a", torch.randn(50, 10)),
-                lambda d: d.__setitem__("a", d["a"].half()), lambda d: None]
+    variants = [
+        lambda d: None,
+        lambda d: None,
+        lambda d: d.__setitem__("a", torch.randn(50, 10)),
+        lambda d: d.__setitem__("a", d["a"].half()),
+        lambda d: None,
+    ]
     builds = []
     for i, change in enumerate(variants):
         change(sd)
         sd["s"] = "x" * i
         b0 = cache.builds
-        dcp.save(sd, checkpoint_id=f"s{i}", storage_writer=w, planner=TestOneProcessPlanner(enable_plan_caching=True),
-                 no_dist=True)
+        dcp.save(
+            sd,
+            checkpoint_id=f"s{i}",
+            storage_writer=w,
+            planner=TestOneProcessPlanner(enable_plan_caching=True),
+            no_dist=True,
+        )
         w.wait()
         builds.append(cache.builds - b0)
         out = {"a": torch.zeros_like(sd["a"]), "b": torch.zeros(7, dtype=torch.long), "s": None}

@@ -39,8 +39,11 @@ WAIT = 120  # safety net for a broken job, never reached when it works
 
 
 def config(tmp_path: Path, s3: dict | None = None, **job) -> dict:
-    d = {"job": {"commit_timeout": 60, **job}, "host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
-         "local": {"path": str(tmp_path / "local"), "keep": 0, "fsync": False}}
+    d = {
+        "job": {"commit_timeout": 60, **job},
+        "host": {"buffer_size": "8MiB", "chunk_size": "1MiB"},
+        "local": {"path": str(tmp_path / "local"), "keep": 0, "fsync": False},
+    }
     if s3 is not None:
         d["s3"] = s3
     return d
@@ -53,8 +56,14 @@ class Job:
         self.go = tmp_path / "go"
         (tmp_path / "cfg.json").write_text(json.dumps(cfgd))
         env = dict(os.environ, PYTHONPATH=str(ROOT), PREEMPT_FLOATS=str(FLOATS))
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), str(tmp_path / "cfg.json"), point, str(self.go), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), str(tmp_path / "cfg.json"), point, str(self.go), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
         self.out: list[str] = []
         self.err: list[str] = []
         self._cv = threading.Condition()
@@ -298,7 +307,7 @@ def test_drain_waits_for_the_peer_hop_and_names_later_tiers(tmp_path):
     assert rep.committed == ["step-000004"]
     c = rep.checkpoints[0]
     assert c.peer == "done" and c.later == ["archive"]
-    assert c.line() == ("step-000004 committed on local (rank 0); peer copies: done; "
-                        "not on archive yet: the next job promotes it")
+    assert c.line() == (
+        "step-000004 committed on local (rank 0); peer copies: done; not on archive yet: the next job promotes it"
+    )
     w.wait()
-

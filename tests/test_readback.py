@@ -35,15 +35,21 @@ CID = "step-3"
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(3)
-    return {"big": torch.randn(700_000, generator=g), "small": torch.arange(37, dtype=torch.int64),
-            "w": torch.randn(64, 33, generator=g), "obj": {"name": "x", "n": 3}}
+    return {
+        "big": torch.randn(700_000, generator=g),
+        "small": torch.arange(37, dtype=torch.int64),
+        "w": torch.randn(64, 33, generator=g),
+        "obj": {"name": "x", "n": 3},
+    }
 
 
 @pytest.fixture
 def saved(tmp_path: Path) -> tuple[Path, Path]:
     """The checkpoint on local root ``a`` and an identical copy on root ``b``."""
-    cfg = TierConfig(host=HostConfig(buffer_size=2 * MiB, chunk_size=256 * 1024),
-                     local=LocalConfig(path=str(tmp_path / "a"), keep=0, fsync=False))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=2 * MiB, chunk_size=256 * 1024),
+        local=LocalConfig(path=str(tmp_path / "a"), keep=0, fsync=False),
+    )
     w = TieredWriter(cfg)
     dcp.save(_state(), checkpoint_id=CID, storage_writer=w, no_dist=True)
     w.wait()

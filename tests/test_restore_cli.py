@@ -38,16 +38,34 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def write_config(path: Path, *, local: Path | None = None, s3: S3Config | None = None, keep: int = 0,
-                 s3_keep: int = 0, keep_every: int = 0) -> Path:
+
+def write_config(
+    path: Path,
+    *,
+    local: Path | None = None,
+    s3: S3Config | None = None,
+    keep: int = 0,
+    s3_keep: int = 0,
+    keep_every: int = 0,
+) -> Path:
     """A TOML config with small test sizes; returns its path."""
-    lines = ['[host]', 'buffer_size = "8MiB"', 'chunk_size = "1MiB"']
+    lines = ["[host]", 'buffer_size = "8MiB"', 'chunk_size = "1MiB"']
     if local is not None:
-        lines += ['[local]', f'path = "{local}"', 'fsync = false', f'keep = {keep}']
+        lines += ["[local]", f'path = "{local}"', "fsync = false", f"keep = {keep}"]
     if s3 is not None:
-        lines += ['[s3]', f'bucket = "{s3.bucket}"', f'prefix = "{s3.prefix}"', f'endpoint_url = "{s3.endpoint_url}"',
-                  'part_size = "5MiB"', 'concurrency = 4', 'max_attempts = 3', 'connect_timeout = 2.0',
-                  'read_timeout = 10.0', f'keep = {s3_keep}', f'keep_every = {keep_every}']
+        lines += [
+            "[s3]",
+            f'bucket = "{s3.bucket}"',
+            f'prefix = "{s3.prefix}"',
+            f'endpoint_url = "{s3.endpoint_url}"',
+            'part_size = "5MiB"',
+            "concurrency = 4",
+            "max_attempts = 3",
+            "connect_timeout = 2.0",
+            "read_timeout = 10.0",
+            f"keep = {s3_keep}",
+            f"keep_every = {keep_every}",
+        ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -65,7 +83,10 @@ def sample_state(seed: int, big: int = 0) -> dict:
             "scale": torch.tensor(3.5),
             "empty": torch.empty(0, 4),
         },
-        "optim": {"m": torch.randn(max(big, 16), 1024, generator=g) if big else torch.randn(16, 1024, generator=g), "lr": 0.1},
+        "optim": {
+            "m": torch.randn(max(big, 16), 1024, generator=g) if big else torch.randn(16, 1024, generator=g),
+            "lr": 0.1,
+        },
         "step": seed,
         "extra": {"name": f"run-{seed}"},
     }
@@ -90,9 +111,13 @@ def save(cfg: Path | tierckpt.TierConfig, checkpoint_id: str, sd: dict) -> None:
 
 def load(cfg: Path | tierckpt.TierConfig, checkpoint_id: str, like: dict) -> tuple[dict, TieredReader]:
     """Load into zeroed copies of ``like``; returns the state and the reader (for ``served``)."""
+
     def zero(d):
-        return {k: zero(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
-                for k, v in d.items()}
+        return {
+            k: zero(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+            for k, v in d.items()
+        }
+
     out = zero(like)
     r = TieredReader(cfg if isinstance(cfg, tierckpt.TierConfig) else load_config(cfg))
     dcp.load(out, checkpoint_id=checkpoint_id, storage_reader=r, no_dist=True)
@@ -185,6 +210,7 @@ def data_path(root: Path, checkpoint_id: str, file: str) -> Path:
 
 
 # -- local-only: list, latest, verify, gc ------------------------------------------------------
+
 
 @pytest.fixture
 def local_ckpts(tmp_path: Path) -> tuple[Path, Path, dict]:
@@ -314,6 +340,7 @@ def test_gc_dry_run_then_delete(tmp_path):
 
 # -- consolidate --------------------------------------------------------------------------------
 
+
 def test_consolidate_pt_and_safetensors(local_ckpts, tmp_path):
     cfg, _root, sd = local_ckpts
     want = flatten(sd)
@@ -377,6 +404,7 @@ def test_consolidate_reads_verified(local_ckpts, tmp_path):
 
 # -- errors -------------------------------------------------------------------------------------
 
+
 def test_bad_input_is_one_line(local_ckpts, tmp_path):
     cfg, _root, _sd = local_ckpts
     assert_one_line_error(cli("verify", "step-77", config=cfg), 1, "step-77")
@@ -406,8 +434,12 @@ def test_error_map():
     assert classify(PermissionError(13, "Permission denied", "/x"))[0] == "/x: Permission denied"
     assert classify(NoCredentialsError())[1] == 2
     assert classify(EndpointConnectionError(endpoint_url="http://h"))[1] == 3
-    msg, code = classify(ClientError({"Error": {"Code": "AccessDenied", "Message": "no"},
-                                      "ResponseMetadata": {"HTTPStatusCode": 403}}, "GetObject"))
+    msg, code = classify(
+        ClientError(
+            {"Error": {"Code": "AccessDenied", "Message": "no"}, "ResponseMetadata": {"HTTPStatusCode": 403}},
+            "GetObject",
+        )
+    )
     assert code == 3 and "AccessDenied" in msg and "403" in msg
     assert "TIERCKPT_DEBUG" in classify(RuntimeError("boom"))[0]
 
@@ -429,6 +461,7 @@ def test_help_has_examples():
 
 
 # -- S3: fetch ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def moto_url():
@@ -541,8 +574,15 @@ def test_fetch_resume_rechecks_ranges_and_repairs(s3_ckpt):
     partial.write_bytes(bytes(raw))
     f.unlink()
     token = json.loads((root_b / "step-5" / "metadata.json").read_bytes().split(b"\n", 1)[1])["save_token"]
-    side = {"format": "tierckpt-restore/fetch-ranges/1", "checkpoint_id": "step-5", "save_token": token,
-            "file": f.name, "size": len(raw), "range_size": 5 * MiB, "done": [0, 1, 2]}
+    side = {
+        "format": "tierckpt-restore/fetch-ranges/1",
+        "checkpoint_id": "step-5",
+        "save_token": token,
+        "file": f.name,
+        "size": len(raw),
+        "range_size": 5 * MiB,
+        "done": [0, 1, 2],
+    }
     f.with_name(f.name + ".ranges.partial").write_text(json.dumps(side))
     (root_b / "step-5" / "metadata.json").unlink()
     res = fetch_checkpoint(cfg_b, "step-5", progress=False)
@@ -583,7 +623,9 @@ def test_fetch_crash_in_subprocess_then_cli_resume(s3_ckpt):
         "fetch_checkpoint(cfg, 'step-5', progress=False)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-c", crash, str(cfg_b)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", crash, str(cfg_b)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 9, p.stderr
     assert list(root_b.rglob("*.ranges.partial"))
     p = cli("fetch", "step-5", config=cfg_b)
@@ -612,8 +654,11 @@ def test_fetch_errors(s3_ckpt, tmp_path):
         held.abort()
         s3t.close()
         local.close()
-    dead = write_config(tmp_path / "dead.toml", local=tmp_path / "d",
-                        s3=S3Config(bucket="nope", prefix="ckpt", endpoint_url="http://127.0.0.1:9", part_size=5 * MiB))
+    dead = write_config(
+        tmp_path / "dead.toml",
+        local=tmp_path / "d",
+        s3=S3Config(bucket="nope", prefix="ckpt", endpoint_url="http://127.0.0.1:9", part_size=5 * MiB),
+    )
     p = cli("fetch", "latest", config=dead, env={"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"})
     assert_one_line_error(p, 3)
 
@@ -656,10 +701,11 @@ def test_consolidate_many_batches(s3_ckpt, tmp_path, monkeypatch):
     assert set(res.served.values()) == {"s3"}
     got = torch.load(tmp_path / "m.pt", weights_only=True)
     for k, v in flatten(sd).items():
-        assert (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v), k
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
 
 
 # -- 2 gloo ranks with DTensor shards -----------------------------------------------------------
+
 
 def _dist_full_state() -> dict:
     g = torch.Generator().manual_seed(42)
@@ -680,9 +726,11 @@ def _dist_save_worker(config: str, checkpoint_id: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     full = _dist_full_state()
     sd = {
-        "model": {"row": distribute_tensor(full["model.row"], mesh, [Shard(0)]),
-                  "col": distribute_tensor(full["model.col"], mesh, [Shard(1)]),
-                  "rep": full["model.rep"]},
+        "model": {
+            "row": distribute_tensor(full["model.row"], mesh, [Shard(0)]),
+            "col": distribute_tensor(full["model.col"], mesh, [Shard(1)]),
+            "rep": full["model.rep"],
+        },
         "optim": {"m": distribute_tensor(full["optim.m"], mesh, [Shard(0)])},
         "step": 7,
     }
@@ -699,11 +747,30 @@ def _run_dist_save(config: Path, checkpoint_id: str, workdir: Path, world: int =
         port = s.getsockname()[1]
     procs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", TIERCKPT_NODE="node0", PYTHONPATH=str(REPO))
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            TIERCKPT_NODE="node0",
+            PYTHONPATH=str(REPO),
+        )
         log = open(workdir / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, "dist-save", str(config), checkpoint_id], cwd=REPO,
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, __file__, "dist-save", str(config), checkpoint_id],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
+        )
     codes = []
     for p, log in procs:
         try:
@@ -768,8 +835,11 @@ def test_dist_fetch_one_rank(dist_ckpt, tmp_path):
     # The reader takes rank 1's file from local and rank 0's from S3 (without filling the local
     # tier with it: kept partial for the checks below).
     want = _dist_full_state()
-    like = {"model": {"row": torch.zeros(11, 6), "col": torch.zeros(6, 9), "rep": torch.zeros(3, 4, dtype=torch.int64)},
-            "optim": {"m": torch.zeros(4096, 300)}, "step": 0}
+    like = {
+        "model": {"row": torch.zeros(11, 6), "col": torch.zeros(6, 9), "rep": torch.zeros(3, 4, dtype=torch.int64)},
+        "optim": {"m": torch.zeros(4096, 300)},
+        "step": 0,
+    }
     no_fill = load_config(cfg_b)
     no_fill.local.fill_on_load = False
     got, reader = load(no_fill, "step-7", like)
@@ -803,7 +873,10 @@ def test_dist_fetch_one_rank(dist_ckpt, tmp_path):
         assert torch.equal(flatten(got)[k], v), k
     assert reader.served[rank0.name] == "s3" and reader.fill is not None
     reader.fill.wait()
-    assert reader.fill.committed == [rank0.name] and rank0.read_bytes() == (root_b / rank0.relative_to(root_c)).read_bytes()
+    assert (
+        reader.fill.committed == [rank0.name]
+        and rank0.read_bytes() == (root_b / rank0.relative_to(root_c)).read_bytes()
+    )
 
 
 def test_s3_gc_dry_run(dist_ckpt, tmp_path):

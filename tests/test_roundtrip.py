@@ -33,10 +33,14 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 # -- helpers --------------------------------------------------------------------------------
 
-def make_cfg(tmp_path, *, keep: int = 0, fsync: bool = False, buffer_size: int = 8 * MiB,
-             chunk_size: int = 1 * MiB) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=buffer_size, chunk_size=chunk_size),
-                      local=LocalConfig(path=str(tmp_path / "ckpt"), keep=keep, fsync=fsync))
+
+def make_cfg(
+    tmp_path, *, keep: int = 0, fsync: bool = False, buffer_size: int = 8 * MiB, chunk_size: int = 1 * MiB
+) -> TierConfig:
+    return TierConfig(
+        host=HostConfig(buffer_size=buffer_size, chunk_size=chunk_size),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), keep=keep, fsync=fsync),
+    )
 
 
 def save(cfg, sd, cid=None, writer=None) -> TieredWriter:
@@ -249,8 +253,15 @@ def test_nested_dicts_with_python_objects(cfg):
     out = {
         "model": {"layer": {"w": torch.zeros(5, 3), "b": torch.zeros(5)}},
         "meta": {
-            "step": 0, "name": "", "ratio": 0.0, "flag": False, "nothing": 0, "list": None, "tuple": None,
-            "nested": {"deep": {"deeper": {"x": None, "y": None}}}, "big_int": 0,
+            "step": 0,
+            "name": "",
+            "ratio": 0.0,
+            "flag": False,
+            "nothing": 0,
+            "list": None,
+            "tuple": None,
+            "nested": {"deep": {"deeper": {"x": None, "y": None}}},
+            "big_int": 0,
         },
         "mixed_list": [torch.zeros(4, dtype=torch.int64), None, None],
         "top": None,
@@ -271,8 +282,9 @@ def test_model_and_optimizer_state(cfg):
 
     def build(seed: int):
         torch.manual_seed(seed)
-        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
-                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        m = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        )
         o = torch.optim.Adam(m.parameters(), lr=1e-3 * seed)
         return m, o
 
@@ -325,6 +337,7 @@ def test_plain_module_state_dict(cfg):
 
 
 # -- ids, latest, conflicts, retention ------------------------------------------------------
+
 
 def test_latest_resolves_to_newest_committed(cfg):
     for i in (1, 2, 3):

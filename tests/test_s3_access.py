@@ -63,6 +63,7 @@ measured). The configs use ``max_attempts = 5``: a denial retried by botocore wo
 
 # -- fixtures ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def auth_s3(tmp_path_factory) -> Iterator[str]:
     """URL of a SeaweedFS that accepts only ADMIN (everything) and READER (Read, List)."""
@@ -93,13 +94,24 @@ def new_s3(auth_s3: str, endpoint_url: str | None = None) -> S3Config:
     """A fresh bucket (made with the admin key) and an [s3] config for it."""
     bucket = f"tierckpt-{uuid.uuid4().hex[:12]}"
     s3servers.make_bucket(auth_s3, bucket, credentials=ADMIN.credentials)
-    return S3Config(bucket=bucket, prefix="ckpt", endpoint_url=endpoint_url or auth_s3, part_size=5 * MiB,
-                    concurrency=4, max_attempts=5, connect_timeout=2.0, read_timeout=10.0)
+    return S3Config(
+        bucket=bucket,
+        prefix="ckpt",
+        endpoint_url=endpoint_url or auth_s3,
+        part_size=5 * MiB,
+        concurrency=4,
+        max_attempts=5,
+        connect_timeout=2.0,
+        read_timeout=10.0,
+    )
 
 
 def tier_config(s3: S3Config, local: Path | None = None) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
-                      local=None if local is None else LocalConfig(path=str(local), keep=0, fsync=False), s3=s3)
+    return TierConfig(
+        host=HostConfig(buffer_size=8 * MiB, chunk_size=1 * MiB),
+        local=None if local is None else LocalConfig(path=str(local), keep=0, fsync=False),
+        s3=s3,
+    )
 
 
 def state(seed: int = 0) -> dict[str, Any]:
@@ -130,6 +142,7 @@ def assert_no_secret(*texts: str) -> None:
 
 # -- access denied: saving and promoting with a read-only key ---------------------------------
 
+
 def test_read_only_key_cannot_save_direct(auth_s3, counter, monkeypatch, caplog):
     """[s3] only: chunks stream from the host pool to S3; the first write is denied."""
     s3 = new_s3(auth_s3, counter.url)
@@ -145,8 +158,14 @@ def test_read_only_key_cannot_save_direct(auth_s3, counter, monkeypatch, caplog)
     assert isinstance(err, TierError) and isinstance(err, PermissionError)
     assert 1 <= sent <= DENIAL_BOUND, sent
     assert_no_secret(msg, caplog.text)
-    assert list(s3servers.s3_client(auth_s3, credentials=ADMIN.credentials)
-                .list_objects_v2(Bucket=s3.bucket).get("Contents", [])) == []
+    assert (
+        list(
+            s3servers.s3_client(auth_s3, credentials=ADMIN.credentials)
+            .list_objects_v2(Bucket=s3.bucket)
+            .get("Contents", [])
+        )
+        == []
+    )
 
 
 def test_read_only_key_cannot_promote(auth_s3, counter, monkeypatch, tmp_path, caplog):
@@ -166,7 +185,9 @@ def test_read_only_key_cannot_promote(auth_s3, counter, monkeypatch, tmp_path, c
     assert 1 <= sent <= DENIAL_BOUND, sent
     assert_no_secret(str(err), caplog.text)
     out = zeros_like(sd)
-    dcp.load(out, checkpoint_id="step-2", storage_reader=TieredReader(tier_config(s3, tmp_path / "local")), no_dist=True)
+    dcp.load(
+        out, checkpoint_id="step-2", storage_reader=TieredReader(tier_config(s3, tmp_path / "local")), no_dist=True
+    )
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
 
 
@@ -226,17 +247,26 @@ def test_read_only_key_loads(auth_s3, monkeypatch, tmp_path):
 
 # -- wrong credentials ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("who", ["wrong secret", "unknown key"])
 def test_wrong_credentials_are_a_clear_error(auth_s3, counter, monkeypatch, tmp_path, who):
     s3 = new_s3(auth_s3, counter.url)
     s3servers.s3_client(auth_s3, credentials=ADMIN.credentials).put_object(
-        Bucket=s3.bucket, Key="ckpt/step-4/metadata.json", Body=b"{}")
-    key, code = (ADMIN.access_key, "SignatureDoesNotMatch") if who == "wrong secret" else ("TIERCKPTNOSUCHKEY", "InvalidAccessKeyId")
+        Bucket=s3.bucket, Key="ckpt/step-4/metadata.json", Body=b"{}"
+    )
+    key, code = (
+        (ADMIN.access_key, "SignatureDoesNotMatch")
+        if who == "wrong secret"
+        else ("TIERCKPTNOSUCHKEY", "InvalidAccessKeyId")
+    )
     env = as_identity(monkeypatch, key, WRONG_SECRET)
     tier = S3Tier(s3)
     try:
-        for name, op in {"get": lambda: tier.get("step-4/metadata.json"), "list": lambda: list(tier.list("")),
-                         "put": lambda: tier.put("step-5/metadata.json", b"{}", if_absent=True)}.items():
+        for name, op in {
+            "get": lambda: tier.get("step-4/metadata.json"),
+            "list": lambda: list(tier.list("")),
+            "put": lambda: tier.put("step-5/metadata.json", b"{}", if_absent=True),
+        }.items():
             before = counter.stats["requests"]
             with pytest.raises(TierAccessDenied) as ei:
                 op()
@@ -264,7 +294,9 @@ def test_wrong_credentials_are_a_clear_error(auth_s3, counter, monkeypatch, tmp_
 def test_no_credentials_at_all(monkeypatch, tmp_path):
     """No credentials anywhere: a clear TierAccessDenied (before any request), exit status 2
     from the CLI."""
-    s3 = S3Config(bucket="nobody", prefix="ckpt", endpoint_url=f"http://127.0.0.1:{s3servers.free_port()}", max_attempts=1)
+    s3 = S3Config(
+        bucket="nobody", prefix="ckpt", endpoint_url=f"http://127.0.0.1:{s3servers.free_port()}", max_attempts=1
+    )
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
@@ -277,11 +309,13 @@ def test_no_credentials_at_all(monkeypatch, tmp_path):
     finally:
         tier.close()
     conf = write_config(tmp_path / "tiers.toml", s3=s3)
-    assert_one_line_error(cli("verify", "a", config=conf, env={"AWS_EC2_METADATA_DISABLED": "true"}), 2,
-                          "no usable S3 credentials")
+    assert_one_line_error(
+        cli("verify", "a", config=conf, env={"AWS_EC2_METADATA_DISABLED": "true"}), 2, "no usable S3 credentials"
+    )
 
 
 # -- secrets never printed --------------------------------------------------------------------
+
 
 def test_endpoint_with_user_info_is_refused_without_echo(tmp_path):
     """Issue item 5: ``http://user:secret@host:port`` put the password into "Could not connect to
@@ -314,12 +348,23 @@ def test_urls_reaching_messages_are_redacted(monkeypatch, caplog):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     client = boto3.session.Session().client(
-        "s3", endpoint_url=f"http://user:{secret}@127.0.0.1:{port}", region_name="us-east-1",
-        config=Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=1, s3={"addressing_style": "path"}))
-    tier = S3Tier(S3Config(bucket="b", prefix="p", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=1), client=client)
+        "s3",
+        endpoint_url=f"http://user:{secret}@127.0.0.1:{port}",
+        region_name="us-east-1",
+        config=Config(
+            retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=1, s3={"addressing_style": "path"}
+        ),
+    )
+    tier = S3Tier(
+        S3Config(bucket="b", prefix="p", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=1), client=client
+    )
     with caplog.at_level(logging.DEBUG, logger="tierckpt"):
-        for op in (lambda: tier.get("k"), lambda: list(tier.list("")), lambda: tier.put("k", b"1"),
-                   lambda: tier.exists("k")):
+        for op in (
+            lambda: tier.get("k"),
+            lambda: list(tier.list("")),
+            lambda: tier.put("k", b"1"),
+            lambda: tier.exists("k"),
+        ):
             with pytest.raises(TierError) as ei:
                 op()
             assert secret not in str(ei.value) and f"127.0.0.1:{port}" in str(ei.value), str(ei.value)
@@ -329,7 +374,7 @@ def test_urls_reaching_messages_are_redacted(monkeypatch, caplog):
 
     from restore.errors import report
 
-    err = RuntimeError(f"Could not connect to the endpoint URL: \"http://user:{secret}@h:1/b?X-Amz-Signature={secret}\"")
+    err = RuntimeError(f'Could not connect to the endpoint URL: "http://user:{secret}@h:1/b?X-Amz-Signature={secret}"')
     buf = io.StringIO()
     monkeypatch.setenv("TIERCKPT_DEBUG", "1")
     with contextlib.redirect_stderr(buf):
@@ -340,14 +385,24 @@ def test_urls_reaching_messages_are_redacted(monkeypatch, caplog):
     assert secret not in buf.getvalue() and "Traceback" in buf.getvalue() and "http://***@h:1/b?***" in buf.getvalue()
 
 
-@pytest.mark.parametrize("text, hidden, kept", [
-    ("http://user:pw1@host:9000/b/k?list-type=2", ["pw1", "user"], ["http://***@host:9000/b/k?***"]),
-    ("https://b.s3.amazonaws.com/k?X-Amz-Algorithm=A&X-Amz-Credential=AKIA%2F1&X-Amz-Signature=abcdef",
-     ["AKIA", "abcdef"], ["https://b.s3.amazonaws.com/k?***"]),
-    ("s3://bucket/ckpt/step@1/metadata.json: no such object", [], ["s3://bucket/ckpt/step@1/metadata.json"]),
-    ("aws_secret_access_key=hunter2 password=pw2&x=1 {'SecretAccessKey': 'pw3'}", ["hunter2", "pw2", "pw3"], ["x=1"]),
-    ("http://u:p/w@host/x", ["u:p", "/w@"], ["***@host/x"]),
-])
+@pytest.mark.parametrize(
+    "text, hidden, kept",
+    [
+        ("http://user:pw1@host:9000/b/k?list-type=2", ["pw1", "user"], ["http://***@host:9000/b/k?***"]),
+        (
+            "https://b.s3.amazonaws.com/k?X-Amz-Algorithm=A&X-Amz-Credential=AKIA%2F1&X-Amz-Signature=abcdef",
+            ["AKIA", "abcdef"],
+            ["https://b.s3.amazonaws.com/k?***"],
+        ),
+        ("s3://bucket/ckpt/step@1/metadata.json: no such object", [], ["s3://bucket/ckpt/step@1/metadata.json"]),
+        (
+            "aws_secret_access_key=hunter2 password=pw2&x=1 {'SecretAccessKey': 'pw3'}",
+            ["hunter2", "pw2", "pw3"],
+            ["x=1"],
+        ),
+        ("http://u:p/w@host/x", ["u:p", "/w@"], ["***@host/x"]),
+    ],
+)
 def test_redaction(text, hidden, kept):
     out = redact(text)
     for h in hidden:
@@ -365,9 +420,27 @@ def test_redact_url_never_raises():
 # -- invalid endpoints and numbers: refused before contacting S3 ------------------------------
 
 BAD_ENDPOINTS = [
-    "not a url", "127.0.0.1:8333", "ftp://h", "http://", "http:///x", "http://h:99999", "http://h:0", "http://h:-1",
-    "http://h:abc", "http://h:", "http:// h", "http://h x", "http://h\tx", "http://[::1", "http://[zz]:1",
-    "http://h_1", "http://-h", "http://h/x?a=1", "http://h#f", "http://hé", "s3://bucket",
+    "not a url",
+    "127.0.0.1:8333",
+    "ftp://h",
+    "http://",
+    "http:///x",
+    "http://h:99999",
+    "http://h:0",
+    "http://h:-1",
+    "http://h:abc",
+    "http://h:",
+    "http:// h",
+    "http://h x",
+    "http://h\tx",
+    "http://[::1",
+    "http://[zz]:1",
+    "http://h_1",
+    "http://-h",
+    "http://h/x?a=1",
+    "http://h#f",
+    "http://hé",
+    "s3://bucket",
 ]
 
 
@@ -387,24 +460,36 @@ def test_not_a_url_through_the_cli(tmp_path):
     assert_one_line_error(cli_proc("list", config=conf), 2, "[s3] endpoint_url", str(conf), "not a URL")
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:8333", "https://s3.us-east-1.amazonaws.com", "http://[::1]:9000",
-                                 "http://minio.local:9000/", "HTTP://Example.COM.", "http://h:1/some/path"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8333",
+        "https://s3.us-east-1.amazonaws.com",
+        "http://[::1]:9000",
+        "http://minio.local:9000/",
+        "HTTP://Example.COM.",
+        "http://h:1/some/path",
+    ],
+)
 def test_good_endpoint_urls(url):
     S3Config(bucket="b", endpoint_url=url).validate()
 
 
-@pytest.mark.parametrize("body, key", [
-    ('[s3]\nbucket = "b"\nconnect_timeout = nan\n', "connect_timeout"),
-    ('[s3]\nbucket = "b"\nread_timeout = inf\n', "read_timeout"),
-    ('[s3]\nbucket = "b"\nread_timeout = 1e300\n', "read_timeout"),
-    ('[s3]\nbucket = "b"\nmax_attempts = 100000\n', "max_attempts"),
-    ('[s3]\nbucket = "b"\nregion = "not a region"\n', "region"),
-    ('[s3]\nbucket = "Not A Bucket"\n', "bucket"),
-    ('[s3]\nbucket = "b"\npart_size = "99999999999999999999999999999999999999999TiB"\n', "part_size"),
-    ('[s3]\nbucket = "b"\nkeep = 99999999999999999999999999\n', "keep"),
-    ('[job]\ncommit_timeout = nan\n[s3]\nbucket = "b"\n', "commit_timeout"),
-    ('[host]\nbuffer_size = 1e400\n[s3]\nbucket = "b"\n', "buffer_size"),
-])
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ('[s3]\nbucket = "b"\nconnect_timeout = nan\n', "connect_timeout"),
+        ('[s3]\nbucket = "b"\nread_timeout = inf\n', "read_timeout"),
+        ('[s3]\nbucket = "b"\nread_timeout = 1e300\n', "read_timeout"),
+        ('[s3]\nbucket = "b"\nmax_attempts = 100000\n', "max_attempts"),
+        ('[s3]\nbucket = "b"\nregion = "not a region"\n', "region"),
+        ('[s3]\nbucket = "Not A Bucket"\n', "bucket"),
+        ('[s3]\nbucket = "b"\npart_size = "99999999999999999999999999999999999999999TiB"\n', "part_size"),
+        ('[s3]\nbucket = "b"\nkeep = 99999999999999999999999999\n', "keep"),
+        ('[job]\ncommit_timeout = nan\n[s3]\nbucket = "b"\n', "commit_timeout"),
+        ('[host]\nbuffer_size = 1e400\n[s3]\nbucket = "b"\n', "buffer_size"),
+    ],
+)
 def test_out_of_range_settings(tmp_path, body, key):
     conf = tmp_path / "tiers.toml"
     conf.write_text(body)
@@ -416,8 +501,11 @@ def test_fetch_rank_is_checked_before_contacting_s3(tmp_path, rank):
     """Issue item 6: ``fetch --rank -1`` went to S3 first. The endpoint here is a counting
     proxy: no connection reaches it."""
     with FaultProxy("http://127.0.0.1:9", error_rate=0.0, drop_rate=0.0) as proxy:
-        conf = write_config(tmp_path / "tiers.toml", local=tmp_path / "local",
-                            s3=S3Config(bucket="b", prefix="ckpt", endpoint_url=proxy.url))
+        conf = write_config(
+            tmp_path / "tiers.toml",
+            local=tmp_path / "local",
+            s3=S3Config(bucket="b", prefix="ckpt", endpoint_url=proxy.url),
+        )
         p = cli("fetch", "latest", "--rank", rank, config=conf)
         assert_one_line_error(p, 2, "--rank")
         assert proxy.stats["connections"] == 0
@@ -425,7 +513,10 @@ def test_fetch_rank_is_checked_before_contacting_s3(tmp_path, rank):
 
 def test_fetch_rank_through_the_cli(tmp_path):
     with FaultProxy("http://127.0.0.1:9", error_rate=0.0, drop_rate=0.0) as proxy:
-        conf = write_config(tmp_path / "tiers.toml", local=tmp_path / "local",
-                            s3=S3Config(bucket="b", prefix="ckpt", endpoint_url=proxy.url))
+        conf = write_config(
+            tmp_path / "tiers.toml",
+            local=tmp_path / "local",
+            s3=S3Config(bucket="b", prefix="ckpt", endpoint_url=proxy.url),
+        )
         assert_one_line_error(cli_proc("fetch", "latest", "--rank", "-1", config=conf), 2, "--rank", "-1")
         assert proxy.stats["connections"] == 0

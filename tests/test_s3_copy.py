@@ -39,8 +39,9 @@ def _uploads(s3: S3Tier) -> list[Any]:
 
 
 @pytest.mark.parametrize("server", ["moto", "seaweedfs"])
-def test_copy_from_local_is_exact_bounded_and_checksummed(server: str, request: pytest.FixtureRequest, s3cfg: Any,
-                                                          tmp_path: Path) -> None:
+def test_copy_from_local_is_exact_bounded_and_checksummed(
+    server: str, request: pytest.FixtureRequest, s3cfg: Any, tmp_path: Path
+) -> None:
     endpoint = request.getfixturevalue("moto_endpoint" if server == "moto" else "seaweed_endpoint")
     size = 4 * 5 * MiB + 4096 * 3 + 17  # 5 parts, the last one short and unaligned
     local, data = _local_file(tmp_path / "local", size, seed=1)
@@ -65,8 +66,9 @@ def test_copy_from_local_is_exact_bounded_and_checksummed(server: str, request: 
         assert all(any(b is f for f in s3._buffers._free) for b in free_before)
         # every part was stored with the CRC32C of its bytes
         full = s3._full(KEY)
-        attrs = s3.client.get_object_attributes(Bucket=s3.bucket, Key=full, ObjectAttributes=["ObjectParts"],
-                                                MaxParts=100)
+        attrs = s3.client.get_object_attributes(
+            Bucket=s3.bucket, Key=full, ObjectAttributes=["ObjectParts"], MaxParts=100
+        )
         parts = attrs.get("ObjectParts", {}).get("Parts")
         if parts:  # servers that list parts with their checksums
             for p in parts:

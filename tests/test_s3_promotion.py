@@ -44,8 +44,16 @@ SECRET = "tierckpt-TEST-SECRET-d41d8cd98f00b204e9800998ecf8427e"
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def make_cfg(tmp_path: Path, s3: S3Config | None, *, local: bool = True, local_keep: int = 0,
-             commit_timeout: float = 60.0, **s3_over: Any):
+
+def make_cfg(
+    tmp_path: Path,
+    s3: S3Config | None,
+    *,
+    local: bool = True,
+    local_keep: int = 0,
+    commit_timeout: float = 60.0,
+    **s3_over: Any,
+):
     """A TierConfig built the way a TOML file is (sizes as strings): small host pool, [local]
     without fsync under ``tmp_path/local``, ``[s3]`` from the fixture's config (+ overrides)."""
     d: dict[str, Any] = {
@@ -128,7 +136,7 @@ def s3_objects(client, bucket: str, prefix: str = PREFIX) -> dict[str, dict]:
     out = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         for o in page.get("Contents", ()):
-            out[o["Key"][len(prefix) + 1:]] = o
+            out[o["Key"][len(prefix) + 1 :]] = o
     return out
 
 
@@ -200,8 +208,11 @@ def watch_s3_commits(writer: TieredWriter, client, bucket: str) -> dict[str, dic
                     complete[f] = head["ContentLength"] == size
                 except ClientError:
                     complete[f] = False
-            seen[cid] = {"absent_before": not s3_has(client, bucket, key), "data_complete": complete,
-                         "if_absent": if_absent}
+            seen[cid] = {
+                "absent_before": not s3_has(client, bucket, key),
+                "data_complete": complete,
+                "if_absent": if_absent,
+            }
         real_put(key, data, if_absent=if_absent)
 
     tier.put = put  # type: ignore[method-assign]
@@ -231,6 +242,7 @@ def new_writer(cfg, writers: list) -> TieredWriter:
 
 # -- 1 + 4: promotion end to end, then the node is lost -------------------------------------------
 
+
 def check_promoted_exact(cfg, client, bucket: str, ids: list[str], events: dict | None) -> None:
     """Each id committed on both tiers, metadata.json on S3 last, S3 objects bit-exact vs local."""
     root = cfg.local.resolved_path()
@@ -251,7 +263,9 @@ def check_promoted_exact(cfg, client, bucket: str, ids: list[str], events: dict 
             ev = events.get(cid)
             assert ev is not None, f"{cid}: metadata.json was never put on S3"
             assert ev["absent_before"] and ev["if_absent"], ev
-            assert ev["data_complete"] and all(ev["data_complete"].values()), f"{cid}: metadata.json before its data: {ev}"
+            assert ev["data_complete"] and all(ev["data_complete"].values()), (
+                f"{cid}: metadata.json before its data: {ev}"
+            )
 
 
 def core_roundtrip(endpoint: str, s3cfg: Callable[..., S3Config], tmp_path: Path, writers: list, n: int = 3) -> None:
@@ -296,6 +310,7 @@ def test_promotion_end_to_end_then_node_lost_seaweedfs(seaweed_endpoint, s3cfg, 
 
 # -- 2: flaky network -----------------------------------------------------------------------------
 
+
 def test_promotion_through_faulty_proxy(moto_endpoint, s3cfg, tmp_path, writers):
     client = s3_client(moto_endpoint)
     with FaultProxy(moto_endpoint, error_rate=0.10, drop_rate=0.05, seed=7) as proxy:
@@ -316,6 +331,7 @@ def test_promotion_through_faulty_proxy(moto_endpoint, s3cfg, tmp_path, writers)
 
 
 # -- 3: full outage during promotion --------------------------------------------------------------
+
 
 def test_outage_during_promotion(moto_endpoint, s3cfg, tmp_path, writers, caplog, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # read by the tier's client (built lazily)
@@ -378,8 +394,10 @@ def test_outage_during_promotion(moto_endpoint, s3cfg, tmp_path, writers, caplog
     for rec in caplog.records:
         assert SECRET not in rec.getMessage() and SECRET not in str(rec.args), rec.getMessage()
     # the failure was logged at once, naming the checkpoint and S3
-    assert any(r.levelno >= logging.ERROR and "step-1" in r.getMessage() and "s3" in r.getMessage().lower()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        r.levelno >= logging.ERROR and "step-1" in r.getMessage() and "s3" in r.getMessage().lower()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     for top in errors_seen:
         for e in errors_in(top):
             assert SECRET not in str(e) and SECRET not in repr(e)
@@ -434,6 +452,7 @@ def test_latest_during_outage_resolves_from_local(moto_endpoint, s3cfg, tmp_path
 
 
 # -- 5: corruption on one tier, then on both ------------------------------------------------------
+
 
 @pytest.fixture
 def promoted_one(moto_endpoint, s3cfg, tmp_path, writers):
@@ -499,6 +518,7 @@ def test_corrupt_on_both_tiers_raises_checksum_mismatch(promoted_one):
 
 # -- 6: retention on both tiers -------------------------------------------------------------------
 
+
 def test_retention_keep_and_keep_every(moto_endpoint, s3cfg, tmp_path, writers):
     """[s3] keep=2, keep_every=3 over step-1..step-7: after each S3 commit the committed
     checkpoints older than the newest 2 go unless their step is a multiple of 3 (and the newest
@@ -557,7 +577,9 @@ def test_local_retention_done_when_wait_returns(moto_endpoint, s3cfg, tmp_path, 
     done, anything = local_ids(cfg.local.resolved_path())
     assert done == {"step-2"} and anything == {"step-2"}, (done, anything)
 
+
 # -- 7: direct mode -------------------------------------------------------------------------------
+
 
 def test_direct_mode_streams_to_s3(moto_endpoint, s3cfg, tmp_path, writers):
     s3 = s3cfg(moto_endpoint)
@@ -587,6 +609,7 @@ def test_direct_mode_streams_to_s3(moto_endpoint, s3cfg, tmp_path, writers):
 
 # -- 8: two ranks on two simulated nodes ----------------------------------------------------------
 
+
 def test_multirank_promotion_node_lost_and_single_process_load(moto_endpoint, s3cfg, tmp_path):
     s3 = s3cfg(moto_endpoint)
     client = s3_client(moto_endpoint)
@@ -598,8 +621,13 @@ def test_multirank_promotion_node_lost_and_single_process_load(moto_endpoint, s3
         "s3": dataclasses.asdict(s3) | {"part_size": "5MiB"},
     }
     ids = ["step-1", "step-2"]
-    res = run_world(world, "save_promote_lose_node_load", {"config": conf, "ids": ids, "lost_rank": 1},
-                    tmp_path / "w", node_of=lambda r: f"node{r}")
+    res = run_world(
+        world,
+        "save_promote_lose_node_load",
+        {"config": conf, "ids": ids, "lost_rank": 1},
+        tmp_path / "w",
+        node_of=lambda r: f"node{r}",
+    )
     for r, out in enumerate(res):
         assert out["errors"] == [], (r, out["errors"])
         assert out["mismatches"] == [], (r, out)

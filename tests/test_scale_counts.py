@@ -65,7 +65,10 @@ def test_scale_scenario_counts_save_and_load(moto_endpoint, s3cfg, tmp_path):
         assert ph[p]["store_ops"] > 0
         assert all(" <- tiers/" in s for s in ph[p]["s3_sites"]), ph[p]["s3_sites"]  # the tier method that made it
     for p in ph:
-        assert ph[p]["obj_recv_bytes"] > 0 and ph[p]["obj_calls"] > 0 and ph[p]["rounds"] >= ph[p]["obj_calls"], (p, ph[p])
+        assert ph[p]["obj_recv_bytes"] > 0 and ph[p]["obj_calls"] > 0 and ph[p]["rounds"] >= ph[p]["obj_calls"], (
+            p,
+            ph[p],
+        )
     facts = res["facts"]
     assert list(facts) == ["full_loss"] and facts["full_loss"]["resolved"] == ["step-2"], facts
     assert set(facts["full_loss"]["served_files"]) == {"s3"}, facts["full_loss"]

@@ -51,16 +51,28 @@ def test_simulator_counts_equal_a_real_runs(moto_endpoint, s3cfg, tmp_path):
 
     def after_saves(workdir):
         shutil.copytree(workdir / "local", tmp_path / "snap")
-        client = boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id="test", aws_secret_access_key="test",
-                              region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=moto_endpoint,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+        )
         root = cfg.prefix.rstrip("/") + "/" if cfg.prefix else ""
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=cfg.bucket, Prefix=root):
             for o in page.get("Contents", ()):
                 if "/_leases/" not in "/" + o["Key"]:
-                    snap[o["Key"][len(root):]] = client.get_object(Bucket=cfg.bucket, Key=o["Key"])["Body"].read()
+                    snap[o["Key"][len(root) :]] = client.get_object(Bucket=cfg.bucket, Key=o["Key"])["Body"].read()
 
-    real = run_scale(4, dataclasses.asdict(cfg), tmp_path / "run", ranks_per_node=2, timeout=600,
-                     phases=("restart", "node_loss", "full_loss"), after_saves=after_saves)
+    real = run_scale(
+        4,
+        dataclasses.asdict(cfg),
+        tmp_path / "run",
+        ranks_per_node=2,
+        timeout=600,
+        phases=("restart", "node_loss", "full_loss"),
+        after_saves=after_saves,
+    )
     for phase in ("restart", "node_loss", "full_loss"):
         job = build_job_from(tmp_path / "snap", snap, 4, 2)
         sim = simulate_load(job, phase, wants=lambda r: (f"r{r}", "shared", "step"))

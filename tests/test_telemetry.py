@@ -30,8 +30,11 @@ def _state() -> dict:
 
 
 def _cfg(tmp_path: Path, **job) -> Config:
-    return Config(host=HostConfig(buffer_size=8 * MiB, chunk_size=256 * 1024), local=LocalConfig(path=str(tmp_path / "local")),
-                  job=JobConfig(**job))
+    return Config(
+        host=HostConfig(buffer_size=8 * MiB, chunk_size=256 * 1024),
+        local=LocalConfig(path=str(tmp_path / "local")),
+        job=JobConfig(**job),
+    )
 
 
 def test_as_dict_is_flat_stable_and_matches_the_stats(tmp_path):
@@ -85,8 +88,10 @@ def _points(reader, name: str) -> list[tuple[dict, float]]:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 if m.name == name:
-                    out += [(dict(p.attributes), getattr(p, "value", None) if hasattr(p, "value") else p.sum)
-                            for p in m.data.data_points]
+                    out += [
+                        (dict(p.attributes), getattr(p, "value", None) if hasattr(p, "value") else p.sum)
+                        for p in m.data.data_points
+                    ]
     return out
 
 
@@ -167,8 +172,15 @@ def test_lag_tracker_counts_steps_and_seconds_behind():
     assert {x.tier: (x.steps, x.seconds) for x in lag.lags(now=350.0)}["s3"] == (10, 50.0)
 
 
-@pytest.mark.parametrize("body, key", [({"telemetry": "prometheus"}, "telemetry"), ({"telemetry": 1}, "telemetry"),
-                                        ({"history": -1}, "history"), ({"history": 5000}, "history")])
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ({"telemetry": "prometheus"}, "telemetry"),
+        ({"telemetry": 1}, "telemetry"),
+        ({"history": -1}, "history"),
+        ({"history": 5000}, "history"),
+    ],
+)
 def test_job_telemetry_keys_are_validated(tmp_path, body, key):
     with pytest.raises(ConfigError, match=rf"\[job\] {key}"):
         config_from_dict({"local": {"path": str(tmp_path)}, "job": body})
@@ -185,7 +197,9 @@ def test_history_is_bounded_and_a_damaged_file_is_skipped(tmp_path):
     recs = read_history([tier])
     assert [r.checkpoint_id for r in recs] == ["step-2", "step-3", "step-4"]
     assert all(r.world == 1 and r.bytes > 0 and r.stats["cpu_s"] >= 0 for r in recs)
-    (tmp_path / "local" / HISTORY_DIR / "g00009.json").write_bytes(b'{"format": "tierckpt-history/1", "records": [{"id": 5}]}')
+    (tmp_path / "local" / HISTORY_DIR / "g00009.json").write_bytes(
+        b'{"format": "tierckpt-history/1", "records": [{"id": 5}]}'
+    )
     (tmp_path / "local" / HISTORY_DIR / "g00008.json").write_bytes(b"[" * 100000)
     assert [r.checkpoint_id for r in read_history([tier])] == ["step-2", "step-3", "step-4"]
     assert tier.exists(history_key(0))
@@ -197,7 +211,7 @@ import sys, torch, torch.distributed.checkpoint as dcp
 sys.path.insert(0, {str(REPO)!r})
 from tierckpt import TieredWriter, TieredReader
 from tierckpt.config import config_from_dict
-cfg = config_from_dict({{"host": {{"buffer_size": "8MiB", "chunk_size": "1MiB"}}, "local": {{"path": {str(tmp_path / 'l')!r}}}}})
+cfg = config_from_dict({{"host": {{"buffer_size": "8MiB", "chunk_size": "1MiB"}}, "local": {{"path": {str(tmp_path / "l")!r}}}}})
 w = TieredWriter(cfg)
 sd = {{"a": torch.ones(100, 100)}}
 dcp.save(sd, checkpoint_id="step-1", storage_writer=w, no_dist=True)
@@ -251,8 +265,17 @@ def test_history_writes_at_most_every_interval_and_loses_nothing(tmp_path, monke
     monkeypatch.setattr(history, "WRITE_INTERVAL", 0.3)
     tier = LocalTier(tmp_path)
     log = history.HistoryLog(tier, 3, "n0", keep=10)
-    rec = {"id": "step-1", "token": "t", "step": 1, "rank": 0, "world": 1, "bytes": 1, "error": None, "stats": {},
-           "phases": [{"name": "capture", "start": 1.0, "end": 2.0}]}
+    rec = {
+        "id": "step-1",
+        "token": "t",
+        "step": 1,
+        "rank": 0,
+        "world": 1,
+        "bytes": 1,
+        "error": None,
+        "stats": {},
+        "phases": [{"name": "capture", "start": 1.0, "end": 2.0}],
+    }
     log.append(rec)
     assert [r.checkpoint_id for r in read_history([tier])] == ["step-1"]  # the first record is written at once
     log.append(dict(rec, id="step-2"))

@@ -50,8 +50,9 @@ class TestArchiveChain(ChainContract):
 
 def test_local_then_archive_chain(tmp_path: Path) -> None:
     conf = tmp_path / "tiers.toml"
-    conf.write_text(f'[local]\npath = "{tmp_path}/local"\nkeep = 1\nfsync = false\n'
-                    f'[archive]\npath = "{tmp_path}/archive"\n')
+    conf.write_text(
+        f'[local]\npath = "{tmp_path}/local"\nkeep = 1\nfsync = false\n[archive]\npath = "{tmp_path}/archive"\n'
+    )
     cfg = load_config(conf)
     assert [t.name for t in make_tiers(cfg)] == ["local", "archive"]
     w = TieredWriter(cfg)

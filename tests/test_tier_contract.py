@@ -422,7 +422,7 @@ class TestLocalTier(TierContract):
         data = _data(2 * PS + 7, 15)
         assert self._resumable_written(tier, "loc/rank-0.data", data, [0, 2], {"save": "a"}) == {0, 2}
         sink = tier.open_resumable("loc/rank-0.data", len(data), block=PS, tag={"save": "a"})
-        sink.write_block(1, memoryview(data[PS:2 * PS]))
+        sink.write_block(1, memoryview(data[PS : 2 * PS]))
         sink.close()
         sink = tier.open_resumable("loc/rank-0.data", len(data), block=PS, tag={"save": "x"}, adopt=True)
         assert sink.recorded == {0, 1, 2} and not tier.exists("loc/rank-0.data")

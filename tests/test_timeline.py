@@ -27,10 +27,19 @@ STEPS = [1, 2, 3, 4]
 def job(tmp_path_factory) -> Path:
     """A 2-rank job on nodes n0 and n1 ([peer] replicas = 1) that saved STEPS; its config file."""
     base = tmp_path_factory.mktemp("timeline")
-    cfg = {"host": {"buffer_size": "16MiB", "chunk_size": "1MiB"},
-           "local": {"path": f"{base}/{{node}}", "keep": 2, "flush_threads": 2}, "peer": {"replicas": 1}}
-    res = run_world(2, "save_steps", {"config": cfg, "steps": STEPS}, base / "run", script=HERE / "peer_scenarios.py",
-                    node_of=lambda r: f"n{r}")
+    cfg = {
+        "host": {"buffer_size": "16MiB", "chunk_size": "1MiB"},
+        "local": {"path": f"{base}/{{node}}", "keep": 2, "flush_threads": 2},
+        "peer": {"replicas": 1},
+    }
+    res = run_world(
+        2,
+        "save_steps",
+        {"config": cfg, "steps": STEPS},
+        base / "run",
+        script=HERE / "peer_scenarios.py",
+        node_of=lambda r: f"n{r}",
+    )
     assert all(r["saved"] == STEPS for r in res)
     toml = base / "tiers.toml"
     toml.write_text(f'[host]\nbuffer_size = "16MiB"\n[local]\npath = "{base}/{{node}}"\n[peer]\nreplicas = 1\n')
@@ -86,8 +95,9 @@ def test_advise_follows_young_and_daly(job, monkeypatch, capsys):
     assert main(["--config", str(job), "advise", "--mtbf", "8h", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     runs = _runs(job)
-    blocked = statistics.median(max(x.seconds("blocked_in_save") + x.seconds("prestep_wait") for x in r.ranks)
-                                for r in runs)
+    blocked = statistics.median(
+        max(x.seconds("blocked_in_save") + x.seconds("prestep_wait") for x in r.ranks) for r in runs
+    )
     cpu = statistics.median(max(x.stats["cpu_s"] for x in r.ranks) for r in runs)
     delta, m = blocked + cpu, 8 * 3600.0
     assert got["mtbf_s"] == m and got["inputs"]["blocked_s"] == pytest.approx(blocked)
@@ -108,7 +118,9 @@ def test_advise_follows_young_and_daly(job, monkeypatch, capsys):
 def test_the_formulas():
     # Young: sqrt(2 δ M); Daly's higher-order form; Daly's interval is M once δ >= 2M
     assert young(60, 86400) == pytest.approx(math.sqrt(2 * 60 * 86400))
-    assert daly(60, 86400) == pytest.approx(3219.938 * (1 + math.sqrt(60 / 172800) / 3 + 60 / 172800 / 9) - 60, rel=1e-5)
+    assert daly(60, 86400) == pytest.approx(
+        3219.938 * (1 + math.sqrt(60 / 172800) / 3 + 60 / 172800 / 9) - 60, rel=1e-5
+    )
     assert daly(100, 40) == 40
     # Daly's interval (nearly) minimises his complete model of the time lost
     for delta, mtbf, restart in ((60, 86400, 0), (5, 3600, 120), (0.5, 28800, 0)):
@@ -117,8 +129,15 @@ def test_the_formulas():
         assert waste(tau, delta, mtbf, restart) <= best[0] * 1.001
         assert waste(tau, delta, mtbf, restart) < waste(0.5 * tau, delta, mtbf, restart)
         assert waste(tau, delta, mtbf, restart) < waste(2 * tau, delta, mtbf, restart)
-    assert [parse_duration(x) for x in ("8h", "90m", "2d", "45s", "1h30m", "3600", "1.5h")] == \
-        [28800, 5400, 172800, 45, 5400, 3600, 5400]
+    assert [parse_duration(x) for x in ("8h", "90m", "2d", "45s", "1h30m", "3600", "1.5h")] == [
+        28800,
+        5400,
+        172800,
+        45,
+        5400,
+        3600,
+        5400,
+    ]
     for bad in ("", "soon", "-5", "8x", "0"):
         with pytest.raises(ValueError):
             parse_duration(bad)

@@ -19,8 +19,10 @@ STEPS, CRASH, INTERVAL = 6, 5, 2
 def _tiers(root: Path) -> str:
     root.mkdir(parents=True, exist_ok=True)
     toml = root / "tiers.toml"
-    toml.write_text(f'[host]\nbuffer_size = "64MiB"\nchunk_size = "8MiB"\n'
-                    f'[local]\npath = "{root / "tiers"}"\nkeep = 0\nfsync = false\n')
+    toml.write_text(
+        f'[host]\nbuffer_size = "64MiB"\nchunk_size = "8MiB"\n'
+        f'[local]\npath = "{root / "tiers"}"\nkeep = 0\nfsync = false\n'
+    )
     return str(toml)
 
 
@@ -35,8 +37,19 @@ def _run(world: int, args: dict, wd: Path) -> list[dict]:
 def reference(tmp_path_factory) -> dict:
     """The uninterrupted run, no checkpointing: losses and the full state at every interval step."""
     root = tmp_path_factory.mktemp("titan-ref")
-    res = _run(2, {"tiers": "", "dump": str(root / "dump"), "mode": "disabled", "steps": STEPS, "interval": INTERVAL,
-                   "record": str(root / "record.pt"), "final": str(root / "final.pt")}, root / "w")
+    res = _run(
+        2,
+        {
+            "tiers": "",
+            "dump": str(root / "dump"),
+            "mode": "disabled",
+            "steps": STEPS,
+            "interval": INTERVAL,
+            "record": str(root / "record.pt"),
+            "final": str(root / "final.pt"),
+        },
+        root / "w",
+    )
     return {"losses": res[0]["losses"], "record": str(root / "record.pt"), "final": str(root / "final.pt")}
 
 
@@ -64,7 +77,6 @@ def test_crash_and_resume_bit_exact(tmp_path, reference, mode):
         assert one[0]["resumed_from"] == STEPS and one[0]["check"] == [], one  # latest: the last save
 
 
-
 def test_s3_only_initial_load_and_keep_latest_k(tmp_path, reference, moto_endpoint, s3cfg):
     """No checkpoint directory anywhere: an S3-only configuration. The first job starts from a plain
     DCP checkpoint written by torchtitan's own manager (initial_load_path, read by DCP's reader);
@@ -73,16 +85,44 @@ def test_s3_only_initial_load_and_keep_latest_k(tmp_path, reference, moto_endpoi
     from tierckpt.catalog.checkpoints import list_checkpoints
 
     plain = tmp_path / "plain"
-    _run(2, {"tiers": "", "manager": "torchtitan", "dump": str(plain), "mode": "disabled", "steps": 2,
-             "interval": 2, "no_last": True, "record": str(tmp_path / "plain.pt")}, tmp_path / "p")
+    _run(
+        2,
+        {
+            "tiers": "",
+            "manager": "torchtitan",
+            "dump": str(plain),
+            "mode": "disabled",
+            "steps": 2,
+            "interval": 2,
+            "no_last": True,
+            "record": str(tmp_path / "plain.pt"),
+        },
+        tmp_path / "p",
+    )
     s3 = s3cfg(moto_endpoint)
     toml = tmp_path / "tiers.toml"
-    toml.write_text(f'[host]\nbuffer_size = "64MiB"\nchunk_size = "8MiB"\n[s3]\nbucket = "{s3.bucket}"\n'
-                    f'prefix = "{s3.prefix}"\nendpoint_url = "{s3.endpoint_url}"\npart_size = "5MiB"\n')
-    base = {"tiers": str(toml), "dump": str(tmp_path / "dump"), "mode": "async", "steps": STEPS,
-            "interval": INTERVAL, "keep": 2}
-    first = _run(2, base | {"initial_load_path": str(plain / "checkpoint" / "step-2"),
-                            "check": str(tmp_path / "plain.pt"), "check_step": 2}, tmp_path / "first")
+    toml.write_text(
+        f'[host]\nbuffer_size = "64MiB"\nchunk_size = "8MiB"\n[s3]\nbucket = "{s3.bucket}"\n'
+        f'prefix = "{s3.prefix}"\nendpoint_url = "{s3.endpoint_url}"\npart_size = "5MiB"\n'
+    )
+    base = {
+        "tiers": str(toml),
+        "dump": str(tmp_path / "dump"),
+        "mode": "async",
+        "steps": STEPS,
+        "interval": INTERVAL,
+        "keep": 2,
+    }
+    first = _run(
+        2,
+        base
+        | {
+            "initial_load_path": str(plain / "checkpoint" / "step-2"),
+            "check": str(tmp_path / "plain.pt"),
+            "check_step": 2,
+        },
+        tmp_path / "first",
+    )
     for r in first:
         assert r["resumed_from"] == 0 and r["check"] == [], r  # model only, from the plain DCP checkpoint
     # a fresh job (close() waited for the commits): resumes from S3, two steps more
@@ -111,8 +151,12 @@ def test_resume_skips_a_newest_checkpoint_bad_on_every_tier(tmp_path, reference)
     res = _run(2, base | {"check": reference["record"], "final": str(tmp_path / "final.pt")}, tmp_path / "resumed")
     for r in res:
         assert r["resumed_from"] == 2 and r["check"] == [], r
-        assert any("RESUME: checkpoint step-4 cannot be loaded" in ln and "ChecksumMismatch" in ln
-                   and "resuming from the next older committed checkpoint, step-2" in ln for ln in r["log"]), r["log"]
+        assert any(
+            "RESUME: checkpoint step-4 cannot be loaded" in ln
+            and "ChecksumMismatch" in ln
+            and "resuming from the next older committed checkpoint, step-2" in ln
+            for ln in r["log"]
+        ), r["log"]
         for step, loss in r["losses"].items():
             assert loss == reference["losses"][step], (step, loss, reference["losses"][step])
     import torch
@@ -124,4 +168,3 @@ def test_resume_skips_a_newest_checkpoint_bad_on_every_tier(tmp_path, reference)
     ids = [c.id for c in list_checkpoints(tiers)]
     assert ids[-2:] == ["step-04", f"step-{STEPS}"] and "step-4" in ids, ids
     assert latest(tiers) == f"step-{STEPS}"
-

@@ -35,8 +35,9 @@ class _Attention(torch.nn.Module):
     """Standard causal attention with the inner-attention call signature of torchtitan."""
 
     def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **_kw):  # noqa: ANN001
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
         return out.transpose(1, 2)
 
 
@@ -95,8 +96,8 @@ def _thread_cpu() -> dict[str, float]:
             stat = (task / "stat").read_text()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
         out[f"{names.get(int(task.name), name)}/{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -115,25 +116,44 @@ def train(args: dict, rank: int, world: int) -> dict:
 
     model = _model(world)
     opts = default_adamw(lr=8e-4).build(model_parts=[model])
-    scheds = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                          min_lr_factor=0.0).build(optimizers=opts, training_steps=args["steps"])
+    scheds = LRSchedulersContainer.Config(
+        warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+    ).build(optimizers=opts, training_steps=args["steps"])
     ts = TrainState()
     if args.get("manager") == "torchtitan":  # torchtitan's own manager (DCP's FileSystemWriter), for comparison
         from torchtitan.components.checkpointer.dcp import CheckpointManager
 
         cls = CheckpointManager
-        conf = CheckpointManager.Config(enable=True, interval=args["interval"], folder="checkpoint",
-                                        async_mode=args["mode"], keep_latest_k=0, last_save_model_only=False)
+        conf = CheckpointManager.Config(
+            enable=True,
+            interval=args["interval"],
+            folder="checkpoint",
+            async_mode=args["mode"],
+            keep_latest_k=0,
+            last_save_model_only=False,
+        )
     else:
         cls = TierckptCheckpointManager
-        conf = TierckptCheckpointManager.Config(enable=bool(args["tiers"]), interval=args["interval"], folder="checkpoint",
-                                         async_mode=args["mode"], keep_latest_k=args.get("keep", 0),
-                                         last_save_model_only=False, tierckpt_config=args["tiers"] or "",
-                                         initial_load_path=args.get("initial_load_path"))
+        conf = TierckptCheckpointManager.Config(
+            enable=bool(args["tiers"]),
+            interval=args["interval"],
+            folder="checkpoint",
+            async_mode=args["mode"],
+            keep_latest_k=args.get("keep", 0),
+            last_save_model_only=False,
+            tierckpt_config=args["tiers"] or "",
+            initial_load_path=args.get("initial_load_path"),
+        )
     ckpt = cls(
         conf,
-        dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds, states={"train_state": ts},
-        sd_adapter=None, base_folder=args["dump"])
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opts,
+        lr_schedulers=scheds,
+        states={"train_state": ts},
+        sd_adapter=None,
+        base_folder=args["dump"],
+    )
     out: dict = {"losses": {}, "blocked": [], "staging_wait": [], "log": []}
 
     class _Keep(logging.Handler):  # tierckpt's warnings and errors, for the test to read
@@ -148,7 +168,11 @@ def train(args: dict, rank: int, world: int) -> dict:
         import cProfile
 
         # TIERCKPT_PROFILE_CLOCK=thread: the main thread's CPU time (wall time otherwise)
-        prof = cProfile.Profile(time.thread_time) if os.environ.get("TIERCKPT_PROFILE_CLOCK") == "thread" else cProfile.Profile()
+        prof = (
+            cProfile.Profile(time.thread_time)
+            if os.environ.get("TIERCKPT_PROFILE_CLOCK") == "thread"
+            else cProfile.Profile()
+        )
         prof.enable()
     import threading
 
@@ -175,8 +199,9 @@ def train(args: dict, rank: int, world: int) -> dict:
     out["load_gc_s"] = gc_s
     out["load_gc_collections"] = [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)]
     threads1 = _thread_cpu()
-    out["load_cpu_threads"] = {k: round(v - threads0.get(k, 0.0), 3) for k, v in threads1.items()
-                               if v - threads0.get(k, 0.0) > 0.005}
+    out["load_cpu_threads"] = {
+        k: round(v - threads0.get(k, 0.0), 3) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0.005
+    }
     out["gc_objects"] = len(gc.get_objects())
     if prof is not None:
         prof.disable()
@@ -193,7 +218,7 @@ def train(args: dict, rank: int, world: int) -> dict:
     for step in range(ts.step + 1, args["steps"] + 1):
         ts.step = step
         g = torch.Generator().manual_seed(1000 + step)
-        tokens = torch.randint(0, VOCAB, (world * 2, 17), generator=g)[rank * 2:(rank + 1) * 2]
+        tokens = torch.randint(0, VOCAB, (world * 2, 17), generator=g)[rank * 2 : (rank + 1) * 2]
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()

@@ -13,6 +13,7 @@ from typing import Any
 def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The module ``__getattr__`` and ``__dir__`` of ``package`` for ``table`` (public name ->
     module, relative to ``package``): a name is imported on first use and cached in the package."""
+
     def __getattr__(name: str) -> Any:
         module = table.get(name)
         if module is None:

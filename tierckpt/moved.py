@@ -73,13 +73,15 @@ def _warn(old: str, new: str) -> None:
     module (``warnings.warn`` skips importlib's frames itself when it counts ``stacklevel``)."""
     level, frame = 2, sys._getframe(1)  # stacklevel 2: the caller of _warn
     frame_or_none: types.FrameType | None = frame
-    while frame_or_none is not None and (frame_or_none.f_code.co_filename.startswith("<frozen importlib")
-                                         or frame_or_none.f_code.co_filename == __file__):
+    while frame_or_none is not None and (
+        frame_or_none.f_code.co_filename.startswith("<frozen importlib") or frame_or_none.f_code.co_filename == __file__
+    ):
         if frame_or_none.f_code.co_filename == __file__:
             level += 1
         frame_or_none = frame_or_none.f_back
-    warnings.warn(f"{PREFIX} {old}: use {new} (the old path is removed in the next release)", DeprecationWarning,
-                  stacklevel=level)
+    warnings.warn(
+        f"{PREFIX} {old}: use {new} (the old path is removed in the next release)", DeprecationWarning, stacklevel=level
+    )
 
 
 class _View(types.ModuleType):
@@ -102,8 +104,9 @@ class _View(types.ModuleType):
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old paths of :data:`MOVED`; the module it "loads" is the new one (or a :class:`_View`)."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
         return importlib.util.spec_from_loader(fullname, self)
@@ -129,6 +132,7 @@ def install() -> None:
 def deprecated_names(package: str, table: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package`` serving ``table``'s old names (name -> module that
     holds it now), each with the deprecation warning; other names raise :class:`AttributeError`."""
+
     def __getattr__(name: str) -> Any:
         module = table.get(name)
         if module is None:

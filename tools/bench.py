@@ -109,52 +109,107 @@ from benchlib.s3 import section_s3  # noqa: E402
 from benchlib.scale import section_scale  # noqa: E402
 
 SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore", "peer", "scale", "compress")
-DEFAULT_SECTIONS = ("local", "cpu", "lazy", "e2e", "rss")  # s3/restore/peer/scale/compress: only with --only (need S3 servers, add minutes)
+DEFAULT_SECTIONS = (
+    "local",
+    "cpu",
+    "lazy",
+    "e2e",
+    "rss",
+)  # s3/restore/peer/scale/compress: only with --only (need S3 servers, add minutes)
 
 
 SECTIONS: dict[str, Callable[[Ctx], dict]] = {
-    "local": section_local, "cpu": section_cpu, "lazy": section_lazy, "e2e": section_e2e, "rss": section_rss,
-    "s3": section_s3, "restore": section_restore, "peer": section_peer, "scale": section_scale,
+    "local": section_local,
+    "cpu": section_cpu,
+    "lazy": section_lazy,
+    "e2e": section_e2e,
+    "rss": section_rss,
+    "s3": section_s3,
+    "restore": section_restore,
+    "peer": section_peer,
+    "scale": section_scale,
     "compress": section_compress,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-gib", type=float, default=2.0, help="state size of section local (default 2)")
     ap.add_argument("--s3-gib", default="0.5", help="state sizes of section s3, comma-separated (default 0.5)")
-    ap.add_argument("--sim-ranks", default="1024,2048,4096,8192,16384",
-                    help="simulated job sizes of section scale (tierckpt.testing.simulator), comma-separated; '' for none")
-    ap.add_argument("--scale-ranks", default="2,4,8,16",
-                    help="job sizes of section scale, comma-separated (default 2,4,8,16; --quick keeps those <= 4)")
-    ap.add_argument("--lazy-mib", default="",
-                    help="section lazy: target state sizes in MiB, comma-separated (default 320; 64 with --quick); "
-                         "several sizes give the stall-against-state-size series that tools/plot_bench.py draws")
-    ap.add_argument("--e2e-every", default="1",
-                    help="section e2e: checkpoint intervals in iterations, comma-separated (default 1); several give "
-                         "the overhead-against-interval series that tools/plot_bench.py draws")
-    ap.add_argument("--e2e-iters", type=int, default=None,
-                    help="section e2e: timed iterations per block (default 6; 3 with --quick)")
-    ap.add_argument("--e2e-rounds", type=int, default=None,
-                    help="section e2e: interleaved rounds of blocks (default 2; 1 with --quick)")
-    ap.add_argument("--s3-servers", default="moto,seaweedfs",
-                    help="sections s3: the servers to measure on, comma-separated (default moto,seaweedfs)")
+    ap.add_argument(
+        "--sim-ranks",
+        default="1024,2048,4096,8192,16384",
+        help="simulated job sizes of section scale (tierckpt.testing.simulator), comma-separated; '' for none",
+    )
+    ap.add_argument(
+        "--scale-ranks",
+        default="2,4,8,16",
+        help="job sizes of section scale, comma-separated (default 2,4,8,16; --quick keeps those <= 4)",
+    )
+    ap.add_argument(
+        "--lazy-mib",
+        default="",
+        help="section lazy: target state sizes in MiB, comma-separated (default 320; 64 with --quick); "
+        "several sizes give the stall-against-state-size series that tools/plot_bench.py draws",
+    )
+    ap.add_argument(
+        "--e2e-every",
+        default="1",
+        help="section e2e: checkpoint intervals in iterations, comma-separated (default 1); several give "
+        "the overhead-against-interval series that tools/plot_bench.py draws",
+    )
+    ap.add_argument(
+        "--e2e-iters",
+        type=int,
+        default=None,
+        help="section e2e: timed iterations per block (default 6; 3 with --quick)",
+    )
+    ap.add_argument(
+        "--e2e-rounds",
+        type=int,
+        default=None,
+        help="section e2e: interleaved rounds of blocks (default 2; 1 with --quick)",
+    )
+    ap.add_argument(
+        "--s3-servers",
+        default="moto,seaweedfs",
+        help="sections s3: the servers to measure on, comma-separated (default moto,seaweedfs)",
+    )
     ap.add_argument("--cpu-gib", type=float, default=0.75, help="state size of section cpu (default 0.75)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench.json"), help="JSON output path")
-    ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
-                    help=f"comma-separated sections of {SECTION_NAMES} (default: {','.join(DEFAULT_SECTIONS)})")
+    ap.add_argument(
+        "--only",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated sections of {SECTION_NAMES} (default: {','.join(DEFAULT_SECTIONS)})",
+    )
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="a temp dir is created (and removed) under it")
-    ap.add_argument("--throttle-mbs", default="250",
-                    help="section compress: upload bandwidths of the throttled S3 endpoint, MB/s, comma-separated (default 250)")
-    ap.add_argument("--e2e-s3", default="seaweedfs", choices=("seaweedfs", "moto", "off"),
-                    help="section e2e: also train with an S3 hop on this loopback server, [s3] compression none vs zstd")
-    ap.add_argument("--s3-data", default=None,
-                    help="where SeaweedFS keeps its data (default: under --dir, the local tier's disk; /dev/shm "
-                         "models an object store on other machines, whose disks this node does not share)")
+    ap.add_argument(
+        "--throttle-mbs",
+        default="250",
+        help="section compress: upload bandwidths of the throttled S3 endpoint, MB/s, comma-separated (default 250)",
+    )
+    ap.add_argument(
+        "--e2e-s3",
+        default="seaweedfs",
+        choices=("seaweedfs", "moto", "off"),
+        help="section e2e: also train with an S3 hop on this loopback server, [s3] compression none vs zstd",
+    )
+    ap.add_argument(
+        "--s3-data",
+        default=None,
+        help="where SeaweedFS keeps its data (default: under --dir, the local tier's disk; /dev/shm "
+        "models an object store on other machines, whose disks this node does not share)",
+    )
     ap.add_argument("--repeats", type=int, default=None, help="repeats in section local (default 3; 1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 repeat (development, < 2 minutes)")
-    ap.add_argument("--nice", type=int, default=0,
-                    help="add this to the process niceness first (negative needs root: less noise from other jobs)")
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="add this to the process niceness first (negative needs root: less noise from other jobs)",
+    )
     ap.add_argument("--_in-session", dest="in_session", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_rss-child", dest="rss_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_consolidate-child", dest="cons_child", default=None, help=argparse.SUPPRESS)
@@ -175,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.nice and not args.in_session:
         # With sched_autogroup, niceness only ranks threads inside one session: run the benchmark
         # in a session of its own and give that session's autogroup the niceness too.
-        cmd = [sys.executable, str(Path(__file__).resolve())] + list(sys.argv[1:] if argv is None else argv) + ["--_in-session"]
+        cmd = (
+            [sys.executable, str(Path(__file__).resolve())]
+            + list(sys.argv[1:] if argv is None else argv)
+            + ["--_in-session"]
+        )
         return subprocess.run(cmd, start_new_session=True).returncode
     if args.nice:
         with contextlib.suppress(OSError):
@@ -196,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = now()
     cmdline = [a for a in sys.argv if a != "--_in-session"]
-    result: dict[str, Any] = {"command": " ".join(["python"] + cmdline), "machine": machine_info(work),
-                              "quick": args.quick, "sections": {}}
+    result: dict[str, Any] = {
+        "command": " ".join(["python"] + cmdline),
+        "machine": machine_info(work),
+        "quick": args.quick,
+        "sections": {},
+    }
     ctx = Ctx(args, work)
     try:
         init_pg()
@@ -218,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         if dist.is_initialized():
             dist.destroy_process_group()
-    print(f"\nwrote {out}; total {now() - t_start:.0f} s; machine: {result['machine'].get('cpu_affinity')} cores, "
-          f"torch {torch.__version__}, disk {result['machine'].get('disk_device')} ({work.parent})")
+    print(
+        f"\nwrote {out}; total {now() - t_start:.0f} s; machine: {result['machine'].get('cpu_affinity')} cores, "
+        f"torch {torch.__version__}, disk {result['machine'].get('disk_device')} ({work.parent})"
+    )
     return 0
 
 

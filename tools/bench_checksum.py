@@ -113,7 +113,9 @@ def main() -> None:
     arr = np.frombuffer(bytearray(os.urandom(args.mib << 20)), dtype=np.uint8)
     small = arr[: 64 << 20]
     libs = _libraries()
-    raw: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": [], "two": [], "iters": [], "gap": []} for k in libs}
+    raw: dict[str, dict[str, list[float]]] = {
+        k: {"wall": [], "cpu": [], "two": [], "iters": [], "gap": []} for k in libs
+    }
     base: list[int] = []
     for _ in range(args.rounds):
         base.append(_next_to(None, small, args.seconds)[0])
@@ -132,16 +134,26 @@ def main() -> None:
     gb = len(arr) / 1e9
     rows = []
     for name, r in raw.items():
-        rows.append({"library": name, "gb_per_s_1_thread": gb / statistics.median(r["wall"]),
-                     "cpu_s_per_gb": statistics.median(r["cpu"]) / gb, "two_threads_s": statistics.median(r["two"]),
-                     "python_thread_speed": statistics.median(r["iters"]) / nb,
-                     "python_thread_worst_gap_ms": 1e3 * max(r["gap"])})
+        rows.append(
+            {
+                "library": name,
+                "gb_per_s_1_thread": gb / statistics.median(r["wall"]),
+                "cpu_s_per_gb": statistics.median(r["cpu"]) / gb,
+                "two_threads_s": statistics.median(r["two"]),
+                "python_thread_speed": statistics.median(r["iters"]) / nb,
+                "python_thread_worst_gap_ms": 1e3 * max(r["gap"]),
+            }
+        )
     print(f"CRC32C, {args.mib} MiB in {PIECE >> 20} MiB pieces, {args.rounds} rounds, {os.cpu_count()} cores")
-    print(f"{'library':20s} | {'GB/s 1 thread':>13s} | {'CPU s/GB':>8s} | {'2 threads s':>11s} | "
-          f"{'python thread':>13s} | {'worst gap ms':>12s}")
+    print(
+        f"{'library':20s} | {'GB/s 1 thread':>13s} | {'CPU s/GB':>8s} | {'2 threads s':>11s} | "
+        f"{'python thread':>13s} | {'worst gap ms':>12s}"
+    )
     for row in rows:
-        print(f"{row['library']:20s} | {row['gb_per_s_1_thread']:13.2f} | {row['cpu_s_per_gb']:8.3f} | "
-              f"{row['two_threads_s']:11.3f} | {row['python_thread_speed']:13.2f} | {row['python_thread_worst_gap_ms']:12.1f}")
+        print(
+            f"{row['library']:20s} | {row['gb_per_s_1_thread']:13.2f} | {row['cpu_s_per_gb']:8.3f} | "
+            f"{row['two_threads_s']:11.3f} | {row['python_thread_speed']:13.2f} | {row['python_thread_worst_gap_ms']:12.1f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "raw": raw, "baseline_iters": base}, indent=1))

@@ -50,10 +50,19 @@ def _cpu_children() -> float:
 def _run(case: str, io: str, root: Path, width: int, saves: int, direct_io: str) -> dict:
     toml = root / "tiers.toml"
     dio = "true" if direct_io == "true" else "false" if direct_io == "false" else '"auto"'
-    toml.write_text(f'[host]\nbuffer_size = "512MiB"\nchunk_size = "16MiB"\n'
-                    f'[local]\npath = "{root / "tiers"}"\nkeep = 2\ndirect_io = {dio}\n')
-    common = {"io": io, "tiers": str(toml), "steps": saves, "interval": 1, "width": width, "save_every_step": True,
-              "then_resume": True}
+    toml.write_text(
+        f'[host]\nbuffer_size = "512MiB"\nchunk_size = "16MiB"\n'
+        f'[local]\npath = "{root / "tiers"}"\nkeep = 2\ndirect_io = {dio}\n'
+    )
+    common = {
+        "io": io,
+        "tiers": str(toml),
+        "steps": saves,
+        "interval": 1,
+        "width": width,
+        "save_every_step": True,
+        "then_resume": True,
+    }
     if case.startswith("lightning"):
         args = common | {"strategy": "ddp" if case == "lightning-ddp" else "fsdp2", "dirpath": str(root / "ckpt")}
         script, scenario = LIGHTNING, "fit"
@@ -67,8 +76,16 @@ def _run(case: str, io: str, root: Path, width: int, saves: int, direct_io: str)
         if "errors" in r:
             raise SystemExit(f"{case}/{io} failed: {r['errors']}")
     blocked = [b for r in res for b in r["blocked"]]
-    return {"case": case, "io": io, "blocked_median_s": statistics.median(blocked), "blocked_max_s": max(blocked),
-            "blocked_s": blocked, "resume_s": max(r["load_s"] for r in res), "cpu_s": cpu, "wall_s": wall}
+    return {
+        "case": case,
+        "io": io,
+        "blocked_median_s": statistics.median(blocked),
+        "blocked_max_s": max(blocked),
+        "blocked_s": blocked,
+        "resume_s": max(r["load_s"] for r in res),
+        "cpu_s": cpu,
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -77,9 +94,13 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--direct-io", default="auto", choices=("auto", "true", "false"),
-                    help="[local] direct_io of the tiers (auto: data files bypass the page cache, so a resume in "
-                         "the same process reads them from the disk, while the default path's files are cached)")
+    ap.add_argument(
+        "--direct-io",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="[local] direct_io of the tiers (auto: data files bypass the page cache, so a resume in "
+        "the same process reads them from the disk, while the default path's files are cached)",
+    )
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     rows = []
@@ -91,23 +112,40 @@ def main() -> None:
                     root.mkdir()
                     row = _run(case, io, root, a.width, a.saves, a.direct_io) | {"round": rnd}
                     rows.append(row)
-                    print(f"{case:17s} {io:9s} blocked median {row['blocked_median_s']*1e3:8.1f} ms  "
-                          f"max {row['blocked_max_s']*1e3:8.1f} ms  resume {row['resume_s']*1e3:8.1f} ms  "
-                          f"cpu {row['cpu_s']:6.1f} s  wall {row['wall_s']:6.1f} s", flush=True)
+                    print(
+                        f"{case:17s} {io:9s} blocked median {row['blocked_median_s'] * 1e3:8.1f} ms  "
+                        f"max {row['blocked_max_s'] * 1e3:8.1f} ms  resume {row['resume_s'] * 1e3:8.1f} ms  "
+                        f"cpu {row['cpu_s']:6.1f} s  wall {row['wall_s']:6.1f} s",
+                        flush=True,
+                    )
     summary = []
-    print(f"\n{'case':17s} {'blocked x':>10s} {'resume x':>9s}   (tierckpt / default, medians over rounds; "
-          "targets <= 0.3x, <= 1.2x)")
+    print(
+        f"\n{'case':17s} {'blocked x':>10s} {'resume x':>9s}   (tierckpt / default, medians over rounds; "
+        "targets <= 0.3x, <= 1.2x)"
+    )
     for case in a.cases.split(","):
         d = [r for r in rows if r["case"] == case and r["io"] == "default"]
         t = [r for r in rows if r["case"] == case and r["io"] == "tierckpt"]
-        blocked = statistics.median(r["blocked_median_s"] for r in t) / statistics.median(r["blocked_median_s"] for r in d)
+        blocked = statistics.median(r["blocked_median_s"] for r in t) / statistics.median(
+            r["blocked_median_s"] for r in d
+        )
         resume = statistics.median(r["resume_s"] for r in t) / statistics.median(r["resume_s"] for r in d)
         summary.append({"case": case, "blocked_ratio": blocked, "resume_ratio": resume})
         print(f"{case:17s} {blocked:10.2f} {resume:9.2f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"width": a.width, "saves": a.saves, "rounds": a.rounds,
-                                            "direct_io": a.direct_io,
-                                            "rows": rows, "summary": summary}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "width": a.width,
+                    "saves": a.saves,
+                    "rounds": a.rounds,
+                    "direct_io": a.direct_io,
+                    "rows": rows,
+                    "summary": summary,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

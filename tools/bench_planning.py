@@ -66,6 +66,7 @@ def cpu_seconds() -> float:
 
 # -- worker side ---------------------------------------------------------------------------------
 
+
 def _worker_imports():
     import torch
     import torch.distributed as dist
@@ -94,13 +95,17 @@ def _tier_config(root: str):
     from tierckpt import HostConfig, LocalConfig, TierConfig
     from tierckpt.config import JobConfig
 
-    return TierConfig(host=HostConfig(buffer_size=64 * MiB, chunk_size=8 * MiB),
-                      local=LocalConfig(path=root, keep=2, fsync=True, flush_threads=2),
-                      job=JobConfig(log_level="ERROR"))
+    return TierConfig(
+        host=HostConfig(buffer_size=64 * MiB, chunk_size=8 * MiB),
+        local=LocalConfig(path=root, keep=2, fsync=True, flush_threads=2),
+        job=JobConfig(log_level="ERROR"),
+    )
 
 
 def worker(a: argparse.Namespace) -> None:
-    torch, dist, dcp, DefaultSavePlanner, FileSystemWriter, NullWriter, FloorCachePlanner, TierCachePlanner = _worker_imports()
+    torch, dist, dcp, DefaultSavePlanner, FileSystemWriter, NullWriter, FloorCachePlanner, TierCachePlanner = (
+        _worker_imports()
+    )
     from tierckpt import TieredReader, TieredWriter
     from tierckpt.save import plancache
 
@@ -123,7 +128,9 @@ def worker(a: argparse.Namespace) -> None:
         if mode == "floor":
             dcp.save(sd, checkpoint_id=cid, storage_writer=NullWriter(), planner=DefaultSavePlanner())
         elif mode == "floor+cache":
-            dcp.save(sd, checkpoint_id=cid, storage_writer=NullWriter(), planner=FloorCachePlanner(enable_plan_caching=True))
+            dcp.save(
+                sd, checkpoint_id=cid, storage_writer=NullWriter(), planner=FloorCachePlanner(enable_plan_caching=True)
+            )
         elif mode == "fs":
             dcp.save(sd, storage_writer=FileSystemWriter(str(fs_root / cid)), planner=DefaultSavePlanner())
         elif mode == "async":
@@ -180,13 +187,18 @@ def worker(a: argparse.Namespace) -> None:
 
 # -- parent side ---------------------------------------------------------------------------------
 
+
 def launch(ranks: int, args: list[str], work: Path, timeout: float) -> list[dict]:
     """Run ``--worker ARGS`` on ``ranks`` ranks (real processes, gloo); each rank's result, or exit."""
     from tierckpt.testing.launch import launch_ranks
 
     codes, logs = launch_ranks(
-        ranks, lambda r: [sys.executable, __file__, "--worker", *args, "--result", str(work / f"result{r}.json")], work,
-        timeout=timeout, env_of=lambda r: {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        ranks,
+        lambda r: [sys.executable, __file__, "--worker", *args, "--result", str(work / f"result{r}.json")],
+        work,
+        timeout=timeout,
+        env_of=lambda r: {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
     if any(c != 0 for c in codes):
         tails = "\n".join(f"--- rank {r}\n" + logs[r][-3000:] for r in range(ranks))
         raise SystemExit(f"bench workers failed (exit codes {codes}):\n{tails}")
@@ -203,11 +215,13 @@ def summarize(per_rank: list[dict]) -> dict:
         cpu_b = [sum(m["cpu_blocked_s"][i] for m in ms) for i in range(n)]
         cpu_t = [sum(m["cpu_total_s"][i] for m in ms) for i in range(n)]
         total = [max(m["total_s"][i] for m in ms) for i in range(n)]
-        out[mode] = {"blocked_ms": [round(x * 1e3, 2) for x in blocked],
-                     "median_ms": round(statistics.median(blocked) * 1e3, 2),
-                     "cpu_blocked_s": round(statistics.median(cpu_b), 4),
-                     "cpu_total_s": round(statistics.median(cpu_t), 4),
-                     "complete_ms": round(statistics.median(total) * 1e3, 2)}
+        out[mode] = {
+            "blocked_ms": [round(x * 1e3, 2) for x in blocked],
+            "median_ms": round(statistics.median(blocked) * 1e3, 2),
+            "cpu_blocked_s": round(statistics.median(cpu_b), 4),
+            "cpu_total_s": round(statistics.median(cpu_t), 4),
+            "complete_ms": round(statistics.median(total) * 1e3, 2),
+        }
     return out
 
 
@@ -238,8 +252,10 @@ def print_tables(runs: list[dict]) -> None:
                 floor = "floor+cache" if mode.startswith("tier+cache") else ("floor" if mode == "tier" else None)
                 ratio = f"{m['median_ms'] / s[floor]['median_ms']:.2f}x" if floor and floor in s else ""
                 name = mode if phase == "main" else f"restart {mode}"
-                print(f"{run['ranks']:>5} {run['tensors']:>7}  {name:<17} {m['median_ms']:>10.1f} {ratio:>6} "
-                      f"{m['cpu_blocked_s']:>11.3f} {m['cpu_total_s']:>9.3f} {m['complete_ms']:>11.1f}")
+                print(
+                    f"{run['ranks']:>5} {run['tensors']:>7}  {name:<17} {m['median_ms']:>10.1f} {ratio:>6} "
+                    f"{m['cpu_blocked_s']:>11.3f} {m['cpu_total_s']:>9.3f} {m['complete_ms']:>11.1f}"
+                )
         print()
     modes = [m for m in MODES if any(m in r.get("main", {}) for r in runs)]
     print("growth: median blocked ms by ranks x tensors per rank")
@@ -254,7 +270,9 @@ def print_tables(runs: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ranks", default="2,4,8")
     ap.add_argument("--tensors", default="600,6000")
     ap.add_argument("--reps", type=int, default=5)
@@ -267,9 +285,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench_planning.json"))
     ap.add_argument("--dir", default=str(REPO / "bench-out"))
     ap.add_argument("--timeout", type=float, default=3600.0)
-    ap.add_argument("--nice", type=int, default=0, help="add to the niceness of the bench processes (negative: root only)")
-    ap.add_argument("--no-gc-collect", dest="gc_collect", action="store_false",
-                    help="do not run gc.collect() before each timed save (full collections then land at random)")
+    ap.add_argument(
+        "--nice", type=int, default=0, help="add to the niceness of the bench processes (negative: root only)"
+    )
+    ap.add_argument(
+        "--no-gc-collect",
+        dest="gc_collect",
+        action="store_false",
+        help="do not run gc.collect() before each timed save (full collections then land at random)",
+    )
     # worker-only
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="main", help=argparse.SUPPRESS)
@@ -294,21 +318,46 @@ def main() -> None:
         for tensors in [int(x) for x in a.tensors.split(",")]:
             work = Path(tempfile.mkdtemp(prefix=f"planning-{ranks}r-{tensors}t-", dir=a.dir))
             try:
-                common = ["--work", str(work), "--tensors-one", str(tensors), "--mib", str(a.mib),
-                          "--reps", str(a.reps), "--warmup", str(a.warmup)] + ([] if a.gc_collect else ["--no-gc-collect"])
+                common = [
+                    "--work",
+                    str(work),
+                    "--tensors-one",
+                    str(tensors),
+                    "--mib",
+                    str(a.mib),
+                    "--reps",
+                    str(a.reps),
+                    "--warmup",
+                    str(a.warmup),
+                ] + ([] if a.gc_collect else ["--no-gc-collect"])
                 t0 = time.time()
                 main_res = launch(ranks, common + ["--phase", "main", "--modes", a.modes], work, a.timeout)
                 run: dict[str, Any] = {"ranks": ranks, "tensors": tensors, "main": summarize(main_res)}
                 if not a.no_restart and "tier+cache" in a.modes.split(","):
-                    restarts = [launch(ranks, common + ["--phase", "restart", "--tag", str(i), "--reps", str(max(1, a.reps // 2))],
-                                       work, a.timeout) for i in range(a.restarts)]
-                    merged = [{"modes": {m: {k: sum((rs[r]["modes"][m][k] for rs in restarts), []) for k in v}
-                                         for m, v in restarts[0][r]["modes"].items()}} for r in range(ranks)]
+                    restarts = [
+                        launch(
+                            ranks,
+                            common + ["--phase", "restart", "--tag", str(i), "--reps", str(max(1, a.reps // 2))],
+                            work,
+                            a.timeout,
+                        )
+                        for i in range(a.restarts)
+                    ]
+                    merged = [
+                        {
+                            "modes": {
+                                m: {k: sum((rs[r]["modes"][m][k] for rs in restarts), []) for k in v}
+                                for m, v in restarts[0][r]["modes"].items()
+                            }
+                        }
+                        for r in range(ranks)
+                    ]
                     run["restart"] = summarize(merged)
                     run["restart_load_s"] = max(r.get("load_s", 0.0) for rs in restarts for r in rs)
                     run["restart_seeded"] = [all(r.get("seeded") for r in rs) for rs in restarts]
-                run["ratios"] = ratios(run["main"]) | {k: v for k, v in ratios(run.get("restart", {})).items()
-                                                       if k.startswith("restart")}
+                run["ratios"] = ratios(run["main"]) | {
+                    k: v for k, v in ratios(run.get("restart", {})).items() if k.startswith("restart")
+                }
                 run["wall_s"] = round(time.time() - t0, 1)
                 runs.append(run)
                 print(f"{ranks} ranks x {tensors} tensors: {json.dumps(run['ratios'])} ({run['wall_s']} s)", flush=True)
@@ -316,12 +365,25 @@ def main() -> None:
                 shutil.rmtree(work, ignore_errors=True)
     import torch
 
-    doc = {"bench": "planning", "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-           "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-                    "load_avg_start": load0, "load_avg_end": os.getloadavg()},
-           "mib_per_rank": a.mib, "reps": a.reps, "warmup": a.warmup, "gc_collect_before_each_save": a.gc_collect,
-           "restarts": a.restarts, "nice": a.nice, "elapsed_s": round(time.time() - started, 1),
-           "runs": runs}
+    doc = {
+        "bench": "planning",
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "load_avg_start": load0,
+            "load_avg_end": os.getloadavg(),
+        },
+        "mib_per_rank": a.mib,
+        "reps": a.reps,
+        "warmup": a.warmup,
+        "gc_collect_before_each_save": a.gc_collect,
+        "restarts": a.restarts,
+        "nice": a.nice,
+        "elapsed_s": round(time.time() - started, 1),
+        "runs": runs,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print_tables(runs)

@@ -80,9 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     sd = _state(a.mib)
     nbytes = sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
     own: dict[str, float] = {m: 0.0 for m in MODES}
-    writers = {m: TieredWriter(Config(host=HostConfig(buffer_size=256 * MiB, chunk_size=16 * MiB),
-                                      local=LocalConfig(path=str(work / m), keep=2), job=JobConfig(**kw)))
-               for m, kw in MODES.items()}
+    writers = {
+        m: TieredWriter(
+            Config(
+                host=HostConfig(buffer_size=256 * MiB, chunk_size=16 * MiB),
+                local=LocalConfig(path=str(work / m), keep=2),
+                job=JobConfig(**kw),
+            )
+        )
+        for m, kw in MODES.items()
+    }
     mode_of = {id(w.engine.telemetry): m for m, w in writers.items()}
     settled = hub.EngineTelemetry.settled
 
@@ -113,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                     reader.get_metrics_data()
                 cpu[m].append((time.process_time() - c0) / a.per_block)
                 wall[m].append((time.perf_counter() - t0) / a.per_block)
-            print(f"block {b + 1}/{a.blocks}: " + ", ".join(f"{m} {cpu[m][-1] * 1e3:.1f} ms CPU" for m in MODES),
-                  file=sys.stderr)
+            print(
+                f"block {b + 1}/{a.blocks}: " + ", ".join(f"{m} {cpu[m][-1] * 1e3:.1f} ms CPU" for m in MODES),
+                file=sys.stderr,
+            )
     finally:
         for w in writers.values():
             w.close()
@@ -124,18 +133,34 @@ def main(argv: list[str] | None = None) -> int:
     saves = a.blocks * a.per_block
     for m in MODES:
         med, mean = statistics.median(cpu[m]), statistics.mean(cpu[m])
-        rows.append({"mode": m, "saves": saves, "cpu_ms_median": med * 1e3, "cpu_ms_mean": mean * 1e3,
-                     "telemetry_cpu_ms_per_ckpt": own[m] / saves * 1e3, "telemetry_cpu_pct": 100 * own[m] / saves / mean,
-                     "cpu_ms_blocks": [x * 1e3 for x in cpu[m]], "wall_ms_median": statistics.median(wall[m]) * 1e3,
-                     "cpu_vs_bare_median_pct": 100 * (med / base_med - 1), "cpu_vs_bare_mean_pct": 100 * (mean / base_mean - 1)})
-    print(f"\n{a.mib} MiB state ({nbytes / MiB:.0f} MiB of tensors), {a.blocks} interleaved blocks x {a.per_block} saves "
-          "per mode, each save waited for; process CPU (all threads) per checkpoint")
-    print(f"{'mode':8} {'CPU ms med':>10} {'CPU ms mean':>11} {'wall ms med':>11} {'vs bare med':>11} {'vs bare mean':>12} "
-          f"{'telemetry CPU ms':>16} {'share':>7}")
+        rows.append(
+            {
+                "mode": m,
+                "saves": saves,
+                "cpu_ms_median": med * 1e3,
+                "cpu_ms_mean": mean * 1e3,
+                "telemetry_cpu_ms_per_ckpt": own[m] / saves * 1e3,
+                "telemetry_cpu_pct": 100 * own[m] / saves / mean,
+                "cpu_ms_blocks": [x * 1e3 for x in cpu[m]],
+                "wall_ms_median": statistics.median(wall[m]) * 1e3,
+                "cpu_vs_bare_median_pct": 100 * (med / base_med - 1),
+                "cpu_vs_bare_mean_pct": 100 * (mean / base_mean - 1),
+            }
+        )
+    print(
+        f"\n{a.mib} MiB state ({nbytes / MiB:.0f} MiB of tensors), {a.blocks} interleaved blocks x {a.per_block} saves "
+        "per mode, each save waited for; process CPU (all threads) per checkpoint"
+    )
+    print(
+        f"{'mode':8} {'CPU ms med':>10} {'CPU ms mean':>11} {'wall ms med':>11} {'vs bare med':>11} {'vs bare mean':>12} "
+        f"{'telemetry CPU ms':>16} {'share':>7}"
+    )
     for r in rows:
-        print(f"{r['mode']:8} {r['cpu_ms_median']:10.2f} {r['cpu_ms_mean']:11.2f} {r['wall_ms_median']:11.1f} "
-              f"{r['cpu_vs_bare_median_pct']:+10.2f}% {r['cpu_vs_bare_mean_pct']:+11.2f}% "
-              f"{r['telemetry_cpu_ms_per_ckpt']:16.3f} {r['telemetry_cpu_pct']:6.2f}%")
+        print(
+            f"{r['mode']:8} {r['cpu_ms_median']:10.2f} {r['cpu_ms_mean']:11.2f} {r['wall_ms_median']:11.1f} "
+            f"{r['cpu_vs_bare_median_pct']:+10.2f}% {r['cpu_vs_bare_mean_pct']:+11.2f}% "
+            f"{r['telemetry_cpu_ms_per_ckpt']:16.3f} {r['telemetry_cpu_pct']:6.2f}%"
+        )
     print(f"spans exported: {len(spans.get_finished_spans())}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

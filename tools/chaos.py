@@ -60,7 +60,6 @@ module per case or pair of cases, ``core`` and ``env`` for what they share) and 
 ``chaos.case_crash``, ...).
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -132,14 +131,20 @@ CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults")
 # == driver ========================================================================================
 
 CASE_FUNCS: dict[str, Callable[..., CaseResult]] = {
-    "crash": case_crash, "faults": case_faults, "corrupt": case_corrupt,
-    "concurrency": case_concurrency, "resources": case_resources, "s3faults": case_s3faults,
+    "crash": case_crash,
+    "faults": case_faults,
+    "corrupt": case_corrupt,
+    "concurrency": case_concurrency,
+    "resources": case_resources,
+    "s3faults": case_s3faults,
 }
 # zygote child kinds (``_child_main`` dispatches to them; other modules add theirs)
 CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child})
 
 
-def register_cases(funcs: dict[str, Callable[..., CaseResult]], children: dict[str, Callable[[dict], int]] | None = None) -> None:
+def register_cases(
+    funcs: dict[str, Callable[..., CaseResult]], children: dict[str, Callable[[dict], int]] | None = None
+) -> None:
     """Add cases kept in other modules to :data:`CASES`/:data:`CASE_FUNCS` (and their zygote children)."""
     global CASES
     CASE_FUNCS.update(funcs)
@@ -147,7 +152,9 @@ def register_cases(funcs: dict[str, Callable[..., CaseResult]], children: dict[s
     CHILDREN.update(children or {})
 
 
-def run_cases(env: Env, cases: list[str], trials: int, seed: int, progress: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+def run_cases(
+    env: Env, cases: list[str], trials: int, seed: int, progress: Callable[[CaseResult], None] | None = None
+) -> list[CaseResult]:
     out = []
     for name in cases:
         t0 = time.perf_counter()
@@ -182,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
 
     def progress(r: CaseResult) -> None:
-        print(f"[chaos] {r.case}: {r.trials} trials, {r.failures} failures, {r.lost} lost in {r.seconds:.1f} s", flush=True)
+        print(
+            f"[chaos] {r.case}: {r.trials} trials, {r.failures} failures, {r.lost} lost in {r.seconds:.1f} s",
+            flush=True,
+        )
 
     with Env(args.s3, keep=args.keep) as env:
         if args.keep:
@@ -200,8 +210,18 @@ def main(argv: list[str] | None = None) -> int:
         if len(problems) > 50:
             print(f"  ... and {len(problems) - 50} more (see --json)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"seed": seed, "trials": args.trials, "s3": args.s3, "seconds": total,
-                                               "results": [r.to_json() for r in results]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "seed": seed,
+                    "trials": args.trials,
+                    "s3": args.s3,
+                    "seconds": total,
+                    "results": [r.to_json() for r in results],
+                },
+                indent=2,
+            )
+        )
     return 0 if all(r.ok for r in results) else 1
 
 

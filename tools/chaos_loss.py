@@ -23,7 +23,13 @@ from chaoslib.filetimes import case_filetimes
 from chaoslib.gcload import _loader_child, case_gcload
 from chaoslib.killloop import _digests_child, case_killloop
 
-CASE_FUNCS = {"filetimes": case_filetimes, "backlog": case_backlog, "gcload": case_gcload, "killloop": case_killloop,
-              "deleterace": case_deleterace}
-chaos.register_cases(CASE_FUNCS, {"loss-loader": _loader_child, "loss-digests": _digests_child,
-                                  "race-deleter": _deleter_child})
+CASE_FUNCS = {
+    "filetimes": case_filetimes,
+    "backlog": case_backlog,
+    "gcload": case_gcload,
+    "killloop": case_killloop,
+    "deleterace": case_deleterace,
+}
+chaos.register_cases(
+    CASE_FUNCS, {"loss-loader": _loader_child, "loss-digests": _digests_child, "race-deleter": _deleter_child}
+)

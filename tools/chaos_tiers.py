@@ -68,7 +68,9 @@ class Controller:
 class KillController(Controller):
     """Kills the process (``os._exit(137)``) at the K-th call of one operation."""
 
-    def __init__(self, point: str = "", k: int = 0, when: str = "before", delay: float = 0.02, count_path: str = "") -> None:
+    def __init__(
+        self, point: str = "", k: int = 0, when: str = "before", delay: float = 0.02, count_path: str = ""
+    ) -> None:
         super().__init__()
         if when not in ("before", "after", "mid"):
             raise ValueError(f"chaos: WHEN must be before, after or mid, got {when!r}")

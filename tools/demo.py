@@ -62,7 +62,7 @@ buffer_size = "64MiB"
 chunk_size = "4MiB"
 
 [local]
-path = "{work / f'local-{name}' / '{node}'}"
+path = "{work / f"local-{name}" / "{node}"}"
 flush_threads = 2
 keep = 2
 
@@ -78,9 +78,25 @@ keep = 3
 
 
 def trainer(args: argparse.Namespace, cfg: Path, log: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(HERE / "train_gpt.py"), "--config", str(cfg), "--steps", str(args.steps),
-            "--ckpt-every", str(args.ckpt_every), "--log", str(log), "--seed", str(args.seed),
-            "--d-model", str(args.d_model), "--layers", str(args.layers), *extra]
+    return [
+        sys.executable,
+        str(HERE / "train_gpt.py"),
+        "--config",
+        str(cfg),
+        "--steps",
+        str(args.steps),
+        "--ckpt-every",
+        str(args.ckpt_every),
+        "--log",
+        str(log),
+        "--seed",
+        str(args.seed),
+        "--d-model",
+        str(args.d_model),
+        "--layers",
+        str(args.layers),
+        *extra,
+    ]
 
 
 def tier_state(cfg_path: Path) -> dict[str, list[str]]:
@@ -103,8 +119,13 @@ def peer_story(args: argparse.Namespace, work: Path, endpoint: str, env: dict) -
     log = work / "peers-run.jsonl"
 
     def job(*extra: str, what: str) -> list:
-        codes, logs = launch_ranks(2, lambda r: trainer(args, cfg, log, "--digests", *extra), work / f"peers-{what}",
-                                   timeout=600, env_of=lambda r: dict(env, TIERCKPT_NODE=f"n{r}"))
+        codes, logs = launch_ranks(
+            2,
+            lambda r: trainer(args, cfg, log, "--digests", *extra),
+            work / f"peers-{what}",
+            timeout=600,
+            env_of=lambda r: dict(env, TIERCKPT_NODE=f"n{r}"),
+        )
         if any(c != 0 for c in codes):
             raise RuntimeError(f"two-node {what} failed: exit codes {codes}\n{logs[0][-2000:]}\n{logs[1][-2000:]}")
         return events(log)
@@ -119,8 +140,14 @@ def peer_story(args: argparse.Namespace, work: Path, endpoint: str, env: dict) -
     t0 = time.perf_counter()
     back = next(e for e in job("--resume", what="resume") if e.get("event") == "resumed")
     resume_s = time.perf_counter() - t0
-    return {"newest": newest, "newest_s3": newest_s3, "resume_s": resume_s, "load_s": back["load_s"],
-            "from_peers": back.get("from_peers", 0), "identical": saved.get(back["checkpoint"]) == back["digest"]}
+    return {
+        "newest": newest,
+        "newest_s3": newest_s3,
+        "resume_s": resume_s,
+        "load_s": back["load_s"],
+        "from_peers": back.get("from_peers", 0),
+        "identical": saved.get(back["checkpoint"]) == back["digest"],
+    }
 
 
 def say(msg: str) -> None:
@@ -155,8 +182,12 @@ def main(argv: list[str] | None = None) -> int:
 
         say("reference run: uninterrupted, DCP FileSystemWriter checkpoints")
         ref_log = work / "reference.jsonl"
-        subprocess.run(trainer(args, cfg, ref_log, "--writer", "dcp", "--dcp-dir", str(work / "dcp"), "--digests"),
-                       env=env, check=True, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            trainer(args, cfg, ref_log, "--writer", "dcp", "--dcp-dir", str(work / "dcp"), "--digests"),
+            env=env,
+            check=True,
+            stderr=subprocess.DEVNULL,
+        )
         ref = events(ref_log)
 
         kill_step = rng.randrange(2 * args.ckpt_every + 1, args.steps - 1)
@@ -178,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work / "local-tiers", ignore_errors=True)
         say("node lost: local tier deleted; restoring with `tierckpt-restore fetch latest`")
         t0 = time.perf_counter()
-        fetched = subprocess.run([sys.executable, "-m", "restore", "fetch", "latest", "--quiet", "--json"],
-                                 env=env, cwd=ROOT, capture_output=True, text=True)
+        fetched = subprocess.run(
+            [sys.executable, "-m", "restore", "fetch", "latest", "--quiet", "--json"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         restore_s = time.perf_counter() - t0
         if fetched.returncode != 0:
             say(f"fetch failed: {fetched.stderr.strip()}")
@@ -201,12 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     new_loss = {e["step"]: e["loss"] for e in run2 if e.get("event") == "step"}
     identical = ref_digest.get(resumed["step"]) == resumed["digest"]
     same_losses = bool(new_loss) and all(ref_loss[s] == v for s, v in new_loss.items())
-    final_same = next(e for e in run2 if e.get("event") == "done")["digest"] == next(e for e in ref if e.get("event") == "done")["digest"]
+    final_same = (
+        next(e for e in run2 if e.get("event") == "done")["digest"]
+        == next(e for e in ref if e.get("event") == "done")["digest"]
+    )
     hist = next((e["history"] for e in run2 if e.get("event") == "stats"), [])
     dcp_blocked = [e["save_s"] for e in ref if e.get("event") == "save"]
     save_call = {e["checkpoint"]: e["save_s"] for e in run2 if e.get("event") == "save"}
     # blocked = the whole dcp.save call (measured around it) + the optimizer pre-step wait it caused
-    tiered_blocked = [save_call[h["checkpoint_id"]] + h["prestep_wait_s"] for h in hist if h["checkpoint_id"] in save_call]
+    tiered_blocked = [
+        save_call[h["checkpoint_id"]] + h["prestep_wait_s"] for h in hist if h["checkpoint_id"] in save_call
+    ]
     saves2 = list(save_call.values())
 
     def med(xs: list[float]) -> float:
@@ -215,23 +256,34 @@ def main(argv: list[str] | None = None) -> int:
     mib = (hist[0]["bytes"] / 2**20) if hist else 0.0
     rows = [
         ("checkpoint size", f"{mib:.1f} MiB per checkpoint, every {args.ckpt_every} steps"),
-        ("blocked per checkpoint, DCP FileSystemWriter", f"{med(dcp_blocked) * 1e3:.1f} ms (median of {len(dcp_blocked)})"),
-        ("blocked per checkpoint, tierckpt", f"{med(tiered_blocked) * 1e3:.1f} ms (save {med(saves2) * 1e3:.1f} ms + pre-step wait)"),
+        (
+            "blocked per checkpoint, DCP FileSystemWriter",
+            f"{med(dcp_blocked) * 1e3:.1f} ms (median of {len(dcp_blocked)})",
+        ),
+        (
+            "blocked per checkpoint, tierckpt",
+            f"{med(tiered_blocked) * 1e3:.1f} ms (save {med(saves2) * 1e3:.1f} ms + pre-step wait)",
+        ),
         ("speed-up of the training loop's stall", f"{med(dcp_blocked) / max(med(tiered_blocked), 1e-9):.0f}x"),
         ("host capture (median)", f"{med([h['capture_s'] for h in hist if h['capture_s']]) * 1e3:.1f} ms"),
         ("local flush+fsync (median)", f"{med([h['flush_s'] for h in hist if h['flush_s']]) * 1e3:.1f} ms"),
         ("local commit (median)", f"{med([h['commit_s'] for h in hist if h['commit_s']]) * 1e3:.1f} ms"),
         (f"promotion to S3 ({args.s3}, median)", f"{med([h['promote_s'] for h in hist if h['promote_s']]):.2f} s"),
         ("killed after step", str(last)),
-        ("restore from S3 (fetch latest + load)", f"{restore_s + resumed['load_s']:.2f} s "
-                                                 f"(fetch {restore_s:.2f} s + load {resumed['load_s']:.2f} s)"),
+        (
+            "restore from S3 (fetch latest + load)",
+            f"{restore_s + resumed['load_s']:.2f} s (fetch {restore_s:.2f} s + load {resumed['load_s']:.2f} s)",
+        ),
         ("resumed from", f"{resumed['checkpoint']} (step {resumed['step']})"),
         ("resumed state identical", "yes" if identical else "NO"),
         ("losses after resume = uninterrupted run", f"yes ({len(new_loss)} steps)" if same_losses else "NO"),
         ("final state = uninterrupted run", "yes" if final_same else "NO"),
         ("2 nodes, [peer] replicas = 1: node lost at", f"{peer['newest']} (newest on S3: {peer['newest_s3']})"),
-        ("restore from the peer copy (load, no fetch)", f"{peer['load_s']:.2f} s ({peer['from_peers'] / 2**20:.1f} MiB "
-                                                       f"over the transport; job restart {peer['resume_s']:.1f} s)"),
+        (
+            "restore from the peer copy (load, no fetch)",
+            f"{peer['load_s']:.2f} s ({peer['from_peers'] / 2**20:.1f} MiB "
+            f"over the transport; job restart {peer['resume_s']:.1f} s)",
+        ),
         ("resumed state identical (peer copy)", "yes" if peer["identical"] else "NO"),
     ]
     print()

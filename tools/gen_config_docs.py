@@ -276,7 +276,8 @@ def render() -> str:
     if missing:
         raise ValueError(
             f"no description for {', '.join(missing)}: add an entry to the section dataclass's 'Attributes:' "
-            f"docstring block (or to EXTRA_DOCS in tools/gen_config_docs.py), then run {REGENERATE}")
+            f"docstring block (or to EXTRA_DOCS in tools/gen_config_docs.py), then run {REGENERATE}"
+        )
     _load_text(EXAMPLE)  # the example must load
     parts = [HEADER.format(regen=REGENERATE, example=EXAMPLE)]
     parts.append("## Every key\n\n")
@@ -291,8 +292,11 @@ def render() -> str:
         parts.append(f"### `[{name}]`\n\n{summary}\n\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|\n")
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+            default = (
+                f.default
+                if f.default is not dataclasses.MISSING
+                else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            )  # type: ignore[misc]
             shown = "**required**" if f.name in req else _fmt_default(default, f.name in sizes)
             desc = docs.get(f.name) or EXTRA_DOCS[f"{name}.{f.name}"]
             parts.append(f"| `{f.name}` | {_type_name(hints[f.name], f.name in sizes)} | {shown} | {_cell(desc)} |\n")
@@ -302,7 +306,9 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is not what this script writes")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/configuration.md is not what this script writes"
+    )
     ap.add_argument("--out", default=str(OUT), help="where to write (default docs/configuration.md)")
     args = ap.parse_args(argv)
     text = render()
@@ -310,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         old = out.read_text() if out.exists() else ""
         if old != text:
-            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True), str(out), "generated"))
+            sys.stdout.writelines(
+                difflib.unified_diff(old.splitlines(True), text.splitlines(True), str(out), "generated")
+            )
             print(f"\n{out} is stale: run {REGENERATE}", file=sys.stderr)
             return 1
         return 0

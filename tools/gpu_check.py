@@ -90,9 +90,15 @@ def roundtrip(sd: dict, cfg: TierConfig) -> dict:
     t_load = time.perf_counter() - t0
     same = all(torch.equal(out[k], sd[k]) for k in sd)
     del out
-    return {"bytes": nbytes, "bit_exact": same, "save_call_s": t_save, "captured_s": t_cap,
-            "capture_gib_s": nbytes / GiB / w.stats.capture_s if w.stats.capture_s else None,
-            "committed_s": t_commit, "load_s": t_load}
+    return {
+        "bytes": nbytes,
+        "bit_exact": same,
+        "save_call_s": t_save,
+        "captured_s": t_cap,
+        "capture_gib_s": nbytes / GiB / w.stats.capture_s if w.stats.capture_s else None,
+        "committed_s": t_commit,
+        "load_s": t_load,
+    }
 
 
 def blocking_loop(cfg: TierConfig, steps: int, tmp: Path) -> dict:
@@ -172,8 +178,10 @@ def main() -> int:
     init_pg()
     tmp = Path(args.dir or tempfile.mkdtemp(prefix="tierckpt-gpu-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg = TierConfig(host=HostConfig(buffer_size=16 * GiB, chunk_size=256 << 20),
-                     local=LocalConfig(path=str(tmp / "local"), flush_threads=8, keep=1))
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=16 * GiB, chunk_size=256 << 20),
+        local=LocalConfig(path=str(tmp / "local"), flush_threads=8, keep=1),
+    )
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["d2h_ceiling_gib_s"] = d2h_ceiling(4 * GiB) / GiB
     sd = make_state(args.gib)
@@ -187,9 +195,15 @@ def main() -> int:
         ("device", report["device"]),
         ("pinned D2H ceiling GiB/s", f"{report['d2h_ceiling_gib_s']:.1f}"),
         ("capture GiB/s (tierckpt)", f"{rt['capture_gib_s']:.1f}" if rt["capture_gib_s"] else "-"),
-        ("capture / ceiling", f"{rt['capture_gib_s'] / report['d2h_ceiling_gib_s']:.2f}" if rt["capture_gib_s"] else "-"),
+        (
+            "capture / ceiling",
+            f"{rt['capture_gib_s'] / report['d2h_ceiling_gib_s']:.2f}" if rt["capture_gib_s"] else "-",
+        ),
         (f"round trip {rt['bytes'] / GiB:.1f} GiB bit-exact", "yes" if rt["bit_exact"] else "NO"),
-        ("save call / captured / committed s", f"{rt['save_call_s']:.2f} / {rt['captured_s']:.2f} / {rt['committed_s']:.2f}"),
+        (
+            "save call / captured / committed s",
+            f"{rt['save_call_s']:.2f} / {rt['captured_s']:.2f} / {rt['committed_s']:.2f}",
+        ),
         ("load s", f"{rt['load_s']:.2f}"),
         ("fwd+bwd ms", f"{bl['fwd_bwd_ms']:.0f}"),
         ("blocked ms/ckpt tierckpt", f"{bl['tierckpt_blocked_ms']:.1f}"),

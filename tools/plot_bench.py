@@ -32,9 +32,11 @@ REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 GiB = 1 << 30
 
-MODES = (("sync FileSystemWriter", "sync FileSystemWriter", "o-"),
-         ("async_save", "dcp.async_save", "s-"),
-         ("tiered", "tierckpt (TieredWriter)", "^-"))
+MODES = (
+    ("sync FileSystemWriter", "sync FileSystemWriter", "o-"),
+    ("async_save", "dcp.async_save", "s-"),
+    ("tiered", "tierckpt (TieredWriter)", "^-"),
+)
 
 
 def _load(paths: list[Path]) -> list[dict]:
@@ -67,11 +69,17 @@ def stall_points(docs: list[dict]) -> tuple[list[float], dict[str, list[float]],
         if not sec:
             continue
         used.append(d)
-        series = sec.get("series") or [{
-            "state_bytes": sec["state_bytes"], "null_writer_s": _median(sec["null_writer_s"]),
-            "blocked_s": {m: _median(sec["modes"][m]["blocked_s"]) for m, _, _ in MODES}}]
+        series = sec.get("series") or [
+            {
+                "state_bytes": sec["state_bytes"],
+                "null_writer_s": _median(sec["null_writer_s"]),
+                "blocked_s": {m: _median(sec["modes"][m]["blocked_s"]) for m, _, _ in MODES},
+            }
+        ]
         for s in series:
-            pts.append((s["state_bytes"] / MiB, {m: s["blocked_s"][m] * 1e3 for m, _, _ in MODES}, s["null_writer_s"] * 1e3))
+            pts.append(
+                (s["state_bytes"] / MiB, {m: s["blocked_s"][m] * 1e3 for m, _, _ in MODES}, s["null_writer_s"] * 1e3)
+            )
     pts.sort(key=lambda p: p[0])
     return [p[0] for p in pts], {m: [p[1][m] for p in pts] for m, _, _ in MODES}, [p[2] for p in pts], used
 
@@ -112,8 +120,11 @@ def e2e_ratios(sec: dict) -> dict[int, dict[str, float]]:
         elif "ratio_vs_none" in s:
             out[e] = dict(s["ratio_vs_none"])
         else:
-            out[e] = {"tiered": sec["ratios"]["tiered/none"], "async_save": sec["ratios"]["async/none"],
-                      "sync FileSystemWriter": sec["ratios"]["sync/none"]}
+            out[e] = {
+                "tiered": sec["ratios"]["tiered/none"],
+                "async_save": sec["ratios"]["async/none"],
+                "sync FileSystemWriter": sec["ratios"]["sync/none"],
+            }
     return out
 
 
@@ -190,7 +201,9 @@ def plot_all(docs: list[dict], out: Path) -> list[Path]:
         ax.set_ylabel("wall-time overhead vs no checkpoint, %\n(median block / median no-checkpoint block)")
         what = ""
         if first:
-            what = f" ({first.get('params', 0) / 1e6:.0f}M-param GPT + Adam, {first.get('state_bytes', 0) / MiB:.0f} MiB)"
+            what = (
+                f" ({first.get('params', 0) / 1e6:.0f}M-param GPT + Adam, {first.get('state_bytes', 0) / MiB:.0f} MiB)"
+            )
         ax.set_title(f"End-to-end overhead against checkpoint interval{what}", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

@@ -43,9 +43,11 @@ def _state(step: int, mib: int) -> dict:
 
 
 def _config(root: Path, mode: str) -> dict:
-    return {"job": {"on_sigterm": mode, "log_level": "INFO"},
-            "host": {"buffer_size": "256MiB", "chunk_size": "32MiB"},
-            "local": {"path": str(root), "keep": 0, "fsync": True}}
+    return {
+        "job": {"on_sigterm": mode, "log_level": "INFO"},
+        "host": {"buffer_size": "256MiB", "chunk_size": "32MiB"},
+        "local": {"path": str(root), "keep": 0, "fsync": True},
+    }
 
 
 def child(root: str, mode: str, mib: int) -> int:
@@ -98,8 +100,13 @@ def trial(work: Path, mode: str, mib: int, i: int) -> dict:
     root = work / f"{mode}-{i:03d}"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
-    p = subprocess.Popen([sys.executable, __file__, "--child", str(root), mode, str(mib)], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, __file__, "--child", str(root), mode, str(mib)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     _, err = p.communicate(timeout=600)
     ended = time.time()
     rc = p.returncode
@@ -107,10 +114,17 @@ def trial(work: Path, mode: str, mib: int, i: int) -> dict:
     drain = re.search(r"drain done in ([\d.]+) s", err)
     cid, exact = check(root, mib)
     shutil.rmtree(root, ignore_errors=True)
-    return {"mode": mode, "trial": i, "rc": rc, "latest": cid, "bit_exact": exact,
-            "drain_s": float(drain.group(1)) if drain else None,
-            "term_to_exit_s": ended - float(sent.group(1)) if sent else None, "wall_s": ended - t0,
-            "log": "" if cid == "step-000002" or mode == "ignore" else err[-2000:]}
+    return {
+        "mode": mode,
+        "trial": i,
+        "rc": rc,
+        "latest": cid,
+        "bit_exact": exact,
+        "drain_s": float(drain.group(1)) if drain else None,
+        "term_to_exit_s": ended - float(sent.group(1)) if sent else None,
+        "wall_s": ended - t0,
+        "log": "" if cid == "step-000002" or mode == "ignore" else err[-2000:],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     for i, mode in enumerate(plan):
         r = trial(work, mode, args.mib, i)
         rows.append(r)
-        print(f"[preempt] {mode} #{i}: exit {r['rc']}, latest {r['latest']}, bit-exact {r['bit_exact']}, "
-              f"drain {r['drain_s']} s, SIGTERM to exit {r['term_to_exit_s']:.2f} s", flush=True)
+        print(
+            f"[preempt] {mode} #{i}: exit {r['rc']}, latest {r['latest']}, bit-exact {r['bit_exact']}, "
+            f"drain {r['drain_s']} s, SIGTERM to exit {r['term_to_exit_s']:.2f} s",
+            flush=True,
+        )
         if r["log"]:
             print(r["log"], flush=True)
     usage1 = os.times()
@@ -141,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"{args.mib} MiB per save, [local] only (fsync), SIGTERM the moment dcp.save returned")
-    print("mode   | trials | latest = step-000002, bit-exact | exit statuses | drain s (median / max) | "
-          "SIGTERM to exit s (median / max)")
+    print(
+        "mode   | trials | latest = step-000002, bit-exact | exit statuses | drain s (median / max) | "
+        "SIGTERM to exit s (median / max)"
+    )
     summary = {}
     for mode in ("drain", "ignore"):
         rs = [r for r in rows if r["mode"] == mode]
@@ -158,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:6} | {len(rs):6} | {ok:>2} / {len(rs):<27} | {codes} | {med(drains):22} | {med(exits)}")
         summary[mode] = {"trials": len(rs), "latest_is_step2": ok, "exit_codes": codes}
     cpu = (usage1.children_user - usage0.children_user) + (usage1.children_system - usage0.children_system)
-    print(f"\nCPU seconds of the jobs (user + system): {cpu:.1f}; their wall time {sum(r['wall_s'] for r in rows):.1f} s")
+    print(
+        f"\nCPU seconds of the jobs (user + system): {cpu:.1f}; their wall time {sum(r['wall_s'] for r in rows):.1f} s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"mib": args.mib, "summary": summary, "trials": rows}, indent=2))
     d = summary.get("drain")

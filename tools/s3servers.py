@@ -88,8 +88,11 @@ class Identity:
         return self.access_key, self.secret_key
 
     def to_json(self) -> dict:
-        return {"name": self.name, "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-                "actions": list(self.actions)}
+        return {
+            "name": self.name,
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": list(self.actions),
+        }
 
 
 def ensure_dummy_credentials() -> None:
@@ -214,7 +217,9 @@ def find_weed() -> str | None:
 def _wait_port(port: int, deadline: float, proc: subprocess.Popen[bytes], log_path: Path) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ServerUnavailable(f"weed mini exited with status {proc.returncode}; see {log_path}: {_tail(log_path)}")
+            raise ServerUnavailable(
+                f"weed mini exited with status {proc.returncode}; see {log_path}: {_tail(log_path)}"
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -291,7 +296,9 @@ def start_seaweedfs(
     t0 = time.monotonic()
     logf = open(log_path, "wb")
     try:
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root)
+        proc = subprocess.Popen(
+            args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root
+        )
     except OSError as e:
         logf.close()
         raise ServerUnavailable(f"cannot run {weed}: {e}") from e
@@ -333,7 +340,9 @@ def _wait_round_trip(
     last: BaseException | None = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ServerUnavailable(f"weed mini exited with status {proc.returncode}; see {log_path}: {_tail(log_path)}")
+            raise ServerUnavailable(
+                f"weed mini exited with status {proc.returncode}; see {log_path}: {_tail(log_path)}"
+            )
         try:
             try:
                 client.create_bucket(Bucket=bucket)
@@ -349,4 +358,6 @@ def _wait_round_trip(
         except Exception as e:  # noqa: BLE001 - keep polling until the deadline
             last = e
             time.sleep(0.2)
-    raise ServerUnavailable(f"weed mini at {url} not ready in time (last error: {last!r}); see {log_path}: {_tail(log_path)}")
+    raise ServerUnavailable(
+        f"weed mini at {url} not ready in time (last error: {last!r}); see {log_path}: {_tail(log_path)}"
+    )

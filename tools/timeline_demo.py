@@ -46,16 +46,30 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="tierckpt-timeline-") as tmp:
             work = Path(tmp)
             cfg = work / "tiers.toml"
-            cfg.write_text(f'[host]\nbuffer_size = "64MiB"\nchunk_size = "4MiB"\n'
-                           f'[local]\npath = "{work}/{{node}}"\nkeep = 2\nflush_threads = 2\n'
-                           f'[peer]\nreplicas = 1\n'
-                           f'[s3]\nbucket = "{BUCKET}"\nendpoint_url = "{url}"\npart_size = "5MiB"\nconcurrency = 4\n')
-            def argv_of(r: int) -> list[str]:
-                return [sys.executable, str(HERE / "train_gpt.py"), "--config", str(cfg), "--steps", str(a.steps),
-                        "--ckpt-every", str(a.ckpt_every), "--d-model", str(a.d_model)]
+            cfg.write_text(
+                f'[host]\nbuffer_size = "64MiB"\nchunk_size = "4MiB"\n'
+                f'[local]\npath = "{work}/{{node}}"\nkeep = 2\nflush_threads = 2\n'
+                f"[peer]\nreplicas = 1\n"
+                f'[s3]\nbucket = "{BUCKET}"\nendpoint_url = "{url}"\npart_size = "5MiB"\nconcurrency = 4\n'
+            )
 
-            codes, logs = launch_ranks(2, argv_of, work / "run", timeout=900,
-                                       env_of=lambda r: {"TIERCKPT_NODE": f"n{r}"})
+            def argv_of(r: int) -> list[str]:
+                return [
+                    sys.executable,
+                    str(HERE / "train_gpt.py"),
+                    "--config",
+                    str(cfg),
+                    "--steps",
+                    str(a.steps),
+                    "--ckpt-every",
+                    str(a.ckpt_every),
+                    "--d-model",
+                    str(a.d_model),
+                ]
+
+            codes, logs = launch_ranks(
+                2, argv_of, work / "run", timeout=900, env_of=lambda r: {"TIERCKPT_NODE": f"n{r}"}
+            )
             if any(c != 0 for c in codes):
                 raise SystemExit(f"training failed: exit codes {codes}\n{logs[0][-3000:]}\n{logs[1][-3000:]}")
             from restore.cli import main as restore

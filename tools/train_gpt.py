@@ -175,8 +175,15 @@ def main(argv: list[str] | None = None) -> int:
             got = torch.tensor([sum(reader.from_peers.values())], dtype=torch.int64)
             if world > 1:
                 dist.all_reduce(got)  # bytes every rank received from other nodes
-            event(event="resumed", step=app.step, checkpoint=reader.resolved_id, digest=digest(model, optim),
-                  load_s=load_s, served=reader.served, from_peers=int(got.item()))
+            event(
+                event="resumed",
+                step=app.step,
+                checkpoint=reader.resolved_id,
+                digest=digest(model, optim),
+                load_s=load_s,
+                served=reader.served,
+                from_peers=int(got.item()),
+            )
         except CheckpointNotFound:
             event(event="fresh", reason="no committed checkpoint")
 
@@ -204,8 +211,13 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0 and old.exists():
                     shutil.rmtree(old, ignore_errors=True)
             saved = time.perf_counter() - t0
-            event(event="save", step=app.step, checkpoint=cid, save_s=saved,
-                  **({"digest": digest(model, optim)} if args.digests else {}))
+            event(
+                event="save",
+                step=app.step,
+                checkpoint=cid,
+                save_s=saved,
+                **({"digest": digest(model, optim)} if args.digests else {}),
+            )
     if writer is not None:
         writer.wait()
         hist = [s.to_json() for s in writer.history]

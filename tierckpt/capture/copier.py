@@ -100,7 +100,9 @@ class Copier:
                 assert src.data is not None  # a Source holds a tensor or bytes
                 if slot_np is None:
                     slot_np = slot.numpy()
-                slot_np[p.slot_off : p.slot_off + p.n] = np.frombuffer(src.data, dtype=np.uint8, count=p.n, offset=p.src_off)
+                slot_np[p.slot_off : p.slot_off + p.n] = np.frombuffer(
+                    src.data, dtype=np.uint8, count=p.n, offset=p.src_off
+                )
             elif src.tensor.is_cuda:
                 idx = src.tensor.device.index
                 st = self._stream(idx, ready)

@@ -140,14 +140,30 @@ def build_layout(items: list[WriteItem], tensors: list[torch.Tensor], tidx: list
             j += 1
         counts[i] = j
     results = [WriteResult(index=it.index, size_in_bytes=size_of[i], storage_data=None) for i, it in enumerate(items)]
-    blob = pickle.dumps((tidx, pos, lens, [_dtype_name(d) for d in dtypes], [tuple(s) for s in shapes], bidx),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    blob = pickle.dumps(
+        (tidx, pos, lens, [_dtype_name(d) for d in dtypes], [tuple(s) for s in shapes], bidx),
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
     indexes = [it.index for it in items]
     return RankLayout(
-        chunk_size=c, items_ref=items, indexes=indexes, hints=[x.index for x in indexes],
-        types=[it.type for it in items], fqns=[x.fqn for x in indexes], tidx=tidx, bidx=bidx,
-        shapes=shapes, dtypes=dtypes, lens=lens, pos=pos, tensor_end=tensor_end, results=results,
-        counts=counts, chunk_specs=chunk_specs, crc_specs=crc_specs, blob=blob,
+        chunk_size=c,
+        items_ref=items,
+        indexes=indexes,
+        hints=[x.index for x in indexes],
+        types=[it.type for it in items],
+        fqns=[x.fqn for x in indexes],
+        tidx=tidx,
+        bidx=bidx,
+        shapes=shapes,
+        dtypes=dtypes,
+        lens=lens,
+        pos=pos,
+        tensor_end=tensor_end,
+        results=results,
+        counts=counts,
+        chunk_specs=chunk_specs,
+        crc_specs=crc_specs,
+        blob=blob,
         props_stale=_plan_dtypes(items, tidx) != dtypes,
     )
 
@@ -179,8 +195,11 @@ class LayoutCache:
             return None
         indexes = [it.index for it in items]
         for lay in cands:
-            if (lay.indexes == indexes and [x.index for x in indexes] == lay.hints
-                    and [it.type for it in items] == lay.types):
+            if (
+                lay.indexes == indexes
+                and [x.index for x in indexes] == lay.hints
+                and [it.type for it in items] == lay.types
+            ):
                 # An equal plan in a new object (no DCP plan caching): bind the layout to it.
                 rebound = replace(lay, items_ref=items, props_stale=_plan_dtypes(items, lay.tidx) != lay.dtypes)
                 self._put(rebound, replacing=lay)
@@ -197,7 +216,7 @@ class LayoutCache:
         with self._lock:
             self._lays = [x for x in self._lays if x is not replacing and x.items_ref is not lay.items_ref]
             self._lays.insert(0, lay)
-            del self._lays[self.keep:]
+            del self._lays[self.keep :]
 
 
 _caches: dict[int, LayoutCache] = {}
@@ -282,8 +301,13 @@ class SaveInputs:
         out = list(lay.results)
         if out:
             first = out[0]
-            out[0] = WriteResult(index=first.index, size_in_bytes=first.size_in_bytes, storage_data=RankResult(
-                lay.blob, self.byte_pos, [len(b) for b in self.byte_data], self.size, lay.props_stale))
+            out[0] = WriteResult(
+                index=first.index,
+                size_in_bytes=first.size_in_bytes,
+                storage_data=RankResult(
+                    lay.blob, self.byte_pos, [len(b) for b in self.byte_data], self.size, lay.props_stale
+                ),
+            )
         return out
 
     def ready_sources(self) -> list[Source]:
@@ -297,7 +321,9 @@ class SaveInputs:
                 seen[t.device.index] = Source(item=-1, fqn="", pos=0, length=0, tensor=t)
         return list(seen.values())
 
-    def capture_plan(self) -> tuple[list[Source], list[list[Piece]], list[list[tuple[int, int, int, int]]], list[list[int]]]:
+    def capture_plan(
+        self,
+    ) -> tuple[list[Source], list[list[Piece]], list[list[tuple[int, int, int, int]]], list[list[int]]]:
         """Capture thread: (sources, pieces per chunk, CRC pieces per chunk, CRC slots per item)."""
         lay = self.layout
         c = lay.chunk_size
@@ -369,7 +395,9 @@ def _decode(blob: bytes) -> tuple:
     return out
 
 
-def expand_results(checkpoint_id: str, token: str, results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], dict[str, torch.dtype]]:
+def expand_results(
+    checkpoint_id: str, token: str, results: list[list[WriteResult]]
+) -> tuple[list[list[WriteResult]], dict[str, torch.dtype]]:
     """Coordinator, background: every rank's per-item ``WriteResult`` with its :class:`ItemRecord`.
 
     Returns the expanded results and, for ranks whose cached plan had stale tensor dtypes, the
@@ -383,12 +411,16 @@ def expand_results(checkpoint_id: str, token: str, results: list[list[WriteResul
             continue
         rr = res[0].storage_data
         if not isinstance(rr, RankResult):
-            raise CaptureError(f"checkpoint {checkpoint_id}: rank {r} did not save through a TieredWriter "
-                               f"(its write results carry {type(rr).__name__})")
+            raise CaptureError(
+                f"checkpoint {checkpoint_id}: rank {r} did not save through a TieredWriter "
+                f"(its write results carry {type(rr).__name__})"
+            )
         tidx, pos, lens, dtypes, shapes, bidx = _decode(rr.blob)
         if len(tidx) + len(bidx) != len(res) or len(bidx) != len(rr.byte_pos):
-            raise CaptureError(f"checkpoint {checkpoint_id}: rank {r} reported a layout for "
-                               f"{len(tidx) + len(bidx)} items and {len(res)} write results")
+            raise CaptureError(
+                f"checkpoint {checkpoint_id}: rank {r} reported a layout for "
+                f"{len(tidx) + len(bidx)} items and {len(res)} write results"
+            )
         file = rank_file(r, token)
         recs: list[ItemRecord | None] = [None] * len(res)
         for i, p, n, d, s in zip(tidx, pos, lens, dtypes, shapes):
@@ -396,7 +428,9 @@ def expand_results(checkpoint_id: str, token: str, results: list[list[WriteResul
         for i, p, n in zip(bidx, rr.byte_pos, rr.byte_len):
             recs[i] = ItemRecord(file=file, pos=p, length=n)
         done = [_given(rec) for rec in recs]  # every item got its record above (the counts were checked)
-        out.append([WriteResult(index=wr.index, size_in_bytes=rec.length, storage_data=rec) for wr, rec in zip(res, done)])
+        out.append(
+            [WriteResult(index=wr.index, size_in_bytes=rec.length, storage_data=rec) for wr, rec in zip(res, done)]
+        )
         if rr.props_stale:
             for i, d in zip(tidx, dtypes):
                 fixes[res[i].index.fqn] = DTYPES[d]

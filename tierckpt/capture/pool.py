@@ -70,8 +70,9 @@ class HostPool:
 
     allocations: ClassVar[int] = 0
 
-    def __init__(self, buffer_size: int, chunk_size: int, pinned: bool,
-                 pause: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, buffer_size: int, chunk_size: int, pinned: bool, pause: Callable[[], bool] | None = None
+    ) -> None:
         """``pause``: asked before touching each :data:`TOUCH_STEP` bytes; while it answers true (a load in flight and
         no save waiting, see :mod:`tierckpt.loading`) the touch waits, at most
         :data:`MAX_PAUSE_S` seconds in all."""
@@ -90,11 +91,13 @@ class HostPool:
         for at in range(0, self.size, TOUCH_STEP):
             while pause is not None and time.monotonic() < deadline and pause():
                 time.sleep(PAUSE_POLL_S)
-            self.buffer[at:at + TOUCH_STEP].fill_(0)
+            self.buffer[at : at + TOUCH_STEP].fill_(0)
         HostPool.allocations += 1
         self._free = list(range(self.nslots - 1, -1, -1))
         self._cv = threading.Condition()
-        log.info("host pool: %d slots of %d bytes (%s)", self.nslots, chunk_size, "pinned" if self.pinned else "pageable")
+        log.info(
+            "host pool: %d slots of %d bytes (%s)", self.nslots, chunk_size, "pinned" if self.pinned else "pageable"
+        )
 
     @property
     def size(self) -> int:

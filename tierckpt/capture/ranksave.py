@@ -125,10 +125,16 @@ class SaveStats:
             compress_cpu_s stored_bytes uploaded_bytes copied_bytes     an encoded hop ran (tierckpt.codec)
 
         each prefixed with ``prefix``. Integers stay ``int``, everything else is ``float``."""
-        out: dict[str, float | int] = {"bytes": self.bytes, "items": self.items, "chunks": self.chunks,
-                                       "failed": int(self.error is not None), "cpu_s": self.cpu_s,
-                                       "save_blocked_s": self.save_blocked_s, "prestep_wait_s": self.prestep_wait_s,
-                                       "blocked_s": self.save_blocked_s + self.prestep_wait_s}
+        out: dict[str, float | int] = {
+            "bytes": self.bytes,
+            "items": self.items,
+            "chunks": self.chunks,
+            "failed": int(self.error is not None),
+            "cpu_s": self.cpu_s,
+            "save_blocked_s": self.save_blocked_s,
+            "prestep_wait_s": self.prestep_wait_s,
+            "blocked_s": self.save_blocked_s + self.prestep_wait_s,
+        }
         for k in ("plan_cpu_s", "capture_cpu_s", "crc_cpu_s", "write_cpu_s"):
             out[k] = float(getattr(self, k))
         step = step_of(self.checkpoint_id)
@@ -284,8 +290,9 @@ class RankSave:
                 )
 
 
-def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list[dict], job: RankSave, chunk_size: int,
-                   seq: int) -> bytes:
+def build_metadata(
+    md: Metadata, results: list[list[WriteResult]], reports: list[dict], job: RankSave, chunk_size: int, seq: int
+) -> bytes:
     """Coordinator: merge DCP's metadata, every rank's write results and reported CRCs into JSON."""
     storage: dict = {}
     files: dict[str, int] = {}
@@ -299,7 +306,14 @@ def build_metadata(md: Metadata, results: list[list[WriteResult]], reports: list
             files[rec.file] = rep["size"]
     md = replace(md, storage_data=storage)
     manifest = CheckpointManifest(
-        checkpoint_id=job.id, world_size=job.assign.world, chunk_size=chunk_size, files=files,
-        created=job.assign.created, committed=time.time(), step=job.assign.step, save_token=job.assign.token, seq=seq,
+        checkpoint_id=job.id,
+        world_size=job.assign.world,
+        chunk_size=chunk_size,
+        files=files,
+        created=job.assign.created,
+        committed=time.time(),
+        step=job.assign.step,
+        save_token=job.assign.token,
+        seq=seq,
     )
     return metadata_to_json(md, manifest)

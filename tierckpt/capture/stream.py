@@ -44,7 +44,9 @@ class CaptureStream:
     """The capture thread and flush workers of one engine. ``first()`` returns the first tier;
     ``fail(job, exc, stage)`` fails a checkpoint (the engine's :meth:`~tierckpt.engine.Engine.fail`)."""
 
-    def __init__(self, cfg: Config, first: Callable[[], Tier], fail: Callable[[RankSave, BaseException, str], None]) -> None:
+    def __init__(
+        self, cfg: Config, first: Callable[[], Tier], fail: Callable[[RankSave, BaseException, str], None]
+    ) -> None:
         self.cfg = cfg
         self.chunk_size = cfg.host.effective_chunk_size
         self._first = first
@@ -61,15 +63,21 @@ class CaptureStream:
         """The host pool, allocated on the first save (readers and tools never allocate it)."""
         if self._pool is None:
             # the first touch yields to a load in flight (a resume), never to a save waiting for it
-            self._pool = get_pool(self.cfg.host.buffer_size, self.chunk_size, self.cfg.host.pinned,
-                                  pause=lambda: loading.in_flight() and self._capture_q.empty())
+            self._pool = get_pool(
+                self.cfg.host.buffer_size,
+                self.chunk_size,
+                self.cfg.host.pinned,
+                pause=lambda: loading.in_flight() and self._capture_q.empty(),
+            )
         return self._pool
 
     @property
     def _flush(self) -> Workers:
         """The flush threads, started on the first save (their number is the first tier's)."""
         if self._flush_workers is None:
-            self._flush_workers = Workers(self._first().read_concurrency, "tierckpt-flush", self.cfg.job.background_nice)
+            self._flush_workers = Workers(
+                self._first().read_concurrency, "tierckpt-flush", self.cfg.job.background_nice
+            )
         return self._flush_workers
 
     def submit(self, job: RankSave) -> None:

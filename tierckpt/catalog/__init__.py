@@ -42,8 +42,23 @@ if TYPE_CHECKING:
         servable,
     )
 
-__all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
-            "is_committed", "read_checkpoint_metadata", "read_checkpoint_doc", "read_checkpoint_raw",
-            "parse_checkpoint_doc", "committed_headers", "commit_header", "max_seq", "servable", "order_of"]
+__all__ = [
+    "CheckpointInfo",
+    "Latest",
+    "list_checkpoints",
+    "committed_in_order",
+    "resolve_latest",
+    "find_latest",
+    "is_committed",
+    "read_checkpoint_metadata",
+    "read_checkpoint_doc",
+    "read_checkpoint_raw",
+    "parse_checkpoint_doc",
+    "committed_headers",
+    "commit_header",
+    "max_seq",
+    "servable",
+    "order_of",
+]
 
 __getattr__, __dir__ = lazy_exports(__name__, {name: ".listing" for name in __all__})

@@ -128,8 +128,9 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
             for c in list_tier(tier):
                 if not c.committed:
                     continue
-                e = found.setdefault(c.checkpoint_id, {"step": c.step, "tiers": [], "times": [], "orders": [],
-                                                       "peer": False})
+                e = found.setdefault(
+                    c.checkpoint_id, {"step": c.step, "tiers": [], "times": [], "orders": [], "peer": False}
+                )
                 e["tiers"].append(tier.name)
                 if c.header is not None:
                     e["times"].append(c.header.committed)
@@ -138,8 +139,16 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
     finally:
         for t in tiers:
             t.close()
-    out = [Checkpoint(id=cid, step=e["step"], tiers=tuple(e["tiers"]), committed=max(e["times"]) if e["times"] else None,
-                      peer_copies=e["peer"], order=max(e["orders"]) if e["orders"] else ())
-           for cid, e in found.items()]
+    out = [
+        Checkpoint(
+            id=cid,
+            step=e["step"],
+            tiers=tuple(e["tiers"]),
+            committed=max(e["times"]) if e["times"] else None,
+            peer_copies=e["peer"],
+            order=max(e["orders"]) if e["orders"] else (),
+        )
+        for cid, e in found.items()
+    ]
     # restore.catalog.list_all's order: unordered committed first, then by commit order.
     return sorted(out, key=lambda c: (1, c.order, c.id) if c.order else (0, (), c.id))

@@ -55,8 +55,17 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, Ti
 from ..format.layout import check_checkpoint_id, metadata_key
 from ..tiers.base import Tier
 
-__all__ = ["LEASE_PREFIX", "LEASE_TTL", "Lease", "LeaseInfo", "live_leases", "acquire", "acquire_for_write",
-           "guarded_delete", "CheckpointBeingDeleted"]
+__all__ = [
+    "LEASE_PREFIX",
+    "LEASE_TTL",
+    "Lease",
+    "LeaseInfo",
+    "live_leases",
+    "acquire",
+    "acquire_for_write",
+    "guarded_delete",
+    "CheckpointBeingDeleted",
+]
 
 log = logging.getLogger("tierckpt.lease")
 
@@ -149,7 +158,9 @@ def list_leases(tier: Tier, checkpoint_id: str | None = None) -> list[LeaseInfo]
     return out
 
 
-def live_leases(tier: Tier, checkpoint_id: str | None = None, *, exclude: Iterable[str] = ()) -> dict[str, list[LeaseInfo]]:
+def live_leases(
+    tier: Tier, checkpoint_id: str | None = None, *, exclude: Iterable[str] = ()
+) -> dict[str, list[LeaseInfo]]:
     """Live leases (not tombstones) per checkpoint id on ``tier``. ``exclude``: lease keys to ignore
     (the caller's own). Expired leases and tombstones are removed on the way (best effort)."""
     now = time.time()
@@ -240,8 +251,15 @@ class Lease:
         self.release()
 
 
-def acquire(tier: Tier, checkpoint_id: str, *, kind: str = "read", purpose: str = "",
-            require_committed: bool = True, check_tombs: bool = True) -> Lease:
+def acquire(
+    tier: Tier,
+    checkpoint_id: str,
+    *,
+    kind: str = "read",
+    purpose: str = "",
+    require_committed: bool = True,
+    check_tombs: bool = True,
+) -> Lease:
     """Take a lease on ``checkpoint_id`` on ``tier``: write it, then make sure no deletion is under way.
 
     Raises :class:`CheckpointBeingDeleted` if a live tombstone exists (the lease is released),
@@ -256,14 +274,19 @@ def acquire(tier: Tier, checkpoint_id: str, *, kind: str = "read", purpose: str 
         if kind != "read":
             raise
         # Read-only credentials: the read goes ahead unprotected (deleters cannot see it).
-        _warn_once(tier, f"cannot take a lease on {tier.url} ({e}); reading {checkpoint_id} without one: "
-                         "a deletion elsewhere is not held off meanwhile")
+        _warn_once(
+            tier,
+            f"cannot take a lease on {tier.url} ({e}); reading {checkpoint_id} without one: "
+            "a deletion elsewhere is not held off meanwhile",
+        )
         lease.released = True
     try:
         tombs = _live_tombs(tier, checkpoint_id) if check_tombs else []
         if tombs:
-            raise CheckpointBeingDeleted(f"checkpoint {checkpoint_id} is being deleted on {tier.url} "
-                                         f"({tombs[0].describe()}): it cannot be {purpose or 'used'}")
+            raise CheckpointBeingDeleted(
+                f"checkpoint {checkpoint_id} is being deleted on {tier.url} "
+                f"({tombs[0].describe()}): it cannot be {purpose or 'used'}"
+            )
         if require_committed and not tier.exists(metadata_key(checkpoint_id)):
             raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed on {tier.url} (deleted?)")
     except BaseException:
@@ -309,11 +332,16 @@ def acquire_for_write(tier: Tier, checkpoint_id: str, *, purpose: str, wait: flo
             if time.monotonic() >= deadline:
                 raise CheckpointBeingDeleted(
                     f"checkpoint {checkpoint_id} is being deleted on {tier.url} ({tombs[0].describe()}) and the "
-                    f"deletion did not finish within {wait:.0f} s: it cannot be {purpose or 'written'}")
+                    f"deletion did not finish within {wait:.0f} s: it cannot be {purpose or 'written'}"
+                )
             if not said:
                 said = True
-                log.info("%s on %s waits for a deletion of the same id to finish (%s)", purpose or "a write",
-                         tier.url, tombs[0].describe())
+                log.info(
+                    "%s on %s waits for a deletion of the same id to finish (%s)",
+                    purpose or "a write",
+                    tier.url,
+                    tombs[0].describe(),
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
     except BaseException:
@@ -327,16 +355,26 @@ def guarded_delete(tier: Tier, checkpoint_id: str, delete, *, reason: str = "") 
     checkpoint; logs who holds it."""
     held = live_leases(tier, checkpoint_id).get(checkpoint_id)
     if held:
-        log.info("not deleting %s on %s (%s): in use (%s)", checkpoint_id, tier.url, reason,
-                 ", ".join(li.describe() for li in held))
+        log.info(
+            "not deleting %s on %s (%s): in use (%s)",
+            checkpoint_id,
+            tier.url,
+            reason,
+            ", ".join(li.describe() for li in held),
+        )
         return False
     tomb = _key(checkpoint_id, "tomb", uuid.uuid4().hex[:16])
     tier.put_volatile(tomb, _body("tomb", reason or "deletion", TOMB_TTL))
     try:
         held = live_leases(tier, checkpoint_id, exclude=[tomb]).get(checkpoint_id)
         if held:
-            log.info("not deleting %s on %s (%s): a reader arrived (%s)", checkpoint_id, tier.url, reason,
-                     ", ".join(li.describe() for li in held))
+            log.info(
+                "not deleting %s on %s (%s): a reader arrived (%s)",
+                checkpoint_id,
+                tier.url,
+                reason,
+                ", ".join(li.describe() for li in held),
+            )
             return False
         delete()
         return True

@@ -28,9 +28,23 @@ from ..format.layout import MAX_METADATA_BYTES, METADATA, check_checkpoint_id, m
 from ..format.metadata import HEADER_MAX, CheckpointDoc, CheckpointManifest, CommitHeader, parse_metadata, read_header
 from ..tiers.base import ObjectInfo, Tier
 
-__all__ = ["CheckpointInfo", "Latest", "list_checkpoints", "committed_in_order", "resolve_latest", "find_latest",
-           "is_committed", "read_checkpoint_metadata", "read_checkpoint_doc", "read_checkpoint_raw",
-           "parse_checkpoint_doc", "committed_headers", "commit_header", "max_seq", "servable"]
+__all__ = [
+    "CheckpointInfo",
+    "Latest",
+    "list_checkpoints",
+    "committed_in_order",
+    "resolve_latest",
+    "find_latest",
+    "is_committed",
+    "read_checkpoint_metadata",
+    "read_checkpoint_doc",
+    "read_checkpoint_raw",
+    "parse_checkpoint_doc",
+    "committed_headers",
+    "commit_header",
+    "max_seq",
+    "servable",
+]
 
 log = logging.getLogger("tierckpt.catalog")
 
@@ -68,8 +82,16 @@ class CheckpointInfo:
         return None if self.header is None else self.header.committed
 
     def to_json(self) -> dict:
-        return {"checkpoint_id": self.checkpoint_id, "committed": self.committed, "mtime": self.mtime, "size": self.size,
-                "files": self.files, "step": self.step, "seq": self.seq, "committed_at": self.committed_at}
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "committed": self.committed,
+            "mtime": self.mtime,
+            "size": self.size,
+            "files": self.files,
+            "step": self.step,
+            "seq": self.seq,
+            "committed_at": self.committed_at,
+        }
 
 
 _headers: dict[tuple, CommitHeader | None] = {}
@@ -127,8 +149,12 @@ def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
         if c.committed:
             c.header = commit_header(tier, c.checkpoint_id, c.objects[METADATA])
             if c.header is None:
-                log.warning("checkpoint %s on %s: its metadata header is unreadable; it is never 'latest' "
-                            "and retention leaves it alone", c.checkpoint_id, tier.url)
+                log.warning(
+                    "checkpoint %s on %s: its metadata header is unreadable; it is never 'latest' "
+                    "and retention leaves it alone",
+                    c.checkpoint_id,
+                    tier.url,
+                )
     return sorted(by_id.values(), key=_list_order)
 
 
@@ -182,8 +208,10 @@ def committed_headers(tier: Tier) -> dict[str, tuple[CommitHeader, int]]:
     ``metadata.json`` of checkpoint ``ID`` is the only object under ``ID/``.
     """
     if tier.cheap_listing:
-        return {c.checkpoint_id: (c.header, c.objects[METADATA].size)  # type: ignore[misc]
-                for c in committed_in_order(tier)}
+        return {
+            c.checkpoint_id: (c.header, c.objects[METADATA].size)  # type: ignore[misc]
+            for c in committed_in_order(tier)
+        }
     out: dict[str, tuple[CommitHeader, int]] = {}
     for name in tier.list_tops():
         try:
@@ -278,8 +306,13 @@ class Latest:
         return self._metadata
 
     def to_json(self) -> dict:
-        return {"checkpoint_id": self.checkpoint_id, "step": self.step, "seq": self.seq,
-                "committed": self.committed, "tiers": self.tiers}
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "step": self.step,
+            "seq": self.seq,
+            "committed": self.committed,
+            "tiers": self.tiers,
+        }
 
 
 def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
@@ -319,8 +352,16 @@ def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
             ok = [t for t, i in holding if t is tier or servable(t, i, man) is None]
             for err in unreachable:
                 log.warning("a tier was unreachable while resolving latest: %s", err)
-            return Latest(checkpoint_id=cid, committed=man.committed, step=man.step, seq=man.seq,
-                          tiers=[t.name for t in ok], holding=ok, manifest=man, doc=doc)
+            return Latest(
+                checkpoint_id=cid,
+                committed=man.committed,
+                step=man.step,
+                seq=man.seq,
+                tiers=[t.name for t in ok],
+                holding=ok,
+                manifest=man,
+                doc=doc,
+            )
     if unreachable:
         raise unreachable[0]  # nothing found where we could look: the outage is the answer
     older = " older than the one given" if below is not None else ""
@@ -342,6 +383,8 @@ def order_of(tiers: list[Tier], checkpoint_id: str) -> tuple:
         if header is not None:
             keys.append(header.order_key())
     if not keys:
-        raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed (with a readable header) on any tier: "
-                                 + ", ".join(t.url for t in tiers))
+        raise CheckpointNotFound(
+            f"checkpoint {checkpoint_id} is not committed (with a readable header) on any tier: "
+            + ", ".join(t.url for t in tiers)
+        )
     return max(keys)

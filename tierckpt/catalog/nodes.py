@@ -120,8 +120,9 @@ def _order(latest: Latest) -> tuple:
     return (latest.seq, latest.committed, -1 if latest.step is None else latest.step)
 
 
-def find_latest_here(cfg: Config, tiers: list[Tier], peers: list[PeerNode] | None = None,
-                     below: tuple | None = None) -> Latest:
+def find_latest_here(
+    cfg: Config, tiers: list[Tier], peers: list[PeerNode] | None = None, below: tuple | None = None
+) -> Latest:
     """``latest`` as this node's ``dcp.load`` would resolve it: with readable peer nodes (a
     node-local first tier), the newest committed checkpoint whose every data file this node, the
     other nodes (their own files and peer copies) or a shared tier holds (the rule of
@@ -184,16 +185,32 @@ def find_latest_here(cfg: Config, tiers: list[Tier], peers: list[PeerNode] | Non
             continue
         man = doc.manifest
         missing = sorted(f for f, size in man.files.items() if size and f not in have)
-        on_shared = [t for t in shared if shared_latest is not None and shared_latest.checkpoint_id == cid
-                     and t.name in shared_latest.tiers]
+        on_shared = [
+            t
+            for t in shared
+            if shared_latest is not None and shared_latest.checkpoint_id == cid and t.name in shared_latest.tiers
+        ]
         if missing and not on_shared:
-            log.info("skipping %s for 'latest': data file %s is on no readable node (%d missing)", cid, missing[0],
-                     len(missing))
+            log.info(
+                "skipping %s for 'latest': data file %s is on no readable node (%d missing)",
+                cid,
+                missing[0],
+                len(missing),
+            )
             continue
-        return Latest(checkpoint_id=cid, committed=man.committed, step=man.step, seq=man.seq,
-                      tiers=names + [t.name for t in on_shared], holding=[first] if first.name in names else [],
-                      manifest=man, doc=doc)
+        return Latest(
+            checkpoint_id=cid,
+            committed=man.committed,
+            step=man.step,
+            seq=man.seq,
+            tiers=names + [t.name for t in on_shared],
+            holding=[first] if first.name in names else [],
+            manifest=man,
+            doc=doc,
+        )
     if shared_latest is not None:
         return shared_latest
-    raise CheckpointNotFound("no committed checkpoint that this node can read in full on any tier: "
-                             + ", ".join([t.url for t in tiers] + [p.tier.url for p in peers]))
+    raise CheckpointNotFound(
+        "no committed checkpoint that this node can read in full on any tier: "
+        + ", ".join([t.url for t in tiers] + [p.tier.url for p in peers])
+    )

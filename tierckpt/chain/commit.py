@@ -37,8 +37,17 @@ from typing import Any
 
 from ..errors import CommitConflict, CommitError, TierckptError
 
-__all__ = ["Channel", "LocalChannel", "StoreChannel", "default_channel", "encode_report", "decode_report",
-           "gather_reports", "Round", "run_commit"]
+__all__ = [
+    "Channel",
+    "LocalChannel",
+    "StoreChannel",
+    "default_channel",
+    "encode_report",
+    "decode_report",
+    "gather_reports",
+    "Round",
+    "run_commit",
+]
 
 log = logging.getLogger("tierckpt.commit")
 
@@ -133,7 +142,7 @@ class StoreChannel(Channel):
             return
         n = (len(value) + self.PART - 1) // self.PART
         for i in range(n):
-            self._store.set(f"{key}/#{i}", value[i * self.PART:(i + 1) * self.PART])
+            self._store.set(f"{key}/#{i}", value[i * self.PART : (i + 1) * self.PART])
         self._store.set(key, self._PARTS + str(n).encode())
 
     def try_get(self, key: str) -> bytes | None:
@@ -141,14 +150,14 @@ class StoreChannel(Channel):
             return None
         v = bytes(self._store.get(key))
         if v.startswith(self._PARTS):
-            v = b"".join(bytes(self._store.get(f"{key}/#{i}")) for i in range(int(v[len(self._PARTS):])))
+            v = b"".join(bytes(self._store.get(f"{key}/#{i}")) for i in range(int(v[len(self._PARTS) :])))
         return v
 
     def delete(self, key: str) -> None:
         try:
             v = bytes(self._store.get(key)) if self._store.check([key]) else b""
             if v.startswith(self._PARTS):
-                for i in range(int(v[len(self._PARTS):])):
+                for i in range(int(v[len(self._PARTS) :])):
                     self._store.delete_key(f"{key}/#{i}")
             self._store.delete_key(key)
         except Exception:  # noqa: BLE001 - some stores cannot delete; keys are small
@@ -195,8 +204,17 @@ def default_channel(distributed: bool) -> Channel:
 
 # -- rank reports and outcomes ---------------------------------------------------------------
 
-def encode_report(ok: bool, *, size: int = 0, crcs: list[list[int]] | None = None, error: str = "", seq: int = 0,
-                  writer: int = 0, stored: dict | None = None) -> bytes:
+
+def encode_report(
+    ok: bool,
+    *,
+    size: int = 0,
+    crcs: list[list[int]] | None = None,
+    error: str = "",
+    seq: int = 0,
+    writer: int = 0,
+    stored: dict | None = None,
+) -> bytes:
     """A rank report: ok or the error, the file size and CRC pieces, the highest commit sequence
     number the rank has seen (the coordinator numbers the checkpoint above all of them), the
     rank that writes the metadata on this rank's root, and (an encoding hop) the stored index of
@@ -217,8 +235,9 @@ def decode_report(raw: bytes, who: str) -> dict:
         raise TierckptError(f"{who}: malformed report on the commit channel ({e})") from None
 
 
-def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, what: str,
-                   cancelled=lambda: False) -> list[dict]:
+def gather_reports(
+    channel: Channel, prefix: str, world: int, timeout: float, what: str, cancelled=lambda: False
+) -> list[dict]:
     """Coordinator: wait for every rank's report under ``prefix`` (deleting each once read); raise on
     the first failure."""
     deadline = time.monotonic() + timeout
@@ -231,15 +250,16 @@ def gather_reports(channel: Channel, prefix: str, world: int, timeout: float, wh
             if cancelled():
                 raise
             missing = [q for q in range(r, world) if channel.try_get(f"{prefix}/rank{q}") is None]
-            raise CommitError(f"{what}: no report from {name_ranks(missing)} within {timeout:.0f} s "
-                              "(dead or hung; every other rank reported)") from None
+            raise CommitError(
+                f"{what}: no report from {name_ranks(missing)} within {timeout:.0f} s "
+                "(dead or hung; every other rank reported)"
+            ) from None
         channel.delete(f"{prefix}/rank{r}")
         rep = decode_report(raw, f"{what} rank {r}")
         if not rep["ok"]:
             raise CommitError(f"{what}: rank {r} failed: {rep['error']}")
         reports.append(rep)
     return reports
-
 
 
 def name_ranks(ranks: list[int]) -> str:
@@ -251,6 +271,7 @@ def name_ranks(ranks: list[int]) -> str:
 
 # -- one run of the protocol -----------------------------------------------------------------
 
+
 class Round:
     """The keys of one protocol run under ``tierckpt/<token>/<hop>`` and the steps on them.
 
@@ -259,7 +280,9 @@ class Round:
     and tier in messages.
     """
 
-    def __init__(self, channel: Channel, token: str, hop: str, rank: int, world: int, timeout: float, what: str) -> None:
+    def __init__(
+        self, channel: Channel, token: str, hop: str, rank: int, world: int, timeout: float, what: str
+    ) -> None:
         self.ch = channel
         self.prefix = f"tierckpt/{token}/{hop}"
         self.rank, self.world, self.timeout, self.what = rank, world, timeout, what
@@ -332,7 +355,9 @@ class Round:
         """Step 3, the other ranks: wait for their metadata writer; raise :class:`CommitError` if it failed."""
         ack = self.get_shared(f"written{writer}", f"metadata write by rank {writer}")
         if ack != b"OK":
-            raise CommitError(f"{self.what}: rank {writer} could not write its metadata: {ack[1:].decode(errors='replace')}")
+            raise CommitError(
+                f"{self.what}: rank {writer} could not write its metadata: {ack[1:].decode(errors='replace')}"
+            )
 
     def finish(self) -> None:
         """Step 4, every rank, once, whatever happened: delete this rank's keys the coordinator will
@@ -356,8 +381,19 @@ class Round:
             log.debug("%s: cleaning the commit keys failed: %s", self.what, e)
 
 
-def run_commit(rnd: Round, tier, key: str, *, work, writer: int, merge=None, metadata: bytes | None = None,
-               on_reported=None, same_ok: bool = False, before_put=None) -> bytes:
+def run_commit(
+    rnd: Round,
+    tier,
+    key: str,
+    *,
+    work,
+    writer: int,
+    merge=None,
+    metadata: bytes | None = None,
+    on_reported=None,
+    same_ok: bool = False,
+    before_put=None,
+) -> bytes:
     """Run the whole protocol on this rank and return the committed metadata JSON.
 
     ``work()`` is this rank's part (make its file durable and checked, or copy it); it returns the

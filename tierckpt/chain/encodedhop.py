@@ -47,8 +47,9 @@ class EncodedCopies:
             for file, d in stored.items():
                 r = rank_of_file(file)
                 if r is not None:
-                    self._last[r] = Previous(checkpoint_id, data_key(checkpoint_id, file),
-                                             StoredFile.from_json(d, file, int(d["size"])))
+                    self._last[r] = Previous(
+                        checkpoint_id, data_key(checkpoint_id, file), StoredFile.from_json(d, file, int(d["size"]))
+                    )
 
     def _previous(self, dst: Tier, rank: int, exclude: str) -> Previous | None:
         with self._lock:
@@ -84,8 +85,17 @@ class EncodedCopies:
                 log.info("checkpoint %s: not copying unchanged parts from %s: %s", cid, prev.checkpoint_id, e)
                 prev = None
         try:
-            return copy_encoded(src, dst, data_key(cid, file), size=man.files[file], frame=frame,
-                                runs=width_runs(items), encoding=dst.encoding, prev=prev, nice=self._nice)
+            return copy_encoded(
+                src,
+                dst,
+                data_key(cid, file),
+                size=man.files[file],
+                frame=frame,
+                runs=width_runs(items),
+                encoding=dst.encoding,
+                prev=prev,
+                nice=self._nice,
+            )
         finally:
             if lease is not None:
                 lease.release()

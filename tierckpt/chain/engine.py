@@ -47,7 +47,16 @@ from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce
 
-__all__ = ["Engine", "RankSave", "RankAssign", "SaveStats", "get_engine", "register_engine", "close_all", "live_engines"]
+__all__ = [
+    "Engine",
+    "RankSave",
+    "RankAssign",
+    "SaveStats",
+    "get_engine",
+    "register_engine",
+    "close_all",
+    "live_engines",
+]
 
 log = logging.getLogger("tierckpt")
 
@@ -75,8 +84,10 @@ class Engine:
         self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)
         self._commit_thread.start()
         chain = self.chain
-        self.hops: list[Replicator] = [Replicator(self, lambda: chain[0], functools.partial(chain.__getitem__, i), i, chain.names[i])
-                                       for i in range(1, len(chain))]
+        self.hops: list[Replicator] = [
+            Replicator(self, lambda: chain[0], functools.partial(chain.__getitem__, i), i, chain.names[i])
+            for i in range(1, len(chain))
+        ]
         if cfg.peer.replicas:  # copies on other nodes first: the fastest way back after losing a node
             self.hops.insert(0, PeerHop(self, lambda: chain[0], cfg.peer.replicas))
 
@@ -132,9 +143,15 @@ class Engine:
                 job.stats.phases.add("commit", job.t_durable)
                 if not job.committed.done():
                     job.committed.set_result(None)
-                log.info("checkpoint %s committed on %s (rank %d, %d bytes, capture %.3fs, flush %.3fs)",
-                         job.id, self.first_tier.name, job.assign.rank, job.size,
-                         job.stats.capture_s or 0.0, job.stats.flush_s or 0.0)
+                log.info(
+                    "checkpoint %s committed on %s (rank %d, %d bytes, capture %.3fs, flush %.3fs)",
+                    job.id,
+                    self.first_tier.name,
+                    job.assign.rank,
+                    job.size,
+                    job.stats.capture_s or 0.0,
+                    job.stats.flush_s or 0.0,
+                )
             except BaseException as e:  # noqa: BLE001
                 if job.durable.done() and job.durable.exception() is None:
                     job.stats.phases.add("commit", job.t_durable, error=str(e))
@@ -154,8 +171,9 @@ class Engine:
         a = job.assign
         tier = self.first_tier
         timeout = self.cfg.job.commit_timeout
-        rnd = Round(self.channel(job), a.token, f"0-{tier.name}", a.rank, a.world, timeout,
-                    f"checkpoint {a.checkpoint_id}")
+        rnd = Round(
+            self.channel(job), a.token, f"0-{tier.name}", a.rank, a.world, timeout, f"checkpoint {a.checkpoint_id}"
+        )
 
         def work() -> dict:
             job.durable.result(timeout=None)
@@ -171,8 +189,16 @@ class Engine:
         def reported() -> None:
             job.reported_ok = True
 
-        job.metadata_json = run_commit(rnd, tier, metadata_key(a.checkpoint_id), work=work, writer=a.meta_writer_rank,
-                                       merge=merge, on_reported=reported, before_put=lambda: self._check_lease(job))
+        job.metadata_json = run_commit(
+            rnd,
+            tier,
+            metadata_key(a.checkpoint_id),
+            work=work,
+            writer=a.meta_writer_rank,
+            merge=merge,
+            on_reported=reported,
+            before_put=lambda: self._check_lease(job),
+        )
         self._note_seq(job.seq)
         job.release_lease()
         if a.meta_writer_rank == a.rank:
@@ -187,11 +213,15 @@ class Engine:
         try:
             size = self.first_tier.size(key)
         except CheckpointNotFound:
-            raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
-                              "vanished before the commit (deleted by another process?)") from None
+            raise CommitError(
+                f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
+                "vanished before the commit (deleted by another process?)"
+            ) from None
         if size != job.size:
-            raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
-                              f"has {size} bytes, {job.size} were written")
+            raise CommitError(
+                f"checkpoint {job.id}: rank {job.assign.rank}: its data file {self.first_tier.url}/{key} "
+                f"has {size} bytes, {job.size} were written"
+            )
 
     def _check_lease(self, job: RankSave) -> None:
         """A save never commits after its lease may have looked dead to a deletion elsewhere (its
@@ -199,9 +229,11 @@ class Engine:
         (see :mod:`tierckpt.lease`). Called before the report and by the metadata writer before
         the metadata put."""
         if job.lease is not None and job.lease.lapsed:
-            raise CommitError(f"checkpoint {job.id}: rank {job.assign.rank}: its lease on {self.first_tier.url} "
-                              "lapsed (not renewed in time: the process stalled?); a deletion elsewhere may have "
-                              "judged the save dead, so it is not committed")
+            raise CommitError(
+                f"checkpoint {job.id}: rank {job.assign.rank}: its lease on {self.first_tier.url} "
+                "lapsed (not renewed in time: the process stalled?); a deletion elsewhere may have "
+                "judged the save dead, so it is not committed"
+            )
 
     def _floor(self, rank: int) -> int:
         """The highest commit seq this rank can see: its first tier (when listing it is cheap) and,
@@ -246,8 +278,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - see docstring
             log.warning("retention after committing %s failed (will retry after the next commit): %s", job.id, e)
 
-    def retain(self, tier: Tier, protect: set[str], *, owed: set[str] | frozenset[str] = frozenset(),
-               need_bytes: int = 0) -> None:
+    def retain(
+        self, tier: Tier, protect: set[str], *, owed: set[str] | frozenset[str] = frozenset(), need_bytes: int = 0
+    ) -> None:
         """``tier``'s retention (its ``keep``/``keep_every``) now, sparing ``protect``, saves in flight
         and (unless the disk would fill) ``owed``; then remove the leftovers of interrupted writes
         (:meth:`Tier.abort_stale`: multipart uploads, half-written files of dead processes)."""
@@ -282,7 +315,13 @@ class Engine:
         so a waiter woken by the future always finds it. ``stage`` (capture, flush, commit,
         replication to ...) names the error class an unexpected exception is wrapped in."""
         if not isinstance(exc, TierckptError):
-            cls = CommitError if stage == "commit" else ReplicationError if stage.startswith("replication") else CaptureError
+            cls = (
+                CommitError
+                if stage == "commit"
+                else ReplicationError
+                if stage.startswith("replication")
+                else CaptureError
+            )
             wrapped = cls(f"checkpoint {job.id}: rank {job.assign.rank}: {stage} failed: {type(exc).__name__}: {exc}")
             wrapped.__cause__ = exc
             exc = wrapped
@@ -323,8 +362,7 @@ class Engine:
         next. With ``owner=None`` every queued error counts.
         """
         with self._jobs_lock:
-            mine = [(o, e) for o, e in self._errors
-                    if owner is None or o is None or o() is None or o() is owner]
+            mine = [(o, e) for o, e in self._errors if owner is None or o is None or o() is None or o() is owner]
             if not mine:
                 return
             self._errors = [x for x in self._errors if x not in mine]
@@ -434,4 +472,3 @@ def close_all() -> None:
 import atexit  # noqa: E402
 
 atexit.register(close_all)
-

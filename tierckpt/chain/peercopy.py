@@ -93,8 +93,11 @@ class PeerHop(Replicator):
         if group is None:  # one process, or set_up_storage_writer never ran distributed: nothing to copy to
             if job.assign.distributed and not self._warned:
                 self._warned = True
-                log.warning("[peer] replicas = %d, but no peer group exists in this process (was the save made "
-                            "through TieredWriter in a distributed job?): no peer copies", self.replicas)
+                log.warning(
+                    "[peer] replicas = %d, but no peer group exists in this process (was the save made "
+                    "through TieredWriter in a distributed job?): no peer copies",
+                    self.replicas,
+                )
             return
         a = job.assign
         assert job.metadata_json is not None
@@ -107,22 +110,52 @@ class PeerHop(Replicator):
         for rec in (md.storage_data or {}).values():
             recs[rec.file].append(rec)
         names = sorted(set(group.nodes))
-        holders = {f: [group.nodes[t] for t in place[r]] for r, f in file_of.items() if r is not None and r < len(place)}
-        record = json.dumps({"replicas": self.replicas, "nodes": names, "copies": dict(sorted(holders.items()))},
-                            sort_keys=True).encode()
-        rnd = Round(self.owner.channel(job), a.token, self.hop, a.rank, a.world, self.owner.cfg.job.commit_timeout,
-                    f"checkpoint {a.checkpoint_id} (peer copies)")
+        holders = {
+            f: [group.nodes[t] for t in place[r]] for r, f in file_of.items() if r is not None and r < len(place)
+        }
+        record = json.dumps(
+            {"replicas": self.replicas, "nodes": names, "copies": dict(sorted(holders.items()))}, sort_keys=True
+        ).encode()
+        rnd = Round(
+            self.owner.channel(job),
+            a.token,
+            self.hop,
+            a.rank,
+            a.world,
+            self.owner.cfg.job.commit_timeout,
+            f"checkpoint {a.checkpoint_id} (peer copies)",
+        )
 
         def work() -> dict:
-            self._exchange(group, job, targets if job.size else [], {q: (f, man.files[f]) for q, f in incoming.items()},
-                           recs, man.chunk_size)
+            self._exchange(
+                group,
+                job,
+                targets if job.size else [],
+                {q: (f, man.files[f]) for q, f in incoming.items()},
+                recs,
+                man.chunk_size,
+            )
             return {"size": job.size}
 
-        run_commit(rnd, self.src, f"{a.checkpoint_id}/{PEERS}", work=work, writer=a.meta_writer_rank,
-                   metadata=record, same_ok=True)
+        run_commit(
+            rnd,
+            self.src,
+            f"{a.checkpoint_id}/{PEERS}",
+            work=work,
+            writer=a.meta_writer_rank,
+            metadata=record,
+            same_ok=True,
+        )
 
-    def _exchange(self, group: PeerGroup, job: RankSave, targets: list[int], incoming: dict[int, tuple[str, int]],
-                  recs: dict[str, list], chunk_size: int) -> None:
+    def _exchange(
+        self,
+        group: PeerGroup,
+        job: RankSave,
+        targets: list[int],
+        incoming: dict[int, tuple[str, int]],
+        recs: dict[str, list],
+        chunk_size: int,
+    ) -> None:
         """Send this rank's file to ``targets`` and receive ``incoming`` (rank -> (file, size)), piece
         by piece: every piece index posts its sends and receives at once and waits for them."""
         import torch.distributed as dist
@@ -133,8 +166,18 @@ class PeerHop(Replicator):
         sizes = {q: size for q, (_f, size) in incoming.items()}
         send_buf = _aligned(piece) if targets else None
         recv_bufs = {q: _aligned(piece) for q in incoming}
-        lease = leases.acquire(tier, cid, kind="save", purpose=f"peer copies for rank {job.assign.rank}",
-                               require_committed=False, check_tombs=False) if incoming else None
+        lease = (
+            leases.acquire(
+                tier,
+                cid,
+                kind="save",
+                purpose=f"peer copies for rank {job.assign.rank}",
+                require_committed=False,
+                check_tombs=False,
+            )
+            if incoming
+            else None
+        )
         sinks: dict[int, Any] = {}
         try:
             for q, (f, size) in incoming.items():
@@ -145,8 +188,12 @@ class PeerHop(Replicator):
                 works = []
                 for q in incoming:
                     if off < sizes[q]:
-                        works.append((f"from rank {q}",
-                                      dist.irecv(recv_bufs[q][: min(piece, sizes[q] - off)], src=q, group=group.group)))
+                        works.append(
+                            (
+                                f"from rank {q}",
+                                dist.irecv(recv_bufs[q][: min(piece, sizes[q] - off)], src=q, group=group.group),
+                            )
+                        )
                 if targets and off < job.size:
                     assert send_buf is not None
                     n = min(piece, job.size - off)
@@ -158,8 +205,9 @@ class PeerHop(Replicator):
                         view = recv_bufs[q][: min(piece, sizes[q] - off)].numpy()
                         bad = _check_piece(recs[f], off, view, chunk_size)
                         if bad:
-                            raise ChecksumMismatch(f"checkpoint {cid}: the copy of {f} from rank {q} is damaged "
-                                                   f"({bad})")
+                            raise ChecksumMismatch(
+                                f"checkpoint {cid}: the copy of {f} from rank {q} is damaged ({bad})"
+                            )
                         sinks[q].write_at(off, memoryview(view))
             for s in sinks.values():
                 s.close()
@@ -168,8 +216,9 @@ class PeerHop(Replicator):
                 s.abort()
             if isinstance(e, TierckptError):
                 raise
-            raise TierckptError(f"checkpoint {cid}: peer copies of rank {job.assign.rank} failed: "
-                                f"{type(e).__name__}: {e}") from e
+            raise TierckptError(
+                f"checkpoint {cid}: peer copies of rank {job.assign.rank} failed: {type(e).__name__}: {e}"
+            ) from e
         finally:
             if lease is not None:
                 lease.release()
@@ -185,8 +234,10 @@ def _settle(works: list[tuple[str, Any]], what: str) -> None:
         except Exception as e:  # noqa: BLE001 - reported once all are settled
             failed.append((peer, e))
     if failed:
-        raise TierckptError(f"{what}: the transfer {', '.join(p for p, _e in failed[:20])} failed (dead or hung?): "
-                            f"{type(failed[0][1]).__name__}: {str(failed[0][1])[:300]}")
+        raise TierckptError(
+            f"{what}: the transfer {', '.join(p for p, _e in failed[:20])} failed (dead or hung?): "
+            f"{type(failed[0][1]).__name__}: {str(failed[0][1])[:300]}"
+        )
 
 
 def _aligned(n: int) -> torch.Tensor:
@@ -205,6 +256,6 @@ def _check_piece(recs: list, off: int, view: Any, chunk_size: int) -> str | None
     end = off + len(view)
     for rec in recs:
         for (s, e), crc in zip(piece_bounds(rec.pos, padded(rec.length), chunk_size), rec.crcs):
-            if off <= s and e <= end and crc32c(view[s - off:e - off]) != crc:
+            if off <= s and e <= end and crc32c(view[s - off : e - off]) != crc:
                 return f"the item at offset {rec.pos}, CRC piece [{s}, {e})"
     return None

@@ -113,9 +113,12 @@ class PeerGroup:
             else:
                 self._round += 1
                 self._transport = _named(
-                    "creating the group that serves files between nodes for dcp.load", f"{self._uid}/{self._round}",
-                    self.rank, self.world,
-                    lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self._timeout_s)))
+                    "creating the group that serves files between nodes for dcp.load",
+                    f"{self._uid}/{self._round}",
+                    self.rank,
+                    self.world,
+                    lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self._timeout_s)),
+                )
         return self._transport
 
     def gather(self, obj: Any) -> list[Any]:
@@ -170,10 +173,14 @@ class PeerGroup:
         import torch.distributed as dist
 
         g = self.transport()
-        ops = [("from", peer, lambda b=buf, p=peer: dist.irecv(b, src=p, group=g, tag=TAG))
-               for peer, buf in sorted(recvs.items())]
-        ops += [("to", peer, lambda b=buf, p=peer: dist.isend(b, dst=p, group=g, tag=TAG))
-                for peer, buf in sorted(sends.items())]
+        ops = [
+            ("from", peer, lambda b=buf, p=peer: dist.irecv(b, src=p, group=g, tag=TAG))
+            for peer, buf in sorted(recvs.items())
+        ]
+        ops += [
+            ("to", peer, lambda b=buf, p=peer: dist.isend(b, dst=p, group=g, tag=TAG))
+            for peer, buf in sorted(sends.items())
+        ]
         errors, works = [], []
         for way, peer, post in ops:  # posting fails at once when the peer's connection is already gone
             try:
@@ -189,8 +196,9 @@ class PeerGroup:
         if errors:
             way, peer, first = errors[0]
             failed = ", ".join(f"{w} rank {p}" for w, p, _e in errors[:20])
-            err = TierckptError(f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or "
-                                f"hung?): {first}")
+            err = TierckptError(
+                f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or hung?): {first}"
+            )
             # Logged too: inside dcp.load, DCP's collective that follows fails on the same dead rank
             # and its error (naming no rank) is the one raised.
             log.error("%s", err)
@@ -221,8 +229,9 @@ def _named(what: str, key: str, rank: int, world: int, fn: Any) -> Any:
     except Exception as e:
         absent = _absent(ch, key, world)
         who = name_ranks(absent) if absent else "a rank"
-        err = TierckptError(f"{what}: {who} did not take part (dead, hung, or not loading): {type(e).__name__}: "
-                            f"{str(e)[:300]}")
+        err = TierckptError(
+            f"{what}: {who} did not take part (dead, hung, or not loading): {type(e).__name__}: {str(e)[:300]}"
+        )
         # Logged too: inside dcp.load, DCP's own collective that follows fails on the same dead rank
         # and its error (naming no rank) is the one raised.
         log.error("rank %d: %s", rank, err)
@@ -285,8 +294,13 @@ def _lower_priority(tids: set[int], nice: int) -> None:
             log.debug("cannot lower the priority of thread %d: %s", tid, e)
 
 
-def schedule(files_of_rank: list[dict[Any, tuple[str, int]]], holders: dict[str, list[int]], shared: bool,
-             root_of: list[str], checkpoint_id: str) -> list[dict]:
+def schedule(
+    files_of_rank: list[dict[Any, tuple[str, int]]],
+    holders: dict[str, list[int]],
+    shared: bool,
+    root_of: list[str],
+    checkpoint_id: str,
+) -> list[dict]:
     """Coordinator: who serves what. ``files_of_rank[r]`` maps each item rank ``r`` reads (its
     storage index) to (data file, bytes); ``holders`` maps each data file to the ranks whose node
     holds it whole (:meth:`tierckpt.agreement.Decision.holders_by_file`). An item whose file ``r``'s
@@ -308,8 +322,10 @@ def schedule(files_of_rank: list[dict[Any, tuple[str, int]]], holders: dict[str,
             servers = holders.get(file, [])
             if not servers:
                 if not shared:
-                    raise CheckpointNotFound(f"checkpoint {checkpoint_id}: rank {r} needs data file {file}, "
-                                             "which no node of this job holds and no shared tier has")
+                    raise CheckpointNotFound(
+                        f"checkpoint {checkpoint_id}: rank {r} needs data file {file}, "
+                        "which no node of this job holds and no shared tier has"
+                    )
                 if nbytes <= FAN_OUT_MAX:
                     fan.setdefault(index, []).append(r)
                 continue  # read from the shared tier by the rank itself

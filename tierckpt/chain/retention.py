@@ -42,9 +42,16 @@ class RetentionPlan:
     keep: list[str]
 
 
-def plan_retention(infos: list[CheckpointInfo], keep: int, keep_every: int = 0,
-                   protect: set[str] | frozenset[str] = frozenset(), *, partials: bool = True,
-                   now: float | None = None, grace: float = 0.0) -> RetentionPlan:
+def plan_retention(
+    infos: list[CheckpointInfo],
+    keep: int,
+    keep_every: int = 0,
+    protect: set[str] | frozenset[str] = frozenset(),
+    *,
+    partials: bool = True,
+    now: float | None = None,
+    grace: float = 0.0,
+) -> RetentionPlan:
     """Decide what goes (pure: no I/O). ``infos`` as from :func:`~tierckpt.catalog.list_checkpoints`.
 
     ``partials``: also delete uncommitted checkpoints not in ``protect`` (the caller adds every
@@ -66,7 +73,9 @@ def plan_retention(infos: list[CheckpointInfo], keep: int, keep_every: int = 0,
                 delete.append((c.checkpoint_id, "partial (never committed, no live save holds it)"))
     gone = {d for d, _ in delete}
     if committed and committed[-1].checkpoint_id in gone:  # never: the loop above stops short of it
-        raise TierckptError(f"retention: refusing to delete the newest committed checkpoint {committed[-1].checkpoint_id}")
+        raise TierckptError(
+            f"retention: refusing to delete the newest committed checkpoint {committed[-1].checkpoint_id}"
+        )
     return RetentionPlan(delete=delete, keep=[c.checkpoint_id for c in infos if c.checkpoint_id not in gone])
 
 
@@ -129,8 +138,16 @@ class _CommittedMeanwhile(Exception):
     """A checkpoint listed as partial has its metadata now: its save committed after the listing."""
 
 
-def enforce(tier: Tier, keep: int, keep_every: int = 0, protect: set[str] | frozenset[str] = frozenset(),
-            *, owed: set[str] | frozenset[str] = frozenset(), need_bytes: int = 0, partials: bool = True) -> list[str]:
+def enforce(
+    tier: Tier,
+    keep: int,
+    keep_every: int = 0,
+    protect: set[str] | frozenset[str] = frozenset(),
+    *,
+    owed: set[str] | frozenset[str] = frozenset(),
+    need_bytes: int = 0,
+    partials: bool = True,
+) -> list[str]:
     """List ``tier``, plan and apply retention; return the ids deleted.
 
     Protected: ``protect``, every checkpoint with a live lease, and ``owed`` (committed here but
@@ -144,6 +161,11 @@ def enforce(tier: Tier, keep: int, keep_every: int = 0, protect: set[str] | froz
     plan = plan_retention(infos, keep, keep_every, guard if full else guard | set(owed), partials=partials)
     for cid, _why in plan.delete:
         if cid in owed:
-            log.warning("retention on %s: deleting %s although it is not on the next tier yet: the disk is "
-                        "nearly full (less than %d bytes free)", tier.url, cid, need_bytes)
+            log.warning(
+                "retention on %s: deleting %s although it is not on the next tier yet: the disk is "
+                "nearly full (less than %d bytes free)",
+                tier.url,
+                cid,
+                need_bytes,
+            )
     return apply_retention(tier, plan, infos)

@@ -69,7 +69,9 @@ def _compressor(level: int, entropy: bool = False):
     if c is None:
         z = _zstd()
         if key[1]:
-            c = z.ZstdCompressor(compression_params=z.ZstdCompressionParameters(**PLANE_PARAMS, strategy=z.STRATEGY_FAST))
+            c = z.ZstdCompressor(
+                compression_params=z.ZstdCompressionParameters(**PLANE_PARAMS, strategy=z.STRATEGY_FAST)
+            )
         else:
             c = z.ZstdCompressor(level=level)
         cs[key] = c
@@ -137,11 +139,11 @@ def _plan(segs: list[tuple[int, int]]) -> list[tuple[int, list[tuple[int, int]],
 def _gather(a: np.ndarray, pieces: list[tuple[int, int]]) -> np.ndarray:
     if len(pieces) == 1:
         s, n = pieces[0]
-        return a[s:s + n]
+        return a[s : s + n]
     out = scratch("gather", sum(n for _, n in pieces))
     at = 0
     for s, n in pieces:
-        out[at:at + n] = a[s:s + n]
+        out[at : at + n] = a[s : s + n]
         at += n
     return out
 
@@ -150,20 +152,20 @@ def _code(out: np.ndarray, src: int, count: int, at: int, level: int, entropy: b
     """Code the plane at ``out[src:src + count]`` and leave its stream at ``out[at:]`` (``at <=
     src``; the bytes after ``src + count`` are not touched): (kind, stream size). ``entropy``: a
     byte plane of wider elements, coded with :data:`PLANE_PARAMS` at levels <= 1."""
-    plane = out[src:src + count]
+    plane = out[src : src + count]
     c = _compressor(level, entropy)
     coded = None
     if count >= 4 * PROBE:
         mid = count // 2
-        if len(c.compress(plane[mid:mid + PROBE])) <= KEEP * PROBE:
+        if len(c.compress(plane[mid : mid + PROBE])) <= KEEP * PROBE:
             coded = c.compress(plane)
     else:
         coded = c.compress(plane)
     if coded is not None and len(coded) < count:
-        out[at:at + len(coded)] = np.frombuffer(coded, dtype=np.uint8)
+        out[at : at + len(coded)] = np.frombuffer(coded, dtype=np.uint8)
         return 1, len(coded)
     if at != src:  # a coded plane before this one: move it down (numpy buffers the overlap)
-        out[at:at + count] = plane
+        out[at : at + count] = plane
     return 0, count
 
 
@@ -186,7 +188,7 @@ def encode(data: memoryview | bytes | bytearray | np.ndarray, segs: list[tuple[i
     at = head
     for w, pieces, count in plan:
         base = at
-        split(_gather(a, pieces), w, out[base:base + w * count])
+        split(_gather(a, pieces), w, out[base : base + w * count])
         for j in range(w):
             kind, size = _code(out, base + j * count, count, at, level, w > 1)
             kinds.append((kind, size))
@@ -247,7 +249,7 @@ def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None
             for _j in range(w):
                 kind, size = heads[k]
                 k += 1
-                body = s[at:at + size]
+                body = s[at : at + size]
                 at += size
                 if len(body) != size:
                     raise ValueError("truncated stream")
@@ -262,13 +264,13 @@ def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None
                 planes.append(plane)
             if len(pieces) == 1:  # one piece: the planes merge straight into their place in ``out``
                 st, ln = pieces[0]
-                merge(planes, w, dst[st:st + ln])
+                merge(planes, w, dst[st : st + ln])
             else:
                 flat = scratch("gather", count * w)
                 merge(planes, w, flat)
                 off = 0
                 for st, ln in pieces:
-                    dst[st:st + ln] = flat[off:off + ln]
+                    dst[st : st + ln] = flat[off : off + ln]
                     off += ln
         if at != len(s):
             raise ValueError(f"{len(s) - at} trailing bytes")

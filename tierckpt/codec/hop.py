@@ -86,20 +86,37 @@ def _codec_pool(nice: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(codec_threads(), thread_name_prefix="tierckpt-codec",
-                                       initializer=lower_priority, initargs=(nice,))
+            _pool = ThreadPoolExecutor(
+                codec_threads(), thread_name_prefix="tierckpt-codec", initializer=lower_priority, initargs=(nice,)
+            )
         return _pool
 
 
-def copy_encoded(src: Tier, dst: Tier, key: str, *, size: int, frame: int, runs: list[tuple[int, int, int]],
-                 encoding: Encoding, prev: Previous | None = None, nice: int = 0) -> tuple[StoredFile, CopyFigures]:
+def copy_encoded(
+    src: Tier,
+    dst: Tier,
+    key: str,
+    *,
+    size: int,
+    frame: int,
+    runs: list[tuple[int, int, int]],
+    encoding: Encoding,
+    prev: Previous | None = None,
+    nice: int = 0,
+) -> tuple[StoredFile, CopyFigures]:
     """Copy data file ``key`` (``size`` logical bytes) from ``src`` to ``dst``, encoded as the
     module docstring says. Blocks until the object is complete on ``dst``; raises (nothing
     visible) on failure."""
     zstd = encoding.compression == "zstd"
     level = encoding.level
-    usable = (prev if encoding.copy_unchanged and prev is not None and prev.index.frame == frame
-              and prev.index.codec == encoding.compression else None)
+    usable = (
+        prev
+        if encoding.copy_unchanged
+        and prev is not None
+        and prev.index.frame == frame
+        and prev.index.codec == encoding.compression
+        else None
+    )
     n = -(-size // frame) if size else 0
     figs = CopyFigures(logical=size)
     cpu_lock = threading.Lock()
@@ -149,10 +166,15 @@ def copy_encoded(src: Tier, dst: Tier, key: str, *, size: int, frame: int, runs:
     try:
         for i in range(n):
             a, b = i * frame, min(size, (i + 1) * frame)
-            buf = memoryview(ring[i % len(ring)])[:b - a]
+            buf = memoryview(ring[i % len(ring)])[: b - a]
             src.read_into(key, a, buf)
             h = hashes[i] = frame_hash(buf)
-            if usable is not None and i < usable.index.frames and usable.index.span(i) == (a, b) and usable.index.hashes[i] == h:
+            if (
+                usable is not None
+                and i < usable.index.frames
+                and usable.index.span(i) == (a, b)
+                and usable.index.hashes[i] == h
+            ):
                 o = usable.index.offsets
                 pending.append(("copy", i, (o[i], o[i + 1])))
             elif zstd:

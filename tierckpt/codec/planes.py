@@ -44,7 +44,7 @@ def split(group: np.ndarray, w: int, dst: np.ndarray | None = None) -> np.ndarra
     count = len(group) // w
     if w == 1 and dst is None:
         return group.reshape(1, count)
-    out = (scratch("planes", w * count) if dst is None else dst[:w * count]).reshape(w, count)
+    out = (scratch("planes", w * count) if dst is None else dst[: w * count]).reshape(w, count)
     if w == 1:
         out[0] = group
         return out

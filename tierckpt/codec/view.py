@@ -32,8 +32,19 @@ from .frames import decode_into
 
 __all__ = ["decoding", "DecodingTier"]
 
-_FLAGS = ("name", "url", "cheap_listing", "node_local", "durable", "conditional_create", "read_range",
-          "read_concurrency", "keep", "keep_every", "encoding")
+_FLAGS = (
+    "name",
+    "url",
+    "cheap_listing",
+    "node_local",
+    "durable",
+    "conditional_create",
+    "read_range",
+    "read_concurrency",
+    "keep",
+    "keep_every",
+    "encoding",
+)
 
 
 def decoding(tier: Tier, checkpoint_id: str, doc: Any = None) -> Tier:
@@ -88,16 +99,16 @@ class DecodingTier(Tier):
         tmp: bytearray | None = None
         for i in range(i0, i1 + 1):
             a, b = idx.span(i)
-            frame = sv[o[i] - o[i0]:o[i + 1] - o[i0]]
+            frame = sv[o[i] - o[i0] : o[i + 1] - o[i0]]
             where = f"{self.url}/{key} frame {i}"
             if a >= start and b <= end:
-                decode_into(frame, buf[a - start:b - start], where)
+                decode_into(frame, buf[a - start : b - start], where)
             else:
                 if tmp is None or len(tmp) < b - a:
                     tmp = bytearray(idx.frame)
-                decode_into(frame, memoryview(tmp)[:b - a], where)
+                decode_into(frame, memoryview(tmp)[: b - a], where)
                 s, e = max(a, start), min(b, end)
-                buf[s - start:e - start] = memoryview(tmp)[s - a:e - a]
+                buf[s - start : e - start] = memoryview(tmp)[s - a : e - a]
 
     # -- reads ----------------------------------------------------------------------------------
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
@@ -126,7 +137,7 @@ class DecodingTier(Tier):
         self._decode(key, idx, start, memoryview(tmp))
         at = 0
         for b in bufs:
-            b[:] = memoryview(tmp)[at:at + len(b)]
+            b[:] = memoryview(tmp)[at : at + len(b)]
             at += len(b)
 
     def size(self, key: str) -> int:

@@ -67,7 +67,6 @@ TELEMETRY_MODES = ("none", "otel")
 MAX_HISTORY = 1024
 
 
-
 @dataclass
 class HostConfig:
     """``[host]``: the host-memory buffer pool that lazy capture copies into.
@@ -132,7 +131,7 @@ class LocalConfig:
         if self.keep < 0:
             raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
         if self.direct_io not in (True, False, "auto"):
-            raise ConfigError(f"{where} direct_io: one of \"auto\", true, false, got {self.direct_io!r}")
+            raise ConfigError(f'{where} direct_io: one of "auto", true, false, got {self.direct_io!r}')
 
     @property
     def node_local(self) -> bool:
@@ -226,7 +225,9 @@ class S3Config:
         for name in ("connect_timeout", "read_timeout"):
             value = getattr(self, name)
             if not 0 < value <= MAX_TIMEOUT_S:
-                raise ConfigError(f"{where} {name}: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}")
+                raise ConfigError(
+                    f"{where} {name}: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}"
+                )
         if self.prefix.startswith("/") or ".." in self.prefix.split("/"):
             raise ConfigError(f"{where} prefix: must be relative and must not contain '..', got {self.prefix!r}")
         check_compression(self.compression, self.compression_level, where)
@@ -294,13 +295,15 @@ class JobConfig:
         if self.log_level and self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"{where} log_level: one of DEBUG, INFO, WARNING, ERROR, got {self.log_level!r}")
         if self.on_sigterm not in ("drain", "ignore"):
-            raise ConfigError(f"{where} on_sigterm: one of \"drain\", \"ignore\", got {self.on_sigterm!r}")
+            raise ConfigError(f'{where} on_sigterm: one of "drain", "ignore", got {self.on_sigterm!r}')
         if not 0 < self.drain_timeout <= MAX_TIMEOUT_S:
             raise ConfigError(
                 f"{where} drain_timeout: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {self.drain_timeout}"
             )
         if self.telemetry not in TELEMETRY_MODES:
-            raise ConfigError(f"{where} telemetry: one of {', '.join(map(repr, TELEMETRY_MODES))}, got {_brief(self.telemetry)}")
+            raise ConfigError(
+                f"{where} telemetry: one of {', '.join(map(repr, TELEMETRY_MODES))}, got {_brief(self.telemetry)}"
+            )
         if not 0 <= self.history <= MAX_HISTORY:
             raise ConfigError(f"{where} history: must be between 0 and {MAX_HISTORY}, got {self.history}")
 
@@ -338,16 +341,27 @@ class Config:
         if self.local is None and self.s3 is None and not self.sections:
             raise ConfigError(f"{pre}at least one tier section ({', '.join(_tier_sections())}) is required")
         try:
-            present = [(n, sec) for n, sec in (("host", self.host), ("job", self.job), ("local", self.local),
-                                                ("s3", self.s3), ("peer", self.peer), *self.sections.items())
-                       if sec is not None]
+            present = [
+                (n, sec)
+                for n, sec in (
+                    ("host", self.host),
+                    ("job", self.job),
+                    ("local", self.local),
+                    ("s3", self.s3),
+                    ("peer", self.peer),
+                    *self.sections.items(),
+                )
+                if sec is not None
+            ]
             for name, section in present:
                 _coerce_section(name, section)
             for _name, section in present:
                 section.validate()
             if self.peer.replicas and (self.local is None or not self.local.node_local):
-                raise ConfigError("[peer] replicas: needs a node-local [local] path (with {node}), where each node "
-                                  "keeps its own ranks' files")
+                raise ConfigError(
+                    "[peer] replicas: needs a node-local [local] path (with {node}), where each node "
+                    "keeps its own ranks' files"
+                )
         except ConfigError as e:
             raise ConfigError(f"{pre}{e}") from None
 
@@ -355,7 +369,13 @@ class Config:
 TierConfig = Config
 """The former name of :class:`Config` (it always was the whole configuration, not one tier's)."""
 
-_SECTIONS: dict[str, type] = {"host": HostConfig, "local": LocalConfig, "s3": S3Config, "job": JobConfig, "peer": PeerConfig}
+_SECTIONS: dict[str, type] = {
+    "host": HostConfig,
+    "local": LocalConfig,
+    "s3": S3Config,
+    "job": JobConfig,
+    "peer": PeerConfig,
+}
 _BUILTIN = frozenset(_SECTIONS)
 _REQUIRED: dict[str, list[str]] = {"local": ["path"], "s3": ["bucket"]}
 _SIZE_KEYS = {("host", "buffer_size"), ("host", "chunk_size"), ("s3", "part_size")}
@@ -399,7 +419,7 @@ def _coerce(section: str, key: str, value: Any, ftype: str, where: str) -> Any:
         return float(value)
     if ftype == "bool | str":  # a switch with an "auto" setting
         if not isinstance(value, bool) and value != "auto":
-            raise ConfigError(f"{where}: expected \"auto\", true or false, got {type(value).__name__} {value!r}")
+            raise ConfigError(f'{where}: expected "auto", true or false, got {type(value).__name__} {value!r}')
         return value
     if ftype == "str":
         if not isinstance(value, str):
@@ -421,7 +441,9 @@ def config_from_dict(data: Mapping[str, Any], source: str = "") -> Config:
     sections: dict[str, Any] = {}
     for name, body in data.items():
         if name not in _SECTIONS:
-            raise ConfigError(f"{pre}unknown section [{_nm(name)}] (known: {', '.join('[' + s + ']' for s in _SECTIONS)})")
+            raise ConfigError(
+                f"{pre}unknown section [{_nm(name)}] (known: {', '.join('[' + s + ']' for s in _SECTIONS)})"
+            )
         if not isinstance(body, dict):
             raise ConfigError(f"{pre}[{name}] must be a table (a [{name}] section), got {type(body).__name__}")
         cls = _SECTIONS[name]

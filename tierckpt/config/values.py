@@ -31,10 +31,20 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 S3_MAX_ATTEMPTS = 100
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1024 * GiB,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1024 * GiB,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -57,9 +67,7 @@ def parse_size(value: Any, where: str = "size") -> int:
             raise ConfigError(f"{where}: size must not be negative, got {value!r}")
         m = _SIZE_RE.match(value)
         if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(
-                f"{where}: cannot parse size {value!r} (use an integer or e.g. '512MiB', '8GiB', '64MB')"
-            )
+            raise ConfigError(f"{where}: cannot parse size {value!r} (use an integer or e.g. '512MiB', '8GiB', '64MB')")
         number = float(m.group(1)) if len(m.group(1)) <= 40 else math.inf
         size = number * _UNITS[m.group(2).lower()]
         if not size <= MAX_SIZE:
@@ -163,6 +171,10 @@ COMPRESSIONS = ("none", "zstd")
 def check_compression(compression: object, level: object, where: str) -> None:
     """Validate a tier section's ``compression`` / ``compression_level`` (messages name ``where``)."""
     if compression not in COMPRESSIONS:
-        raise ConfigError(f"{where} compression: must be one of {', '.join(map(repr, COMPRESSIONS))}, got {_brief(compression)}")
+        raise ConfigError(
+            f"{where} compression: must be one of {', '.join(map(repr, COMPRESSIONS))}, got {_brief(compression)}"
+        )
     if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
-        raise ConfigError(f"{where} compression_level: must be an integer between -7 and 22 (zstd), got {_brief(level)}")
+        raise ConfigError(
+            f"{where} compression_level: must be an integer between -7 and 22 (zstd), got {_brief(level)}"
+        )

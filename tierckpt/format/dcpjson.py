@@ -63,15 +63,34 @@ from .jsonvalues import (  # noqa: F401 - the checked-value helpers are re-expor
     check_entry,
 )
 
-__all__ = ["DTYPES", "MEMFMT", "ValueCodec", "METADATA_VALUES", "PLAN_VALUES", "new_metadata", "entry_to_json",
-           "entry_from_json", "entry_from_checked", "encode_plan", "decode_plan", "encode_metadata", "decode_metadata", "digest", "plan_hash"]
+__all__ = [
+    "DTYPES",
+    "MEMFMT",
+    "ValueCodec",
+    "METADATA_VALUES",
+    "PLAN_VALUES",
+    "new_metadata",
+    "entry_to_json",
+    "entry_from_json",
+    "entry_from_checked",
+    "encode_plan",
+    "decode_plan",
+    "encode_metadata",
+    "decode_metadata",
+    "digest",
+    "plan_hash",
+]
 
 # -- names -------------------------------------------------------------------------------------
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 """The dtypes a checkpoint may hold, by name (:data:`tierckpt.jsonvalues.DTYPE_SIZES`)."""
-MEMFMT = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
-           "preserve": torch.preserve_format, "channels_last_3d": torch.channels_last_3d}
+MEMFMT = {
+    "contiguous": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "preserve": torch.preserve_format,
+    "channels_last_3d": torch.channels_last_3d,
+}
 MEMFMT_NAMES = {v: k for k, v in MEMFMT.items()}
 
 
@@ -83,14 +102,14 @@ def torch_attr(name: Any, kind: type) -> Any:
     return v
 
 
-
 def new_metadata(sdm: dict[str, Any], planner_data: Any, storage_meta: Any, version: Any, **extra: Any) -> Metadata:
     """DCP ``Metadata``; ``version`` is passed only to a torch whose ``Metadata`` has that field."""
-    kwargs: dict[str, Any] = dict(state_dict_metadata=sdm, planner_data=planner_data, storage_meta=storage_meta, **extra)
+    kwargs: dict[str, Any] = dict(
+        state_dict_metadata=sdm, planner_data=planner_data, storage_meta=storage_meta, **extra
+    )
     if "version" in Metadata.__dataclass_fields__:
         kwargs["version"] = version
     return Metadata(**kwargs)
-
 
 
 class _PlanValues(ValueCodec):
@@ -110,7 +129,10 @@ class _PlanValues(ValueCodec):
 
     def encode_object(self, x: Any, where: str, depth: int) -> Any:
         if dataclasses.is_dataclass(x) and _CLASSES.get(type(x).__name__) is type(x):
-            return {"$": type(x).__name__, "f": {f.name: self.encode(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}}
+            return {
+                "$": type(x).__name__,
+                "f": {f.name: self.encode(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init},
+            }
         return _NONE
 
     def decode_special(self, x: dict, depth: int) -> Any:
@@ -140,12 +162,21 @@ def _plan_refusal(what: str, where: str) -> Exception:
     return TypeError("cannot persist a dict with non-string keys" if what == "keys" else f"cannot persist a {what}")
 
 
-PLAN_VALUES = _PlanValues("$T", "$d", strict=False, max_depth=None, error=CorruptCheckpoint, refuse=_plan_refusal,
-                          decode_prefix="plan cache:", malformed="plan cache: malformed value")
+PLAN_VALUES = _PlanValues(
+    "$T",
+    "$d",
+    strict=False,
+    max_depth=None,
+    error=CorruptCheckpoint,
+    refuse=_plan_refusal,
+    decode_prefix="plan cache:",
+    malformed="plan cache: malformed value",
+)
 """The dialect of the plan cache (planner data other than DCP's key mappings, storage meta)."""
 
 
 # -- metadata.json: one state dict entry ----------------------------------------------------------
+
 
 def entry_to_json(fqn: str, m: Any) -> dict[str, Any]:
     """One ``state_dict_metadata`` value as ``metadata.json`` stores it."""
@@ -174,14 +205,18 @@ def entry_from_checked(e: CheckedEntry) -> Any:
     """DCP storage metadata of an entry :func:`tierckpt.jsonvalues.check_entry` accepted."""
     if e.kind == "bytes":
         return BytesStorageMetadata()
-    props = TensorProperties(dtype=DTYPES[e.dtype], requires_grad=e.requires_grad,
-                             memory_format=MEMFMT[e.memory_format], pin_memory=e.pin_memory)
+    props = TensorProperties(
+        dtype=DTYPES[e.dtype],
+        requires_grad=e.requires_grad,
+        memory_format=MEMFMT[e.memory_format],
+        pin_memory=e.pin_memory,
+    )
     chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in e.chunks]
     return TensorStorageMetadata(properties=props, size=torch.Size(e.size), chunks=chunks)
 
 
-
 # -- the plan cache: plans and metadata column by column -------------------------------------------
+
 
 def _name(x: Any) -> str:
     return str(x).removeprefix("torch.")
@@ -204,14 +239,22 @@ class _PropsTable:
 
 
 def _props(rows: list) -> list[TensorProperties]:
-    return [TensorProperties(dtype=torch_attr(d, torch.dtype), layout=torch_attr(lay, torch.layout),
-                             requires_grad=bool(rg), memory_format=torch_attr(mf, torch.memory_format),
-                             pin_memory=bool(pin)) for d, lay, rg, mf, pin in rows]
+    return [
+        TensorProperties(
+            dtype=torch_attr(d, torch.dtype),
+            layout=torch_attr(lay, torch.layout),
+            requires_grad=bool(rg),
+            memory_format=torch_attr(mf, torch.memory_format),
+            pin_memory=bool(pin),
+        )
+        for d, lay, rg, mf, pin in rows
+    ]
 
 
 def _enc_planner_data(x: Any) -> Any:
-    if isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, tuple) and all(isinstance(e, (str, int)) for e in v)
-                                   for k, v in x.items()):
+    if isinstance(x, dict) and all(
+        isinstance(k, str) and isinstance(v, tuple) and all(isinstance(e, (str, int)) for e in v) for k, v in x.items()
+    ):
         return {"keys": list(x), "paths": [list(v) for v in x.values()]}  # DCP's flattening mappings
     return {"any": PLAN_VALUES.encode(x)}
 
@@ -256,21 +299,43 @@ def encode_plan(plan: SavePlan) -> dict:
             csz.append(list(td.chunk.sizes))
         b = getattr(it, "bytes_io_data", None)
         bio.append(None if b is None else int(b.nbytes))
-    return {"fqn": fqn, "off": off, "hint": hint, "type": typ, "prop": prop, "size": size, "coff": coff, "csz": csz,
-            "bio": bio, "props": table.rows, "pd": _enc_planner_data(plan.planner_data), "usable": bool(plan.usable)}
+    return {
+        "fqn": fqn,
+        "off": off,
+        "hint": hint,
+        "type": typ,
+        "prop": prop,
+        "size": size,
+        "coff": coff,
+        "csz": csz,
+        "bio": bio,
+        "props": table.rows,
+        "pd": _enc_planner_data(plan.planner_data),
+        "usable": bool(plan.usable),
+    }
 
 
 def decode_plan(d: dict) -> SavePlan:
     props = _props(d["props"])
     types = {n: WriteItemType[n] for n in set(d["type"])}
     items = []
-    for f, o, h, t, p, sz, co, cs, b in zip(d["fqn"], d["off"], d["hint"], d["type"], d["prop"], d["size"], d["coff"],
-                                            d["csz"], d["bio"], strict=True):
+    for f, o, h, t, p, sz, co, cs, b in zip(
+        d["fqn"], d["off"], d["hint"], d["type"], d["prop"], d["size"], d["coff"], d["csz"], d["bio"], strict=True
+    ):
         idx = MetadataIndex(str(f), None if o is None else torch.Size(o), None if h is None else int(h))
-        td = None if p < 0 else TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(co), sizes=torch.Size(cs)), properties=props[p], size=torch.Size(sz))
+        td = (
+            None
+            if p < 0
+            else TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(co), sizes=torch.Size(cs)),
+                properties=props[p],
+                size=torch.Size(sz),
+            )
+        )
         if b is not None and _HAS_BYTES_IO:
-            items.append(WriteItem(index=idx, type=types[t], tensor_data=td, bytes_io_data=BytesIOWriteData(nbytes=int(b))))
+            items.append(
+                WriteItem(index=idx, type=types[t], tensor_data=td, bytes_io_data=BytesIOWriteData(nbytes=int(b)))
+            )
         else:
             items.append(WriteItem(index=idx, type=types[t], tensor_data=td))
     return SavePlan(items, planner_data=_dec_planner_data(d["pd"]), usable=bool(d["usable"]))
@@ -295,8 +360,16 @@ def encode_metadata(md: Metadata) -> dict:
             chunks.append(None)
         else:
             raise TypeError(f"cannot persist storage metadata {type(m).__name__}")
-    return {"keys": keys, "prop": prop, "size": size, "chunks": chunks, "props": table.rows,
-            "pd": _enc_planner_data(md.planner_data), "sm": PLAN_VALUES.encode(md.storage_meta), "version": getattr(md, "version", None)}
+    return {
+        "keys": keys,
+        "prop": prop,
+        "size": size,
+        "chunks": chunks,
+        "props": table.rows,
+        "pd": _enc_planner_data(md.planner_data),
+        "sm": PLAN_VALUES.encode(md.storage_meta),
+        "version": getattr(md, "version", None),
+    }
 
 
 def decode_metadata(d: dict) -> Metadata:
@@ -306,8 +379,11 @@ def decode_metadata(d: dict) -> Metadata:
         if p < 0:
             sdm[str(k)] = BytesStorageMetadata()
         else:
-            sdm[str(k)] = TensorStorageMetadata(properties=props[p], size=torch.Size(sz), chunks=[
-                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in ch])
+            sdm[str(k)] = TensorStorageMetadata(
+                properties=props[p],
+                size=torch.Size(sz),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in ch],
+            )
     return new_metadata(sdm, _dec_planner_data(d["pd"]), PLAN_VALUES.decode(d["sm"]), d.get("version"))
 
 
@@ -319,4 +395,3 @@ def plan_hash(plan: SavePlan) -> str:
     """SHA-256 of a plan's items and planner data (keys, offsets, item types, sizes, chunks and
     tensor properties, dtypes included); its storage data does not count."""
     return digest(encode_plan(plan))
-

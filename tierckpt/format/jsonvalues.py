@@ -22,11 +22,26 @@ from ..errors import CorruptCheckpoint
 __all__ = ["DTYPE_SIZES", "MEMFMTS", "METADATA_VALUES", "ValueCodec", "CheckedEntry", "check_entry"]
 
 DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
 }
 """Tensor dtypes a checkpoint may hold (torch's names without ``torch.``) and their item sizes;
 :data:`tierckpt.dcpjson.DTYPES` maps the same names to torch dtypes (a test checks they agree)."""
@@ -50,9 +65,18 @@ class ValueCodec:
     when ``max_depth`` is set.
     """
 
-    def __init__(self, tuple_tag: str, dict_tag: str, *, strict: bool, max_depth: int | None,
-                 error: Callable[[str], Exception], refuse: Callable[[str, str], Exception], decode_prefix: str,
-                 malformed: str) -> None:
+    def __init__(
+        self,
+        tuple_tag: str,
+        dict_tag: str,
+        *,
+        strict: bool,
+        max_depth: int | None,
+        error: Callable[[str], Exception],
+        refuse: Callable[[str, str], Exception],
+        decode_prefix: str,
+        malformed: str,
+    ) -> None:
         self.tuple_tag, self.dict_tag, self.strict, self.max_depth = tuple_tag, dict_tag, strict, max_depth
         self._error, self._refuse, self._prefix, self._malformed = error, refuse, decode_prefix, malformed
 
@@ -117,14 +141,21 @@ def _metadata_refusal(what: str, where: str) -> Exception:
     )
 
 
-METADATA_VALUES = ValueCodec("__tuple__", "__dict__", strict=True, max_depth=64, error=CorruptCheckpoint,
-                             refuse=_metadata_refusal, decode_prefix="metadata: planner_data",
-                             malformed="metadata: malformed planner_data")
+METADATA_VALUES = ValueCodec(
+    "__tuple__",
+    "__dict__",
+    strict=True,
+    max_depth=64,
+    error=CorruptCheckpoint,
+    refuse=_metadata_refusal,
+    decode_prefix="metadata: planner_data",
+    malformed="metadata: malformed planner_data",
+)
 """The dialect of ``metadata.json`` (planner data)."""
 
 
-
 # -- checked values (metadata.json comes from disk: trust nothing) ------------------------------
+
 
 def _cut(text: str, n: int = 300) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
@@ -200,6 +231,7 @@ def _time(x: Any, what: str) -> float:
 
 # -- metadata.json: one state dict entry, checked ---------------------------------------------------
 
+
 class CheckedEntry(NamedTuple):
     """One ``state_dict_metadata`` value of ``metadata.json``, checked (:func:`check_entry`).
 
@@ -248,5 +280,6 @@ def check_entry(m: Any) -> CheckedEntry:
             if o + n > full:
                 raise CorruptCheckpoint(f"metadata: a chunk {offsets}+{sizes} does not fit the tensor's size {size}")
         chunks.append((offsets, sizes))
-    return CheckedEntry("tensor", dtype, requires_grad, memfmt if memfmt in MEMFMTS else "contiguous", pin_memory,
-                        size, chunks)
+    return CheckedEntry(
+        "tensor", dtype, requires_grad, memfmt if memfmt in MEMFMTS else "contiguous", pin_memory, size, chunks
+    )

@@ -58,7 +58,6 @@ _FILE_RE = re.compile(r"^rank-\d{5,7}(-[0-9a-f]{8})?\.data$")
 _RESERVED_IDS = {"latest"}
 
 
-
 def check_checkpoint_id(checkpoint_id: str) -> str:
     """Return ``checkpoint_id`` if it is usable as a directory/prefix name, else raise ``CorruptCheckpoint``."""
     if not isinstance(checkpoint_id, str) or not _ID_RE.match(checkpoint_id) or checkpoint_id in _RESERVED_IDS:

@@ -152,7 +152,6 @@ class CheckpointManifest:
         return self.files[file] if s is None else s.stored
 
 
-
 def _index_key(idx: Any) -> list:
     return [idx.fqn, list(idx.offset) if idx.offset is not None else None, idx.index]
 
@@ -162,13 +161,21 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
     import torch
 
     from .dcpjson import entry_to_json
+
     sdm = {fqn: entry_to_json(fqn, m) for fqn, m in md.state_dict_metadata.items()}
     items = []
     for idx, rec in (md.storage_data or {}).items():
-        items.append({
-            "index": _index_key(idx), "file": rec.file, "pos": rec.pos, "length": rec.length,
-            "dtype": rec.dtype, "shape": list(rec.shape), "crcs": rec.crcs,
-        })
+        items.append(
+            {
+                "index": _index_key(idx),
+                "file": rec.file,
+                "pos": rec.pos,
+                "length": rec.length,
+                "dtype": rec.dtype,
+                "shape": list(rec.shape),
+                "crcs": rec.crcs,
+            }
+        )
     sm = md.storage_meta
     doc = {
         "format": FORMAT,
@@ -186,16 +193,28 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
             "version": getattr(md, "version", None),
             "state_dict_metadata": sdm,
             "planner_data": METADATA_VALUES.encode(md.planner_data, "planner_data"),
-            "storage_meta": None if sm is None else {
+            "storage_meta": None
+            if sm is None
+            else {
                 "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
-                "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules or []),
+                "save_id": sm.save_id,
+                "load_id": sm.load_id,
+                "modules": list(sm.modules or []),
             },
         },
         "items": items,
     }
     body = json.dumps(doc, separators=(",", ":")).encode()
-    header = json.dumps({"format": FORMAT, "length": len(body), "crc32c": crc32c(body),
-                         "seq": manifest.seq, "step": manifest.step, "committed": manifest.committed}).encode()
+    header = json.dumps(
+        {
+            "format": FORMAT,
+            "length": len(body),
+            "crc32c": crc32c(body),
+            "seq": manifest.seq,
+            "step": manifest.step,
+            "committed": manifest.committed,
+        }
+    ).encode()
     return header + b"\n" + body
 
 
@@ -241,7 +260,6 @@ def read_header(prefix: bytes) -> CommitHeader | None:
     return CommitHeader(seq=seq, step=step, committed=float(committed))
 
 
-
 def _n_pieces(pos: int, length: int, chunk_size: int) -> int:
     """``len(piece_bounds(pos, length, chunk_size))``, computed without building the list."""
     return 0 if length <= 0 else (pos + length - 1) // chunk_size - pos // chunk_size + 1
@@ -273,8 +291,9 @@ class CheckpointDoc:
         from .dcpjson import entry_from_checked, new_metadata
 
         sdm = {fqn: entry_from_checked(e) for fqn, e in self.entries.items()}
-        storage = {MetadataIndex(i.fqn, None if i.offset is None else list(i.offset), i.index): rec
-                   for i, rec in self.items}
+        storage = {
+            MetadataIndex(i.fqn, None if i.offset is None else list(i.offset), i.index): rec for i, rec in self.items
+        }
         sm = None if self.storage_meta is None else StorageMeta(**self.storage_meta)
         return new_metadata(sdm, self.planner_data, sm, self.version, storage_data=storage)
 
@@ -372,7 +391,9 @@ def _parse(doc: Any, where: str) -> CheckpointDoc:
         except CorruptCheckpoint as e:
             raise CorruptCheckpoint(f"{e} (entry {_brief(fqn)})") from None
         except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpoint(f"metadata: malformed entry {_brief(fqn)} ({type(e).__name__}: {_cut(str(e), 80)})") from None
+            raise CorruptCheckpoint(
+                f"metadata: malformed entry {_brief(fqn)} ({type(e).__name__}: {_cut(str(e), 80)})"
+            ) from None
     storage: list[tuple[ItemIndex, ItemRecord]] = []
     for n, it in enumerate(_list(_req(doc, "items", "the document"), "'items'")):
         try:
@@ -390,14 +411,23 @@ def _parse(doc: Any, where: str) -> CheckpointDoc:
             checkpoint_id=_str(sm.get("checkpoint_id"), "storage_meta checkpoint_id", 4096, none=True),
             save_id=_str(sm.get("save_id"), "storage_meta save_id", 256, none=True),
             load_id=_str(sm.get("load_id"), "storage_meta load_id", 256, none=True),
-            modules=[_str(x, "storage_meta module", 4096) for x in _list(sm.get("modules", []), "storage_meta modules")],
+            modules=[
+                _str(x, "storage_meta module", 4096) for x in _list(sm.get("modules", []), "storage_meta modules")
+            ],
         )
-    return CheckpointDoc(manifest, sdm, storage, METADATA_VALUES.decode(d.get("planner_data")), storage_meta,
-                         _str(d.get("version"), "dcp version", 64, none=True))
+    return CheckpointDoc(
+        manifest,
+        sdm,
+        storage,
+        METADATA_VALUES.decode(d.get("planner_data")),
+        storage_meta,
+        _str(d.get("version"), "dcp version", 64, none=True),
+    )
 
 
-
-def _item(it: Any, sdm: dict[str, CheckedEntry], files: dict[str, int], chunk_size: int) -> tuple[ItemIndex, ItemRecord]:
+def _item(
+    it: Any, sdm: dict[str, CheckedEntry], files: dict[str, int], chunk_size: int
+) -> tuple[ItemIndex, ItemRecord]:
     """One element of ``items`` -> (index, record), checked against the entries and files (hot)."""
     if type(it) is not dict:
         raise CorruptCheckpoint(f"metadata: an item must be an object, got {_brief(it)}")
@@ -409,10 +439,14 @@ def _item(it: Any, sdm: dict[str, CheckedEntry], files: dict[str, int], chunk_si
         raise CorruptCheckpoint(f"metadata: item for unknown key {_brief(fqn)}")
     file = it["file"]
     if type(file) is not str or file not in files:
-        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} names file {_brief(file)} that is not part of the checkpoint")
+        raise CorruptCheckpoint(
+            f"metadata: item {_brief(fqn)} names file {_brief(file)} that is not part of the checkpoint"
+        )
     pos, length = _int(it["pos"], "pos"), _int(it["length"], "length")
     if pos % ALIGN or pos + padded(length) > files[file]:
-        raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} [{pos}, {pos + length}) is misaligned or runs past the end of {file} ({files[file]} bytes)")
+        raise CorruptCheckpoint(
+            f"metadata: item {_brief(fqn)} [{pos}, {pos + length}) is misaligned or runs past the end of {file} ({files[file]} bytes)"
+        )
     dtype = it.get("dtype", "")
     if type(dtype) is not str:
         raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has dtype {_brief(dtype)}")
@@ -430,7 +464,9 @@ def _item(it: Any, sdm: dict[str, CheckedEntry], files: dict[str, int], chunk_si
         raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has a wrong number of checksums")
     _ints(crcs, "crc", len(crcs), 0xFFFFFFFF)
     rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape, crcs=crcs)
-    idx = ItemIndex(fqn, None if off is None else tuple(_ints(off, "offset")), None if idx_n is None else _int(idx_n, "index"))
+    idx = ItemIndex(
+        fqn, None if off is None else tuple(_ints(off, "offset")), None if idx_n is None else _int(idx_n, "index")
+    )
     return idx, rec
 
 

@@ -86,9 +86,14 @@ class StoredFile:
         return i * self.frame, min(self.size, (i + 1) * self.frame)
 
     def to_json(self) -> dict:
-        return {"codec": self.codec, "level": self.level, "frame": self.frame, "size": self.size,
-                "sizes": base64.b64encode(np.asarray(self.sizes, dtype="<u4").tobytes()).decode(),
-                "hashes": base64.b64encode(b"".join(self.hashes)).decode()}
+        return {
+            "codec": self.codec,
+            "level": self.level,
+            "frame": self.frame,
+            "size": self.size,
+            "sizes": base64.b64encode(np.asarray(self.sizes, dtype="<u4").tobytes()).decode(),
+            "hashes": base64.b64encode(b"".join(self.hashes)).decode(),
+        }
 
     @classmethod
     def from_json(cls, d: object, file: str, size: int) -> StoredFile:
@@ -107,8 +112,14 @@ class StoredFile:
             if len(raw_sizes) != 4 * n or len(raw_hashes) != HASH_BYTES * n:
                 raise ValueError(f"{len(raw_sizes) // 4} sizes / {len(raw_hashes) // HASH_BYTES} hashes for {n} frames")
             sizes = np.frombuffer(raw_sizes, dtype="<u4").astype(np.int64).tolist()
-            out = cls(codec, frame, size, sizes, [raw_hashes[k:k + HASH_BYTES] for k in range(0, len(raw_hashes), HASH_BYTES)],
-                      level)
+            out = cls(
+                codec,
+                frame,
+                size,
+                sizes,
+                [raw_hashes[k : k + HASH_BYTES] for k in range(0, len(raw_hashes), HASH_BYTES)],
+                level,
+            )
             for i, s in enumerate(sizes):
                 a, b = out.span(i)
                 if s < 1 or (codec == "none" and s != b - a) or s > (b - a) + 1:
@@ -117,7 +128,9 @@ class StoredFile:
         except CorruptCheckpoint:
             raise
         except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpoint(f"metadata: stored index of {file} is malformed ({type(e).__name__}: {str(e)[:120]})") from None
+            raise CorruptCheckpoint(
+                f"metadata: stored index of {file} is malformed ({type(e).__name__}: {str(e)[:120]})"
+            ) from None
 
 
 def parse_stored(value: object, files: dict[str, int]) -> dict[str, StoredFile]:

@@ -79,8 +79,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     from ..errors import TierckptError
 
-    raise TierckptError(f"tierckpt.integrations.accelerate needs Accelerate ({e}); "
-                        'install it with: pip install "tierckpt[accelerate]"') from e
+    raise TierckptError(
+        f'tierckpt.integrations.accelerate needs Accelerate ({e}); install it with: pip install "tierckpt[accelerate]"'
+    ) from e
 
 from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import checkpoint_id_of, list_checkpoints
@@ -116,10 +117,14 @@ def _unpickle(raw: Any, what: str, weights_only: bool) -> Any:
 
 def _rng_state() -> dict[str, Any]:
     """This process's RNG states, as Accelerate saves them (NumPy's as plain values)."""
-    name, key, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
-    st: dict[str, Any] = {"random_state": random.getstate(),
-                          "numpy_random_seed": (name, key.tolist(), int(pos), int(has_gauss), float(cached)),
-                          "torch_manual_seed": torch.get_rng_state()}
+    name, key, pos, has_gauss, cached = cast(
+        "tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True)
+    )
+    st: dict[str, Any] = {
+        "random_state": random.getstate(),
+        "numpy_random_seed": (name, key.tolist(), int(pos), int(has_gauss), float(cached)),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
     return st
@@ -159,8 +164,10 @@ class TierckptState:
 
             plugin = acc.state.fsdp_plugin
             if plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
-                raise ConfigError(f"tierckpt saves FSDP with SHARDED_STATE_DICT only (the plugin says "
-                                  f"{plugin.state_dict_type.name}); set fsdp_plugin.state_dict_type")
+                raise ConfigError(
+                    f"tierckpt saves FSDP with SHARDED_STATE_DICT only (the plugin says "
+                    f"{plugin.state_dict_type.name}); set fsdp_plugin.state_dict_type"
+                )
             return _prepare_sd_options(plugin) if plugin.fsdp_version == 2 else StateDictOptions()
         return StateDictOptions()
 
@@ -174,8 +181,12 @@ class TierckptState:
         return out
 
     # -- save_state ------------------------------------------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+    def save_state(
+        self,
+        output_dir: str | os.PathLike | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> str:
         """``Accelerator.save_state`` through the tiers (see the module docstring). Returns
         ``output_dir`` (with automatic naming, the ``checkpoint_<n>`` path Accelerate would use)."""
         acc = self.accelerator
@@ -195,9 +206,14 @@ class TierckptState:
         state = self._model_states(opts)
         state[f"rank_{acc.process_index}"] = _pickle(self._rank_state())
         if acc.is_main_process:
-            state["accelerate"] = _pickle({"schedulers": [s.state_dict() for s in acc._schedulers],
-                                           "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-                                           "iteration": pc.iteration, "world": acc.num_processes})
+            state["accelerate"] = _pickle(
+                {
+                    "schedulers": [s.state_dict() for s in acc._schedulers],
+                    "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+                    "iteration": pc.iteration,
+                    "world": acc.num_processes,
+                }
+            )
             state["custom"] = _pickle([obj.state_dict() for obj in acc._custom_objects])
         if acc._save_model_state_pre_hook:
             os.makedirs(output_dir, exist_ok=True)
@@ -234,8 +250,9 @@ class TierckptState:
             self.deletions.delete(cid, job.replicated if job is not None else None)
 
     # -- load_state ------------------------------------------------------------------------------
-    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
-                   **load_model_func_kwargs: Any) -> None:
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+    ) -> None:
         """``Accelerator.load_state`` through the tiers (see the module docstring)."""
         acc = self.accelerator
         if input_dir is not None:
@@ -278,8 +295,12 @@ class TierckptState:
         if mine in state:
             self._load_rank_state(_unpickle(state[mine], f"{cid}: {mine}", not trusted))
         else:
-            log.info("checkpoint %s has no state of process %d (saved by fewer processes): RNG states, data "
-                     "loader positions and step not loaded", cid, acc.process_index)
+            log.info(
+                "checkpoint %s has no state of process %d (saved by fewer processes): RNG states, data "
+                "loader positions and step not loaded",
+                cid,
+                acc.process_index,
+            )
         if "custom" in state:
             for obj, sd in zip(acc._custom_objects, _unpickle(state["custom"], f"{cid}: custom", False)):
                 obj.load_state_dict(sd)
@@ -314,8 +335,13 @@ class TierckptState:
         self.accelerator.__dict__.pop("_tierckpt", None)
 
 
-def enable(accelerator: Accelerator, config: TierConfig | str | os.PathLike | None = None, *,
-           allow_pickle: bool = False, check_version: bool = True) -> TierckptState:
+def enable(
+    accelerator: Accelerator,
+    config: TierConfig | str | os.PathLike | None = None,
+    *,
+    allow_pickle: bool = False,
+    check_version: bool = True,
+) -> TierckptState:
     """Route ``accelerator.save_state``/``load_state`` through tierckpt (every process, before
     training). ``config``: a :class:`~tierckpt.config.TierConfig`, a TOML path or ``None``
     (``$TIERCKPT_CONFIG``). Raises :class:`~tierckpt.errors.ConfigError` for an Accelerate
@@ -323,12 +349,16 @@ def enable(accelerator: Accelerator, config: TierConfig | str | os.PathLike | No
     Megatron-LM and XLA runs (their own checkpoint engines)."""
     version = tuple(int(p) for p in re.findall(r"\d+", accelerate.__version__)[:2])
     if check_version and not (SUPPORTED[0] <= version < SUPPORTED[1]):
-        raise ConfigError(f"tierckpt.integrations.accelerate supports Accelerate 1.15.x, found {accelerate.__version__} "
-                          "(enable(..., check_version=False) to try anyway)")
+        raise ConfigError(
+            f"tierckpt.integrations.accelerate supports Accelerate 1.15.x, found {accelerate.__version__} "
+            "(enable(..., check_version=False) to try anyway)"
+        )
     kind = accelerator.distributed_type
     if kind != DistributedType.FSDP and kind not in _PLAIN:
-        raise ConfigError(f"tierckpt.integrations.accelerate does not handle {kind} runs (their engines checkpoint "
-                          "themselves); supported: FSDP (sharded state dicts), DDP and single-process runs")
+        raise ConfigError(
+            f"tierckpt.integrations.accelerate does not handle {kind} runs (their engines checkpoint "
+            "themselves); supported: FSDP (sharded state dicts), DDP and single-process runs"
+        )
     if "_tierckpt" in accelerator.__dict__:
         accelerator.__dict__["_tierckpt"].disable()
     cfg = os.fspath(config) if isinstance(config, os.PathLike) else config

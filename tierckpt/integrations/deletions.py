@@ -101,12 +101,17 @@ class Deletions:
         kept = []
         for i in range(len(chain)):
             tier = chain[i]
-            if not guarded_delete(tier, cid, lambda t=tier: delete_checkpoint(t, cid), reason="deleted by the training framework"):
+            if not guarded_delete(
+                tier, cid, lambda t=tier: delete_checkpoint(t, cid), reason="deleted by the training framework"
+            ):
                 kept.append(chain.names[i])
         if kept:
             self.skipped[cid] = kept
-            log.warning("checkpoint %s was not deleted on %s: in use there (a live lease); retention may remove it later",
-                        cid, ", ".join(kept))
+            log.warning(
+                "checkpoint %s was not deleted on %s: in use there (a live lease); retention may remove it later",
+                cid,
+                ", ".join(kept),
+            )
             return False
         self.deleted.append(cid)
         log.info("deleted checkpoint %s on every tier", cid)

@@ -54,8 +54,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     from ..errors import TierckptError
 
-    raise TierckptError(f"tierckpt.integrations.lightning needs Lightning ({e}); "
-                        'install it with: pip install "tierckpt[lightning]"') from e
+    raise TierckptError(
+        f'tierckpt.integrations.lightning needs Lightning ({e}); install it with: pip install "tierckpt[lightning]"'
+    ) from e
 
 from ..config import TierConfig
 from ..load.reader import TieredReader
@@ -102,8 +103,10 @@ class TierckptCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         """Rank 0: save ``checkpoint`` as the checkpoint of ``path``; returns once captured."""
         if storage_options is not None:
-            raise TypeError("`TierckptCheckpointIO.save_checkpoint(..., storage_options=...)` is not supported: "
-                            "the tiers are configured in tierckpt's TOML")
+            raise TypeError(
+                "`TierckptCheckpointIO.save_checkpoint(..., storage_options=...)` is not supported: "
+                "the tiers are configured in tierckpt's TOML"
+            )
         paths = self.paths
         cid, replaces = paths.new_id(path)
         flat = split(checkpoint)
@@ -113,8 +116,9 @@ class TierckptCheckpointIO(CheckpointIO):
         paths.saved(path, cid, job, replaces, step=checkpoint.get("global_step"))
         log.info("checkpoint %s captured for %s; it commits in the background", cid, path)
 
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Every rank: the checkpoint ``path`` resolves to, whole (tensors on the CPU)."""
         got = self.paths.resolve(path)
         if got.foreign:

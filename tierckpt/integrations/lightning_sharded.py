@@ -147,8 +147,9 @@ class TierckptModelParallelStrategy(_Tiered, ModelParallelStrategy):
     or ``None`` for ``$TIERCKPT_CONFIG``); ``allow_pickle``: unpickle the metadata without
     ``weights_only``; the rest is ``ModelParallelStrategy``'s."""
 
-    def __init__(self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._tier_init(config, allow_pickle)
 
@@ -188,8 +189,9 @@ class TierckptModelParallelStrategy(_Tiered, ModelParallelStrategy):
         dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=TieredReader(self.paths.cfg))
         module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
         for i, optim in enumerate(self.optimizers):
-            set_optimizer_state_dict(module, optim, optim_state_dict=state[f"optimizer_{i}"],
-                                     options=StateDictOptions(cpu_offload=True))
+            set_optimizer_state_dict(
+                module, optim, optim_state_dict=state[f"optimizer_{i}"], options=StateDictOptions(cpu_offload=True)
+            )
         return self._meta(state[META_KEY], checkpoint_id, weights_only)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -207,8 +209,14 @@ class TierckptFSDPStrategy(_Tiered, FSDPStrategy):
     tiers (the default here). ``config``/``allow_pickle`` as for :class:`TierckptModelParallelStrategy`;
     the rest is ``FSDPStrategy``'s."""
 
-    def __init__(self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False,
-                 state_dict_type: Literal["full", "sharded"] = "sharded", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: TierConfig | str | os.PathLike | None = None,
+        *,
+        allow_pickle: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "sharded",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(state_dict_type=state_dict_type, **kwargs)
         self._tier_init(config, allow_pickle)
 
@@ -248,10 +256,14 @@ class TierckptFSDPStrategy(_Tiered, FSDPStrategy):
                 for i, optim in enumerate(self.optimizers):
                     reader = TieredReader(cfg)
                     reader.reset(checkpoint_id)
-                    osd = load_sharded_optimizer_state_dict(model_state_dict=state["model"],
-                                                            optimizer_key=f"optimizer_{i}", storage_reader=reader)
-                    optim.load_state_dict(FSDP.optim_state_dict_to_load(
-                        optim_state_dict=osd[f"optimizer_{i}"], model=self.model, optim=optim))
+                    osd = load_sharded_optimizer_state_dict(
+                        model_state_dict=state["model"], optimizer_key=f"optimizer_{i}", storage_reader=reader
+                    )
+                    optim.load_state_dict(
+                        FSDP.optim_state_dict_to_load(
+                            optim_state_dict=osd[f"optimizer_{i}"], model=self.model, optim=optim
+                        )
+                    )
         return self._meta(state[META_KEY], checkpoint_id, weights_only)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:

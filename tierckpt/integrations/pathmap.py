@@ -69,8 +69,20 @@ class Pointer:
     step: int | None = None
 
     def encode(self) -> bytes:
-        return json.dumps({"format": _MAGIC, "version": 1, "id": self.id, "replaces": self.replaces,
-                           "config": self.config, "step": self.step}, indent=1).encode() + b"\n"
+        return (
+            json.dumps(
+                {
+                    "format": _MAGIC,
+                    "version": 1,
+                    "id": self.id,
+                    "replaces": self.replaces,
+                    "config": self.config,
+                    "step": self.step,
+                },
+                indent=1,
+            ).encode()
+            + b"\n"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,8 +119,12 @@ def read_pointer(path: str | os.PathLike) -> Pointer | None:
     if not isinstance(d, dict) or d.get("format") != _MAGIC:
         raise NotAPointer(f"{path} is not a tierckpt pointer")
     try:
-        return Pointer(id=check_checkpoint_id(d["id"]), replaces=d.get("replaces"), config=str(d.get("config") or ""),
-                       step=d.get("step"))
+        return Pointer(
+            id=check_checkpoint_id(d["id"]),
+            replaces=d.get("replaces"),
+            config=str(d.get("config") or ""),
+            step=d.get("step"),
+        )
     except (KeyError, TierckptError) as e:
         raise TierckptError(f"{path}: a malformed tierckpt pointer ({e})") from None
 
@@ -120,8 +136,10 @@ def write_pointer(path: str | os.PathLike, pointer: Pointer) -> None:
     if parent:
         fs.makedirs(parent, exist_ok=True)
     if fs.isdir(p):
-        raise TierckptError(f"cannot write the tierckpt pointer {path}: a directory is there (a checkpoint "
-                            "saved without tierckpt?); remove it or save under another name")
+        raise TierckptError(
+            f"cannot write the tierckpt pointer {path}: a directory is there (a checkpoint "
+            "saved without tierckpt?); remove it or save under another name"
+        )
     tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
     with fs.open(tmp, "wb") as f:
         f.write(pointer.encode())
@@ -163,8 +181,14 @@ class PathMap:
             cid = f"{name}+{n}"
         return check_checkpoint_id(cid), prev
 
-    def saved(self, path: str | os.PathLike, checkpoint_id: str, job: RankSave | None, replaces: str | None,
-              step: int | None = None) -> None:
+    def saved(
+        self,
+        path: str | os.PathLike,
+        checkpoint_id: str,
+        job: RankSave | None,
+        replaces: str | None,
+        step: int | None = None,
+    ) -> None:
         """After the save of ``checkpoint_id`` returned: write its pointer at ``path``; queue the
         deletion of the checkpoint it replaces (once this one is committed on every tier)."""
         if job is not None:
@@ -204,17 +228,27 @@ class PathMap:
         if self.committed(cid):
             return Resolved(cid)
         if ptr is not None and ptr.replaces and self.committed(ptr.replaces):
-            log.warning("%s: checkpoint %s was never committed (the job stopped first); loading %s, which it "
-                        "was to replace", path, cid, ptr.replaces)
+            log.warning(
+                "%s: checkpoint %s was never committed (the job stopped first); loading %s, which it was to replace",
+                path,
+                cid,
+                ptr.replaces,
+            )
             return Resolved(ptr.replaces)
         if LAST_NAME.match(os.path.basename(os.fspath(path))):
             newest = latest(self.cfg)
             if newest is not None:
-                log.warning("%s: checkpoint %s was never committed (the job stopped first); loading the newest "
-                            "committed checkpoint, %s", path, cid, newest)
+                log.warning(
+                    "%s: checkpoint %s was never committed (the job stopped first); loading the newest "
+                    "committed checkpoint, %s",
+                    path,
+                    cid,
+                    newest,
+                )
                 return Resolved(newest)
-        raise CheckpointNotFound(f"{path}: checkpoint {cid} is not committed on any tier of "
-                                 f"{self.cfg.source or 'the configuration'}")
+        raise CheckpointNotFound(
+            f"{path}: checkpoint {cid} is not committed on any tier of {self.cfg.source or 'the configuration'}"
+        )
 
     # -- the end -------------------------------------------------------------------------------
     def close(self, quietly: bool = False) -> None:

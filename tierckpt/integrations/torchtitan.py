@@ -17,7 +17,7 @@ What changes against torchtitan's :class:`~torchtitan.components.checkpointer.Ch
 * **Saves** (``dcp_save``) go through one :class:`~tierckpt.TieredWriter`; torchtitan's ids
   (``<dump>/<folder>/step-N``) become tierckpt ids ``step-N``. ``async_mode = "disabled"``:
   ``dcp.save`` returns once the state is *captured* (committed in the background: torchtitan's
-  "Finished saving" then means captured); ``"async"``: DCP's thread executor; 
+  "Finished saving" then means captured); ``"async"``: DCP's thread executor;
   ``"async_with_pinned_mem"``: DCP's process executor (``AsyncCheckpointerType.PROCESS``), the
   writer as its own stager (it copies the state for the checkpoint process; torchtitan's
   ``DefaultStager`` needs an accelerator for its non-blocking copies), returning the
@@ -75,8 +75,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     from ..errors import TierckptError
 
-    raise TierckptError(f"tierckpt.integrations.torchtitan needs torchtitan ({e}); "
-                        'install it with: pip install "tierckpt[torchtitan]"') from e
+    raise TierckptError(
+        f'tierckpt.integrations.torchtitan needs torchtitan ({e}); install it with: pip install "tierckpt[torchtitan]"'
+    ) from e
 
 from ..catalog.checkpoints import checkpoint_id_of, latest
 from ..config import Config, load_config
@@ -182,33 +183,48 @@ class TierckptCheckpointManager(CheckpointManager):
         while f"step-{step:0{width}d}" in self._bad:
             width += 1
         new = f"step-{step:0{width}d}"
-        log.warning("checkpoint step-%d was skipped on resume (it failed on every tier): saving step %d as %s",
-                    step, step, new)
+        log.warning(
+            "checkpoint step-%d was skipped on resume (it failed on every tier): saving step %d as %s", step, step, new
+        )
         return os.path.join(os.path.dirname(cid), new) if os.path.dirname(cid) else new
 
     # -- saving ---------------------------------------------------------------------------
     @torch.no_grad()
-    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
-                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Future | AsyncSaveResponse | None:
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Future | AsyncSaveResponse | None:
         """Every rank, from the trainer's ``save``: see the module docstring for what each mode
         returns and when its future completes. HF exports go to torchtitan's own writer."""
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         ret: Future | AsyncSaveResponse | None = None
         if async_mode == AsyncMode.ASYNC:
-            ret = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=self.writer,
-                                 process_group=self.pg)
+            ret = dcp.async_save(
+                state_dict, checkpoint_id=checkpoint_id, storage_writer=self.writer, process_group=self.pg
+            )
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-            upload = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=self.writer,
-                                    process_group=self.pg, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            upload = dcp.async_save(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                storage_writer=self.writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
             if isinstance(upload, AsyncSaveResponse):
                 ret = upload
             else:
                 ret = AsyncSaveResponse(staging_completion=self.writer.captured_future(), upload_completion=upload)
         else:
             dcp.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=self.writer)
-            log.info("checkpoint %s captured; it commits in the background (close() waits for it)",
-                     checkpoint_id_of(checkpoint_id))
+            log.info(
+                "checkpoint %s captured; it commits in the background (close() waits for it)",
+                checkpoint_id_of(checkpoint_id),
+            )
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -253,10 +269,15 @@ class TierckptCheckpointManager(CheckpointManager):
                 if bad is None:
                     raise
                 older = latest(self.tier_config, before=cid)
-                log.error("RESUME: checkpoint %s cannot be loaded from any tier holding it (%s: %s); %s",
-                          cid, type(bad).__name__, bad,
-                          f"resuming from the next older committed checkpoint, {older}" if older
-                          else "no older committed checkpoint is left")
+                log.error(
+                    "RESUME: checkpoint %s cannot be loaded from any tier holding it (%s: %s); %s",
+                    cid,
+                    type(bad).__name__,
+                    bad,
+                    f"resuming from the next older committed checkpoint, {older}"
+                    if older
+                    else "no older committed checkpoint is left",
+                )
                 if older is None:
                     raise
                 self._bad.add(cid)

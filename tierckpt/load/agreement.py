@@ -44,8 +44,25 @@ from ..format.layout import MAX_METADATA_BYTES, metadata_key
 from ..format.metadata import CheckpointDoc
 from ..tiers.base import Tier
 
-__all__ = ["view_to_wire", "view_from_wire", "verdict_to_wire", "verdict_from_wire", "CANDIDATES", "Held", "NodeView", "Verdict", "Decision", "local_view", "decide", "metadata_source",
-           "read_shared_metadata", "ranges_of", "in_ranges", "done_key", "data_files"]
+__all__ = [
+    "view_to_wire",
+    "view_from_wire",
+    "verdict_to_wire",
+    "verdict_from_wire",
+    "CANDIDATES",
+    "Held",
+    "NodeView",
+    "Verdict",
+    "Decision",
+    "local_view",
+    "decide",
+    "metadata_source",
+    "read_shared_metadata",
+    "ranges_of",
+    "in_ranges",
+    "done_key",
+    "data_files",
+]
 
 log = logging.getLogger("tierckpt.peers")
 
@@ -198,8 +215,14 @@ def local_view(first: Tier, checkpoint_id: str) -> tuple[NodeView, dict[str, tup
     return view, docs
 
 
-def decide(views: list[NodeView], shared_tiers: list[Tier], checkpoint_id: str, *, take_leases: bool = True,
-           names: dict[str, list[str]] | None = None) -> Decision:
+def decide(
+    views: list[NodeView],
+    shared_tiers: list[Tier],
+    checkpoint_id: str,
+    *,
+    take_leases: bool = True,
+    names: dict[str, list[str]] | None = None,
+) -> Decision:
     """Phase 3, the coordinator only: the checkpoint to load and who holds what.
 
     ``views[r]`` is rank ``r``'s :class:`NodeView`. Each shared tier is listed once here (and
@@ -247,8 +270,14 @@ def decide(views: list[NodeView], shared_tiers: list[Tier], checkpoint_id: str, 
         covered = md_rank >= 0 and not missing
         if not on and not covered:
             known = (names or {}).get(cid)
-            what = (known[missing[0]] if known and missing[0] < len(known) else f"number {missing[0]}") if missing else "metadata"
-            why.append(f"{cid}: data file {what} is on no node of this job ({len(missing)} missing) and on no shared tier")
+            what = (
+                (known[missing[0]] if known and missing[0] < len(known) else f"number {missing[0]}")
+                if missing
+                else "metadata"
+            )
+            why.append(
+                f"{cid}: data file {what} is on no node of this job ({len(missing)} missing) and on no shared tier"
+            )
             continue
         # The metadata goes point to point from a node holding it when no shared tier has it, or
         # when few ranks lack it (one rank serving thousands would be the bottleneck).
@@ -273,9 +302,15 @@ def decide(views: list[NodeView], shared_tiers: list[Tier], checkpoint_id: str, 
         verdict = Verdict(cid, seq, md_rank, md_size, send, tuple(on), tuple(leased), uuid.uuid4().hex[:16])
         return Decision(verdict, holders, held)
     nodes = sorted({v.root for v in views})
-    return Decision(Verdict(checkpoint_id, error=(
-        f"checkpoint {checkpoint_id}: no committed checkpoint this job can read in full (nodes: {', '.join(nodes)})"
-        + (": " + "; ".join(why[:3]) if why else ""))))
+    return Decision(
+        Verdict(
+            checkpoint_id,
+            error=(
+                f"checkpoint {checkpoint_id}: no committed checkpoint this job can read in full (nodes: {', '.join(nodes)})"
+                + (": " + "; ".join(why[:3]) if why else "")
+            ),
+        )
+    )
 
 
 def metadata_source(verdict: Verdict, rank: int, mine: bool) -> str:
@@ -293,8 +328,10 @@ def read_shared_metadata(tiers: list[Tier], verdict: Verdict) -> tuple[str, byte
     GET from the first shared tier holding it (the size comes with the verdict); that tier's
     name and the bytes."""
     if verdict.md_size > MAX_METADATA_BYTES:
-        raise CorruptCheckpoint(f"checkpoint {verdict.checkpoint_id}: metadata of {verdict.md_size} bytes is larger "
-                                f"than {MAX_METADATA_BYTES} bytes")
+        raise CorruptCheckpoint(
+            f"checkpoint {verdict.checkpoint_id}: metadata of {verdict.md_size} bytes is larger "
+            f"than {MAX_METADATA_BYTES} bytes"
+        )
     errors: list[str] = []
     for tier in tiers:
         if tier.name not in verdict.shared:
@@ -303,8 +340,10 @@ def read_shared_metadata(tiers: list[Tier], verdict: Verdict) -> tuple[str, byte
             return tier.name, tier.get(metadata_key(verdict.checkpoint_id), 0, verdict.md_size)
         except TierckptError as e:
             errors.append(f"{tier.url}: {e}")
-    raise CheckpointNotFound(f"checkpoint {verdict.checkpoint_id}: cannot read its metadata from a shared tier: "
-                             + ("; ".join(errors) or "none reachable from this rank"))
+    raise CheckpointNotFound(
+        f"checkpoint {verdict.checkpoint_id}: cannot read its metadata from a shared tier: "
+        + ("; ".join(errors) or "none reachable from this rank")
+    )
 
 
 def done_key(verdict: Verdict) -> str:

@@ -96,9 +96,19 @@ class LoadFill:
 
     # -- choosing the files (calling thread) --------------------------------------------------
     @classmethod
-    def plan(cls, local: Tier, cid: str, requests: list[Request], received: list[ItemRecord], files: dict[str, int],
-             token: str, rank: int | None, lacks: Callable[[str], bool], shared: list[Tier],
-             raw: bytes | None = None) -> LoadFill | None:
+    def plan(
+        cls,
+        local: Tier,
+        cid: str,
+        requests: list[Request],
+        received: list[ItemRecord],
+        files: dict[str, int],
+        token: str,
+        rank: int | None,
+        lacks: Callable[[str], bool],
+        shared: list[Tier],
+        raw: bytes | None = None,
+    ) -> LoadFill | None:
         """A fill for the files worth filling (module docstring), or None.
 
         ``requests`` are the items read from the tiers (their ``done`` callbacks are wrapped),
@@ -112,14 +122,19 @@ class LoadFill:
         by_file: dict[str, list[ItemRecord]] = {}
         for rec in [r.rec for r in requests] + list(received):
             by_file.setdefault(rec.file, []).append(rec)
-        picked = [f for f, recs in by_file.items()
-                  if (rank is None or rank_of_file(f) == rank) and f in files and _covers(recs, files[f]) and lacks(f)]
+        picked = [
+            f
+            for f, recs in by_file.items()
+            if (rank is None or rank_of_file(f) == rank) and f in files and _covers(recs, files[f]) and lacks(f)
+        ]
         if not picked:
             return None
         need = sum(files[f] for f in picked)
         free = local.free_bytes()
         if free is not None and free < 2 * need:
-            log.info("checkpoint %s: not filling %s during the load: %d bytes free, %d to write", cid, local.url, free, need)
+            log.info(
+                "checkpoint %s: not filling %s during the load: %d bytes free, %d to write", cid, local.url, free, need
+            )
             return None
         try:
             meta = _metadata_to_commit(local, cid, token, shared, raw)
@@ -135,8 +150,13 @@ class LoadFill:
                 sink = local.open_sink(data_key(cid, file), files[file], exclusive=True)  # type: ignore[call-arg]
             except (TierckptError, OSError) as e:
                 busy = getattr(e, "errno", None) == errno.EEXIST
-                (log.info if busy else log.warning)("checkpoint %s: not filling %s/%s: %s", cid, local.url,
-                                                    data_key(cid, file), "another process is writing it" if busy else e)
+                (log.info if busy else log.warning)(
+                    "checkpoint %s: not filling %s/%s: %s",
+                    cid,
+                    local.url,
+                    data_key(cid, file),
+                    "another process is writing it" if busy else e,
+                )
                 continue
             fill._files[file] = _File(file, files[file], sink, len(by_file[file]))
         for r in requests:
@@ -165,6 +185,7 @@ class LoadFill:
             self._submit(f, r.rec.pos, r.buf, bytes(r.pad))  # before done() may release the buffer
             if done is not None:
                 done(r)
+
         return wrapped
 
     # -- writing (fill threads) ---------------------------------------------------------------
@@ -218,8 +239,13 @@ class LoadFill:
             if f not in done:
                 f.sink.abort()
                 if f.failed is not None:
-                    log.warning("checkpoint %s: filling %s/%s failed: %s", self.cid, self.local.url,
-                                data_key(self.cid, f.name), f.failed)
+                    log.warning(
+                        "checkpoint %s: filling %s/%s failed: %s",
+                        self.cid,
+                        self.local.url,
+                        data_key(self.cid, f.name),
+                        f.failed,
+                    )
         if not done:
             self._lease.release()
             self._settle(0, "nothing filled")
@@ -235,13 +261,23 @@ class LoadFill:
                     f.sink.close()  # fsync, rename
                     self.committed.append(f.name)
                 except (TierckptError, OSError) as e:
-                    log.warning("checkpoint %s: cannot commit %s/%s: %s", self.cid, self.local.url,
-                                data_key(self.cid, f.name), e)
+                    log.warning(
+                        "checkpoint %s: cannot commit %s/%s: %s",
+                        self.cid,
+                        self.local.url,
+                        data_key(self.cid, f.name),
+                        e,
+                    )
             if self.committed:
                 self._put_metadata()
-                log.info("checkpoint %s: filled %d file(s) (%d bytes) into %s during the load in %.2f s", self.cid,
-                         len(self.committed), sum(f.size for f in files if f.name in self.committed), self.local.url,
-                         time.perf_counter() - self._t0)
+                log.info(
+                    "checkpoint %s: filled %d file(s) (%d bytes) into %s during the load in %.2f s",
+                    self.cid,
+                    len(self.committed),
+                    sum(f.size for f in files if f.name in self.committed),
+                    self.local.url,
+                    time.perf_counter() - self._t0,
+                )
         except BaseException as e:  # noqa: BLE001 - a fill never fails the load; logged
             log.warning("checkpoint %s: filling %s failed: %s", self.cid, self.local.url, e)
             error = str(e)
@@ -280,8 +316,11 @@ class LoadFill:
             except TierckptError:
                 same = False
             if not same:  # another save's files stay orphans of no checkpoint: gc removes them
-                log.warning("checkpoint %s: %s committed another copy meanwhile; the filled files are left to gc",
-                            self.cid, self.local.url)
+                log.warning(
+                    "checkpoint %s: %s committed another copy meanwhile; the filled files are left to gc",
+                    self.cid,
+                    self.local.url,
+                )
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the commit thread is done (tests, and callers that want the copy now)."""

@@ -72,6 +72,7 @@ BUFFER_BUDGET = 1 << 30
 
 # -- sizes and parallelism, defined once ------------------------------------------------------
 
+
 def range_size(tier: Tier, chunk_size: int) -> int:
     """Bytes per aligned range read on ``tier``: the multiple of ``chunk_size`` nearest to
     ``tier.read_range`` (at least one chunk), so that every range holds whole CRC32C pieces."""
@@ -91,6 +92,7 @@ def writer_rank(file: str) -> str:
 
 
 # -- leases ------------------------------------------------------------------------------------
+
 
 def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier], list[leases.Lease]]:
     """Lease ``checkpoint_id`` on every tier of ``tiers`` holding a committed copy.
@@ -116,15 +118,20 @@ def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier
         except TierckptError as e:
             log.warning("tier %s unreachable while reading %s: %s", tier.url, checkpoint_id, e)
     if not holding:
-        raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed on any tier reachable from here: "
-                                 + ", ".join(t.url for t in tiers) + (f" ({'; '.join(gone)})" if gone else ""))
+        raise CheckpointNotFound(
+            f"checkpoint {checkpoint_id} is not committed on any tier reachable from here: "
+            + ", ".join(t.url for t in tiers)
+            + (f" ({'; '.join(gone)})" if gone else "")
+        )
     return holding, held
 
 
 # -- range reads --------------------------------------------------------------------------------
 
-def read_checked(tier: Tier, key: str, start: int, buf: memoryview, check: Callable[[int, memoryview], list[Any]],
-                 tries: int = TRIES) -> tuple[list[Any], int]:
+
+def read_checked(
+    tier: Tier, key: str, start: int, buf: memoryview, check: Callable[[int, memoryview], list[Any]], tries: int = TRIES
+) -> tuple[list[Any], int]:
     """Read ``[start, start + len(buf))`` of ``key`` from ``tier`` into ``buf`` and check it.
 
     ``check(start, buf)`` returns what is wrong (empty: intact; items with a ``describe()``). A
@@ -139,12 +146,17 @@ def read_checked(tier: Tier, key: str, start: int, buf: memoryview, check: Calla
         if not bad:
             return [], attempt
         if attempt < tries:
-            log.warning("%s/%s: %s; reading the range again", tier.url, key,
-                        bad[0].describe() if hasattr(bad[0], "describe") else bad[0])
+            log.warning(
+                "%s/%s: %s; reading the range again",
+                tier.url,
+                key,
+                bad[0].describe() if hasattr(bad[0], "describe") else bad[0],
+            )
     return bad, tries
 
 
 # -- item reads -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Request:
@@ -205,7 +217,9 @@ class Readback:
                     if not t.cheap_listing or t.exists(key):
                         order.append(t)
                 except TierckptError as e:
-                    log.warning("checkpoint %s: cannot tell whether %s holds %s: %s", self.checkpoint_id, t.url, file, e)
+                    log.warning(
+                        "checkpoint %s: cannot tell whether %s holds %s: %s", self.checkpoint_id, t.url, file, e
+                    )
             with self._lock:
                 self._order[file] = order
         return order
@@ -274,8 +288,9 @@ class Readback:
                 tier.read_ranges(key, run[0].rec.pos, bufs)
             except (TierckptError, OSError) as e:
                 absent = isinstance(e, CheckpointNotFound)
-                (log.info if absent else log.error)("checkpoint %s: reading %s from %s failed: %s",
-                                                    self.checkpoint_id, file, tier.name, e)
+                (log.info if absent else log.error)(
+                    "checkpoint %s: reading %s from %s failed: %s", self.checkpoint_id, file, tier.name, e
+                )
                 failures.append(_Failure(tier, "absent" if absent else "read", e))
             else:
                 bad = [r for r in run if not self._ok(r)]
@@ -311,8 +326,15 @@ class Readback:
             if self._ok(r):
                 if first is not None and tier is not first.tier:
                     how = "failed its CRC32C check" if first.kind == "crc" else "could not be read"
-                    log.warning("checkpoint %s: %s in %s %s on %s; served from %s",
-                                self.checkpoint_id, r.what, r.rec.file, how, first.tier.name, tier.name)
+                    log.warning(
+                        "checkpoint %s: %s in %s %s on %s; served from %s",
+                        self.checkpoint_id,
+                        r.what,
+                        r.rec.file,
+                        how,
+                        first.tier.name,
+                        tier.name,
+                    )
                 with self._lock:
                     self.served.setdefault(r.rec.file, tier.name)
                     if first is not None and tier is not first.tier:
@@ -331,17 +353,25 @@ class Readback:
         absent = [f.tier.url for f in tried if f.kind == "absent"] + skipped
         gone = [t.url for t in self.tiers if not _committed(t, cid)]
         if gone and not crc and absent:
-            return CheckpointNotFound(f"checkpoint {cid} was deleted from {', '.join(gone)} while it was being read "
-                                      f"(by a process that ignores leases?): cannot read {where}")
+            return CheckpointNotFound(
+                f"checkpoint {cid} was deleted from {', '.join(gone)} while it was being read "
+                f"(by a process that ignores leases?): cannot read {where}"
+            )
         if crc:
-            also = "".join(f"; {f.tier.url}: {f.error}" for f in reads) + (f"; absent from {', '.join(absent)}" if absent else "")
+            also = "".join(f"; {f.tier.url}: {f.error}" for f in reads) + (
+                f"; absent from {', '.join(absent)}" if absent else ""
+            )
             return ChecksumMismatch(f"checkpoint {cid}: {where} failed its CRC32C check on {', '.join(crc)}{also}")
         if not reads:
-            return CheckpointNotFound(f"checkpoint {cid}: data file {r.rec.file} is on no tier holding the checkpoint "
-                                      f"({', '.join(absent)}): cannot read {where}")
-        return CorruptCheckpoint(f"checkpoint {cid}: cannot read {where}: "
-                                 + "; ".join(f"{f.tier.url}: {f.error}" for f in reads)
-                                 + (f"; absent from {', '.join(absent)}" if absent else ""))
+            return CheckpointNotFound(
+                f"checkpoint {cid}: data file {r.rec.file} is on no tier holding the checkpoint "
+                f"({', '.join(absent)}): cannot read {where}"
+            )
+        return CorruptCheckpoint(
+            f"checkpoint {cid}: cannot read {where}: "
+            + "; ".join(f"{f.tier.url}: {f.error}" for f in reads)
+            + (f"; absent from {', '.join(absent)}" if absent else "")
+        )
 
 
 def _committed(tier: Tier, cid: str) -> bool:
@@ -364,7 +394,11 @@ def plan_runs(reqs: list[Request]) -> list[list[Request]]:
         for r in items:
             if cur:
                 end = cur[-1].rec.pos + padded(cur[-1].rec.length)
-                if r.rec.pos < end or r.rec.pos - end > MAX_GAP or r.rec.pos + r.rec.length - cur[0].rec.pos > RUN_BYTES:
+                if (
+                    r.rec.pos < end
+                    or r.rec.pos - end > MAX_GAP
+                    or r.rec.pos + r.rec.length - cur[0].rec.pos > RUN_BYTES
+                ):
                     runs.append(cur)
                     cur = []
             cur.append(r)

@@ -80,8 +80,10 @@ class MetadataResolution:
                 view, self._docs = agreement.local_view(self.tiers[0], self.checkpoint_id)
             except Exception as e:  # noqa: BLE001 - still take part in the exchange; the error travels
                 view = agreement.NodeView(self.tiers[0].root_id(), error=f"{type(e).__name__}: {e}")
-            wires = group.collective("agreeing on the checkpoint to load (gathering what each node holds)",
-                                     lambda: group.gather_to(agreement.view_to_wire(view)))
+            wires = group.collective(
+                "agreeing on the checkpoint to load (gathering what each node holds)",
+                lambda: group.gather_to(agreement.view_to_wire(view)),
+            )
             wire = None
             if wires is not None:
                 views = [agreement.view_from_wire(w) for w in wires]
@@ -90,8 +92,11 @@ class MetadataResolution:
                 names = {cid: agreement.data_files(doc.manifest.files) for cid, (_raw, doc) in self._docs.items()}
                 self._decision = agreement.decide(views, shared, self.checkpoint_id, names=names)
                 wire = agreement.verdict_to_wire(self._decision.verdict)
-            self._verdict = agreement.verdict_from_wire(group.collective(
-                "agreeing on the checkpoint to load (the coordinator's verdict)", lambda: group.broadcast(wire, 0)))
+            self._verdict = agreement.verdict_from_wire(
+                group.collective(
+                    "agreeing on the checkpoint to load (the coordinator's verdict)", lambda: group.broadcast(wire, 0)
+                )
+            )
         if self._verdict.error:
             raise CheckpointNotFound(self._verdict.error)
         return self._verdict
@@ -165,4 +170,6 @@ class MetadataResolution:
             return md, man
         if errors:
             raise CorruptCheckpoint(f"checkpoint {cid}: no tier holds valid metadata: " + "; ".join(errors))
-        raise CheckpointNotFound(f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers))
+        raise CheckpointNotFound(
+            f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers)
+        )

@@ -21,5 +21,6 @@ from __future__ import annotations
 
 from ..moved import deprecated_names
 
-__getattr__ = deprecated_names(__name__, {name: "tierckpt.capture.ranksave"
-                                          for name in ("RankAssign", "SaveStats", "RankSave", "build_metadata")})
+__getattr__ = deprecated_names(
+    __name__, {name: "tierckpt.capture.ranksave" for name in ("RankAssign", "SaveStats", "RankSave", "build_metadata")}
+)

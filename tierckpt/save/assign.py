@@ -127,7 +127,8 @@ class SavePlanning:
             if channel is None or not self._distributed:
                 raise TierckptError(
                     f"rank(s) {missing} sent a cached DCP plan, but no tierckpt save planned it in this process: "
-                    "DCP's plan cache was filled through another storage writer (use one planner per storage writer)")
+                    "DCP's plan cache was filled through another storage writer (use one planner per storage writer)"
+                )
             raws = multi_get([info_key(channel, r) for r in missing])
             for r, raw in zip(missing, raws):
                 info = LocalInfo.decode(raw) if raw is not None else None
@@ -135,7 +136,8 @@ class SavePlanning:
                     if info is None or info.seq <= session.seen.get(r, 0):
                         raise TierckptError(
                             f"rank {r} sent a cached DCP plan but published no plan info for this save on plan "
-                            f"channel {channel} (did it save through another process group?)")
+                            f"channel {channel} (did it save through another process group?)"
+                        )
                     session.seen[r] = info.seq
                 infos[r] = info
         return infos  # type: ignore[return-value]
@@ -158,8 +160,10 @@ class SavePlanning:
             log.warning("dcp.save was called without checkpoint_id: saving as %r", cid)
         for r, i in enumerate(infos):
             if i.committed_here:
-                raise CommitConflict(f"checkpoint {cid} is already committed at {i.root} (rank {r}); "
-                                     "use a new checkpoint_id (ids are never overwritten)")
+                raise CommitConflict(
+                    f"checkpoint {cid} is already committed at {i.root} (rank {r}); "
+                    "use a new checkpoint_id (ids are never overwritten)"
+                )
         first = self.engine.first_tier
         if self._local is None and is_committed(first, cid):
             raise CommitConflict(f"checkpoint {cid} is already committed at {first.url}")
@@ -179,8 +183,15 @@ class SavePlanning:
         out = []
         for r, (p, i) in enumerate(zip(plans, infos)):
             assign = RankAssign(
-                checkpoint_id=cid, token=token, rank=r, world=world, file=rank_file(r, token),
-                meta_writer_rank=mw[r], distributed=self._distributed, created=created, step=step,
+                checkpoint_id=cid,
+                token=token,
+                rank=r,
+                world=world,
+                file=rank_file(r, token),
+                meta_writer_rank=mw[r],
+                distributed=self._distributed,
+                created=created,
+                step=step,
             )
             if r == ctx.rank:
                 ctx.own_assign = assign
@@ -188,8 +199,17 @@ class SavePlanning:
         ctx.coord_global = me
         ctx.members = [i.global_rank for i in infos]
         if self._distributed and any(not p.usable for r, p in enumerate(plans) if r != ctx.rank):
-            bundle = {"cid": cid, "token": token, "created": created, "step": step, "world": world, "mw": mw,
-                      "seqs": [i.seq for i in infos], "distributed": self._distributed, "cg": me}
+            bundle = {
+                "cid": cid,
+                "token": token,
+                "created": created,
+                "step": step,
+                "world": world,
+                "mw": mw,
+                "seqs": [i.seq for i in infos],
+                "distributed": self._distributed,
+                "cg": me,
+            }
             default_channel(True).publish(assign_key(channel), json.dumps(bundle).encode())
         return out
 
@@ -206,17 +226,27 @@ class SavePlanning:
             return sd.assign
         channel = session.channel
         if channel is None or not self._distributed or ctx.info is None:
-            raise TierckptError(f"rank {ctx.rank}: DCP handed write_data a cached plan, but no tierckpt save "
-                                "planned it in this process (DCP's plan cache was filled through another storage writer)")
+            raise TierckptError(
+                f"rank {ctx.rank}: DCP handed write_data a cached plan, but no tierckpt save "
+                "planned it in this process (DCP's plan cache was filled through another storage writer)"
+            )
         raw = default_channel(True).try_get(assign_key(channel))
         b = json.loads(raw) if raw is not None else None
         if b is None or ctx.rank >= len(b["seqs"]) or b["seqs"][ctx.rank] != ctx.info.seq:
-            raise TierckptError(f"rank {ctx.rank}: the coordinator published no decision for this save on plan "
-                                f"channel {channel} (did this rank save through another process group?)")
+            raise TierckptError(
+                f"rank {ctx.rank}: the coordinator published no decision for this save on plan "
+                f"channel {channel} (did this rank save through another process group?)"
+            )
         token = b["token"]
         ctx.coord_global = int(b["cg"])
         return RankAssign(
-            checkpoint_id=b["cid"], token=token, rank=ctx.rank, world=int(b["world"]), file=rank_file(ctx.rank, token),
-            meta_writer_rank=int(b["mw"][ctx.rank]), distributed=bool(b["distributed"]), created=float(b["created"]),
+            checkpoint_id=b["cid"],
+            token=token,
+            rank=ctx.rank,
+            world=int(b["world"]),
+            file=rank_file(ctx.rank, token),
+            meta_writer_rank=int(b["mw"][ctx.rank]),
+            distributed=bool(b["distributed"]),
+            created=float(b["created"]),
             step=b["step"],
         )

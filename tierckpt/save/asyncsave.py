@@ -143,8 +143,11 @@ class AsyncTickets:
             if t.future.done():  # shipped to another process (LiveState) meanwhile
                 return
             if not t.future.done():
-                log.warning("dcp.async_save made no call to TieredWriter within %.0fs of stage(); no longer "
-                            "waiting for it before optimizer steps", BIND_TIMEOUT)
+                log.warning(
+                    "dcp.async_save made no call to TieredWriter within %.0fs of stage(); no longer "
+                    "waiting for it before optimizer steps",
+                    BIND_TIMEOUT,
+                )
             self._forget(t)
             return
         thread = t.thread
@@ -175,8 +178,11 @@ class LiveState(dict):
     def __reduce__(self) -> tuple:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                              use_async_staging=False, use_non_blocking_copy=False))
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
         try:
             copy = stager.stage(dict(self))
         finally:

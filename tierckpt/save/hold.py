@@ -118,4 +118,3 @@ class Release:
     def __reduce__(self) -> tuple:
         release(self.token)
         return (_released, (self.token,))
-

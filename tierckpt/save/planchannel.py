@@ -44,7 +44,9 @@ class LocalInfo:
     @staticmethod
     def decode(raw: bytes) -> LocalInfo:
         root, requested, committed, seq, grank = json.loads(raw)
-        return LocalInfo(str(root), None if requested is None else str(requested), bool(committed), int(seq), int(grank))
+        return LocalInfo(
+            str(root), None if requested is None else str(requested), bool(committed), int(seq), int(grank)
+        )
 
 
 @dataclass
@@ -101,4 +103,3 @@ def multi_get(keys: list[str]) -> list[bytes | None]:
             return [bytes(v) for v in store.multi_get(keys)]
         return [bytes(store.get(k)) for k in keys]
     return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
-

@@ -66,6 +66,7 @@ class _Writer(Protocol):
 
     _tickets: AsyncTickets
 
+
 _lock = threading.Lock()
 _previous: dict[int, Any] = {}  # signal -> the handler that was installed before tierckpt's
 _timeout = 0.0  # the largest [job] drain_timeout of the writers that installed the handler
@@ -143,7 +144,7 @@ def drain(timeout: float | None = None) -> DrainReport:
                 d.committed = True
             except TimeoutError:
                 timed_out = True
-                d.stage = ("capture" if not job.captured.done() else "flush" if not job.durable.done() else "commit")
+                d.stage = "capture" if not job.captured.done() else "flush" if not job.durable.done() else "commit"
             except BaseException as e:  # noqa: BLE001 - its failure, reported
                 d.stage, d.error = "failed", str(e)
             if d.committed and peer is not None:
@@ -175,9 +176,11 @@ def install(cfg: Config, writer: _Writer | None = None) -> bool:
     if threading.current_thread() is not threading.main_thread():
         if not _said_off_main and not installed():
             _said_off_main = True
-            log.info("a TieredWriter was created off the main thread: no SIGTERM handler installed (Python "
-                     "installs handlers from the main thread only); call tierckpt.preempt.install(cfg) there, "
-                     "or tierckpt.drain() from the job's own handler")
+            log.info(
+                "a TieredWriter was created off the main thread: no SIGTERM handler installed (Python "
+                "installs handlers from the main thread only); call tierckpt.preempt.install(cfg) there, "
+                "or tierckpt.drain() from the job's own handler"
+            )
         return bool(installed())
     with _lock:
         _timeout = max(_timeout, cfg.job.drain_timeout)
@@ -218,14 +221,24 @@ def _handler(signum: int, frame: Any) -> None:
         if _cut.is_set():
             return  # the second signal already handed over (and its handler returned)
         if not box:
-            log.warning("%s: the drain did not finish within %.0f s (the interrupted code may hold a lock it "
-                        "needs): what was in flight may not be committed", name, timeout)
+            log.warning(
+                "%s: the drain did not finish within %.0f s (the interrupted code may hold a lock it "
+                "needs): what was in flight may not be committed",
+                name,
+                timeout,
+            )
         else:
             rep = box[0]
             for c in rep.checkpoints:
                 log.warning("%s: %s", name, c.line())
-            log.warning("%s: drain done in %.2f s: %d committed, %d not committed%s", name, rep.seconds,
-                        len(rep.committed), len(rep.lost), " (drain timeout reached)" if rep.timed_out else "")
+            log.warning(
+                "%s: drain done in %.2f s: %d committed, %d not committed%s",
+                name,
+                rep.seconds,
+                len(rep.committed),
+                len(rep.lost),
+                " (drain timeout reached)" if rep.timed_out else "",
+            )
         _hand_over(signum, frame)
     finally:
         _busy.clear()
@@ -235,8 +248,11 @@ def _hand_over(signum: int, frame: Any) -> None:
     prev = _previous.get(signum, signal.SIG_DFL)
     name = signal.Signals(signum).name
     if callable(prev):
-        log.warning("%s: handing over to the handler installed before tierckpt's (%s)", name,
-                    getattr(prev, "__qualname__", repr(prev)))
+        log.warning(
+            "%s: handing over to the handler installed before tierckpt's (%s)",
+            name,
+            getattr(prev, "__qualname__", repr(prev)),
+        )
         prev(signum, frame)
         return
     log.warning("%s: handing over to the default action", name)

@@ -101,7 +101,6 @@ class _ResultsWorker:
 _results = _ResultsWorker()
 
 
-
 _persisters: dict[str, plancache.Persister] = {}
 _persisters_lock = threading.Lock()
 
@@ -207,9 +206,12 @@ class TieredWriter(SavePlanning, StorageWriter):
         st = plancache.seed(
             self._local if self._persister is not None else None,
             default_channel(True) if self._distributed else None,
-            distributed=self._distributed, is_coordinator=is_coordinator, global_rank=global_rank(),
+            distributed=self._distributed,
+            is_coordinator=is_coordinator,
+            global_rank=global_rank(),
             world=dist.get_world_size() if self._distributed else 1,
-            timeout=min(plancache.AGREE_TIMEOUT, self.cfg.job.commit_timeout))
+            timeout=min(plancache.AGREE_TIMEOUT, self.cfg.job.commit_timeout),
+        )
         if st.seeded:
             log.info("reusing the plans persisted by the previous run (%s)", st.reason)
             if st.channel is not None:
@@ -233,8 +235,10 @@ class TieredWriter(SavePlanning, StorageWriter):
         ctx = self._ctx()
         assign = self._assignment(plan, ctx)
         if self._distributed and assign.rank != ctx.rank:
-            raise TierckptError(f"checkpoint {assign.checkpoint_id}: rank mismatch: plan for rank {assign.rank} "
-                                f"arrived on rank {ctx.rank}")
+            raise TierckptError(
+                f"checkpoint {assign.checkpoint_id}: rank mismatch: plan for rank {assign.rank} "
+                f"arrived on rank {ctx.rank}"
+            )
         self.checkpoint_id = assign.checkpoint_id
         items = plan.items
         resolve = planner.resolve_data
@@ -245,17 +249,23 @@ class TieredWriter(SavePlanning, StorageWriter):
             # dtype change. The file and its records follow the tensors; the coordinator corrects
             # the dtypes in the metadata of every such save.
             _warned_stale.add(inputs.layout)
-            log.warning("checkpoint %s: rank %d: DCP's cached plan names other dtypes than the tensors have "
-                        "(a dtype changed under plan caching); the checkpoint records the tensors' dtypes",
-                        assign.checkpoint_id, ctx.rank)
+            log.warning(
+                "checkpoint %s: rank %d: DCP's cached plan names other dtypes than the tensors have "
+                "(a dtype changed under plan caching); the checkpoint records the tensors' dtypes",
+                assign.checkpoint_id,
+                ctx.rank,
+            )
         results = inputs.results()
         job = RankSave(assign, inputs, self.engine.chunk_size)
         release_all(urgent=False)  # an earlier save still held: this process is past its dcp.save
         # A save on a thread of its own whose state this writer did not stage (dcp.async_save with
         # another stager, e.g. DCP's DefaultStager): that stager may reuse its buffers once DCP's
         # future completes, so this save returns only once captured (on DCP's thread, not the caller's).
-        foreign = (not self._detached and threading.current_thread() is not threading.main_thread()
-                   and not self._tickets.bound_here())
+        foreign = (
+            not self._detached
+            and threading.current_thread() is not threading.main_thread()
+            and not self._tickets.bound_here()
+        )
         if not (self._detached or foreign):  # those start the capture at once (nothing to hold back for)
             job.hold = hold(assign, coordinator=ctx.own_assign is not None)
             job.hold_timeout = HOLD_TIMEOUT
@@ -441,7 +451,6 @@ class TieredWriter(SavePlanning, StorageWriter):
     def history(self) -> list[SaveStats]:
         """Figures of every checkpoint saved through this process's engine for this config."""
         return list(self.engine.history)
-
 
 
 def _detached_writer(cfg: TierConfig, no_dist: bool = False) -> TieredWriter:

@@ -42,6 +42,7 @@ def loaded(reader: Any, t0: float, error: str | None, items: list) -> None:
         tiers = set(reader.served.values()) | ({"peer"} if reader.from_peers else set())
         parent = ex.load(cid, phase, sum(it.rec.length for it in items), tiers)
         if fill is not None:
+
             def done(f0: float, f1: float, n: int, err: str | None) -> None:
                 ex.fill(parent, cid, PhaseLog().add("fill", f0, f1, error=err), n, fill.local.name)
 

@@ -90,16 +90,25 @@ class Inputs:
             raise ValueError("no committed checkpoint in the history")
         blocked = [max(x.seconds("blocked_in_save") + x.seconds("prestep_wait") for x in r.ranks) for r in runs]
         cpu = [max(x.stats.get("cpu_s", 0.0) for x in r.ranks) for r in runs]
-        safe = [max(c.end for x in r.ranks for c in x.phases if c.name == "commit") - r.start
-                for r in runs if all(any(c.name == "commit" for c in x.phases) for x in r.ranks)]
+        safe = [
+            max(c.end for x in r.ranks for c in x.phases if c.name == "commit") - r.start
+            for r in runs
+            if all(any(c.name == "commit" for c in x.phases) for x in r.ranks)
+        ]
         gaps = [b.start - a.start for a, b in zip(runs, runs[1:])]
         stepped = [r for r in runs if r.step is not None]
         per_step = None
         if len(stepped) >= 2 and stepped[-1].step != stepped[0].step:
             per_step = (stepped[-1].start - stepped[0].start) / (stepped[-1].step - stepped[0].step)  # type: ignore[operator]
-        return cls([r.checkpoint_id for r in runs], max(len(r.ranks) for r in runs), statistics.median(blocked),
-                   statistics.median(cpu), statistics.median(safe) if safe else None,
-                   statistics.median(gaps) if gaps else None, per_step if per_step and per_step > 0 else None)
+        return cls(
+            [r.checkpoint_id for r in runs],
+            max(len(r.ranks) for r in runs),
+            statistics.median(blocked),
+            statistics.median(cpu),
+            statistics.median(safe) if safe else None,
+            statistics.median(gaps) if gaps else None,
+            per_step if per_step and per_step > 0 else None,
+        )
 
 
 @dataclass
@@ -140,5 +149,15 @@ def advise(runs: list[CheckpointRun], mtbf: float, cpu_weight: float = 1.0, rest
     if inp.interval_s:
         now_tau = max(inp.interval_s - delta, 1e-6)
         now = waste(now_tau, delta, mtbf, restart)
-    return Advice(inp, mtbf, cpu_weight, restart, delta, young(delta, mtbf), tau, waste(tau, delta, mtbf, restart),
-                  now, daly(max(inp.blocked_s, 1e-6), mtbf))
+    return Advice(
+        inp,
+        mtbf,
+        cpu_weight,
+        restart,
+        delta,
+        young(delta, mtbf),
+        tau,
+        waste(tau, delta, mtbf, restart),
+        now,
+        daly(max(inp.blocked_s, 1e-6), mtbf),
+    )

@@ -42,8 +42,19 @@ from ..format.safejson import JSONRejected, loads
 from ..tiers.base import Tier
 from .phases import BLOCKED, Phase
 
-__all__ = ["FORMAT", "HISTORY_DIR", "MAX_FILE_BYTES", "WRITE_INTERVAL", "CheckpointRun", "HistoryLog", "RankRecord", "group_checkpoints",
-           "history_key", "job_history", "read_history"]
+__all__ = [
+    "FORMAT",
+    "HISTORY_DIR",
+    "MAX_FILE_BYTES",
+    "WRITE_INTERVAL",
+    "CheckpointRun",
+    "HistoryLog",
+    "RankRecord",
+    "group_checkpoints",
+    "history_key",
+    "job_history",
+    "read_history",
+]
 
 log = logging.getLogger("tierckpt")
 
@@ -87,9 +98,17 @@ class RankRecord:
         return sum(p.seconds for p in self.phases if p.name == name)
 
     def to_json(self) -> dict:
-        return {"id": self.checkpoint_id, "token": self.token, "step": self.step, "rank": self.rank,
-                "world": self.world, "bytes": self.bytes, "error": self.error, "stats": self.stats,
-                "phases": [p.to_json() for p in self.phases]}
+        return {
+            "id": self.checkpoint_id,
+            "token": self.token,
+            "step": self.step,
+            "rank": self.rank,
+            "world": self.world,
+            "bytes": self.bytes,
+            "error": self.error,
+            "stats": self.stats,
+            "phases": [p.to_json() for p in self.phases],
+        }
 
 
 @dataclass
@@ -142,7 +161,7 @@ class HistoryLog:
                 if self._records is None:
                     self._records = [_encode(r.to_json()) for r in self._read_own()]
                 self._records.append(_encode(record))
-                del self._records[:-self.keep]
+                del self._records[: -self.keep]
             except (TierckptError, OSError, ValueError) as e:
                 self._failed(e)
                 return
@@ -170,8 +189,13 @@ class HistoryLog:
     def _failed(self, e: BaseException) -> None:
         if not self._warned:
             self._warned = True
-            log.warning("cannot write the checkpoint history %s/%s (the timeline and advise will miss "
-                        "checkpoints; saves are not affected): %s", self.tier.url, history_key(self.global_rank), e)
+            log.warning(
+                "cannot write the checkpoint history %s/%s (the timeline and advise will miss "
+                "checkpoints; saves are not affected): %s",
+                self.tier.url,
+                history_key(self.global_rank),
+                e,
+            )
 
     def _read_own(self) -> list[RankRecord]:
         try:
@@ -179,7 +203,9 @@ class HistoryLog:
         except CheckpointNotFound:
             return []
         except (TierckptError, OSError, ValueError) as e:
-            log.warning("%s/%s is unreadable; starting a new history: %s", self.tier.url, history_key(self.global_rank), e)
+            log.warning(
+                "%s/%s is unreadable; starting a new history: %s", self.tier.url, history_key(self.global_rank), e
+            )
             return []
 
 
@@ -221,6 +247,7 @@ def group_checkpoints(records: Iterable[RankRecord]) -> list[CheckpointRun]:
 
 # -- decoding (untrusted bytes) ----------------------------------------------------------------
 
+
 def _read_file(tier: Tier, key: str) -> list[RankRecord]:
     where = f"{tier.url}/{key}"
     if tier.size(key) > MAX_FILE_BYTES:
@@ -261,18 +288,31 @@ def _record(r: Any, global_rank: int, node: str, what: str) -> RankRecord:
         if not isinstance(p, dict):
             raise ValueError(f"{what}: phase {j}: expected an object")
         name = _str(p.get("name"), f"{what}: phase {j} name")
-        phases.append(Phase(name, _num(p.get("start"), float, f"{what}: phase {j} start"),
-                            _num(p.get("end"), float, f"{what}: phase {j} end"), name in BLOCKED,
-                            _str(p.get("error"), f"{what}: phase {j} error", none=True)))
+        phases.append(
+            Phase(
+                name,
+                _num(p.get("start"), float, f"{what}: phase {j} start"),
+                _num(p.get("end"), float, f"{what}: phase {j} end"),
+                name in BLOCKED,
+                _str(p.get("error"), f"{what}: phase {j} error", none=True),
+            )
+        )
     stats = r.get("stats") or {}
     if not isinstance(stats, dict):
         raise ValueError(f"{what}: stats: expected an object")
     return RankRecord(
-        checkpoint_id=_str(r.get("id"), f"{what}: id"), token=_str(r.get("token"), f"{what}: token"),
-        step=_num(r.get("step"), int, f"{what}: step", none=True), rank=_num(r.get("rank"), int, f"{what}: rank"),
-        world=_num(r.get("world"), int, f"{what}: world"), global_rank=global_rank, node=node,
-        bytes=_num(r.get("bytes"), int, f"{what}: bytes"), error=_str(r.get("error"), f"{what}: error", none=True),
-        stats={k: _num(v, float, f"{what}: stats {k[:40]}") for k, v in stats.items()}, phases=phases)
+        checkpoint_id=_str(r.get("id"), f"{what}: id"),
+        token=_str(r.get("token"), f"{what}: token"),
+        step=_num(r.get("step"), int, f"{what}: step", none=True),
+        rank=_num(r.get("rank"), int, f"{what}: rank"),
+        world=_num(r.get("world"), int, f"{what}: world"),
+        global_rank=global_rank,
+        node=node,
+        bytes=_num(r.get("bytes"), int, f"{what}: bytes"),
+        error=_str(r.get("error"), f"{what}: error", none=True),
+        stats={k: _num(v, float, f"{what}: stats {k[:40]}") for k, v in stats.items()},
+        phases=phases,
+    )
 
 
 def job_history(cfg: Any) -> tuple[list[RankRecord], list[str]]:

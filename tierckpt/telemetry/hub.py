@@ -64,8 +64,9 @@ class EngineTelemetry:
     """See the module docstring. ``first`` returns the engine's first tier; ``pending`` its saves in
     flight and ``closed`` whether it is closed (for the queue-depth gauge)."""
 
-    def __init__(self, cfg: Config, first: Callable[[], Tier], pending: Callable[[], list],
-                 closed: Callable[[], bool]) -> None:
+    def __init__(
+        self, cfg: Config, first: Callable[[], Tier], pending: Callable[[], list], closed: Callable[[], bool]
+    ) -> None:
         self.keep = cfg.job.history
         self._first = first
         self._otel: Any = None
@@ -77,8 +78,10 @@ class EngineTelemetry:
                 from . import otel
             except ImportError as e:
                 where = f"{cfg.source}: " if cfg.source else ""
-                raise ConfigError(f'{where}[job] telemetry = "otel" needs the OpenTelemetry API ({e}); install it '
-                                  'with: pip install "tierckpt[otel]"') from None
+                raise ConfigError(
+                    f'{where}[job] telemetry = "otel" needs the OpenTelemetry API ({e}); install it '
+                    'with: pip install "tierckpt[otel]"'
+                ) from None
             self._otel = otel.export()
             self._gauges = otel.engine_gauges(pending, closed)
 
@@ -103,7 +106,6 @@ class EngineTelemetry:
                 self._warned = True
                 log.warning("checkpoint %s: telemetry failed (the checkpoint is not affected): %s", job.id, e)
 
-
     def close(self) -> None:
         """``Engine.close``: write the history records not written yet."""
         for h in list(self._logs):
@@ -113,7 +115,14 @@ class EngineTelemetry:
 def record_of(job: Any) -> dict:
     """The history record of one settled save on this rank."""
     st = job.stats
-    return {"id": job.id, "token": job.assign.token, "step": job.assign.step, "rank": job.assign.rank,
-            "world": job.assign.world, "bytes": st.bytes, "error": st.error[:300] if st.error else None,
-            "stats": {k: round(v, 6) if isinstance(v, float) else v for k, v in st.as_dict(prefix="").items()},
-            "phases": [p.to_json() for p in st.phases.snapshot()]}
+    return {
+        "id": job.id,
+        "token": job.assign.token,
+        "step": job.assign.step,
+        "rank": job.assign.rank,
+        "world": job.assign.world,
+        "bytes": st.bytes,
+        "error": st.error[:300] if st.error else None,
+        "stats": {k: round(v, 6) if isinstance(v, float) else v for k, v in st.as_dict(prefix="").items()},
+        "phases": [p.to_json() for p in st.phases.snapshot()],
+    }

@@ -72,20 +72,35 @@ class OtelExport:
 
         self.tracer = trace.get_tracer(_SCOPE, __version__, tracer_provider=tracer_provider)
         self.meter = metrics.get_meter(_SCOPE, __version__, meter_provider=meter_provider)
-        self.bytes = self.meter.create_counter("tierckpt.bytes", unit="By",
-                                               description="bytes checkpointed, replicated, loaded and filled")
-        self.cpu = self.meter.create_counter("tierckpt.cpu.time", unit="s",
-                                             description="CPU seconds of tierckpt's threads per checkpoint stage")
-        self.blocked = self.meter.create_histogram("tierckpt.blocked.time", unit="s",
-                                                   description="time the training thread waited for tierckpt")
+        self.bytes = self.meter.create_counter(
+            "tierckpt.bytes", unit="By", description="bytes checkpointed, replicated, loaded and filled"
+        )
+        self.cpu = self.meter.create_counter(
+            "tierckpt.cpu.time", unit="s", description="CPU seconds of tierckpt's threads per checkpoint stage"
+        )
+        self.blocked = self.meter.create_histogram(
+            "tierckpt.blocked.time", unit="s", description="time the training thread waited for tierckpt"
+        )
         self._gauges: list[weakref.ref] = []
         self._gauge_lock = threading.Lock()
-        self.meter.create_observable_gauge("tierckpt.queue.depth", callbacks=[self._queue_depth], unit="{checkpoint}",
-                                           description="checkpoints in flight per stage")
-        self.meter.create_observable_gauge("tierckpt.tier.lag.steps", callbacks=[self._lag_steps], unit="{step}",
-                                           description="steps a tier lags behind the newest saved checkpoint")
-        self.meter.create_observable_gauge("tierckpt.tier.lag.seconds", callbacks=[self._lag_seconds], unit="s",
-                                           description="how long a tier has been behind the newest saved checkpoint")
+        self.meter.create_observable_gauge(
+            "tierckpt.queue.depth",
+            callbacks=[self._queue_depth],
+            unit="{checkpoint}",
+            description="checkpoints in flight per stage",
+        )
+        self.meter.create_observable_gauge(
+            "tierckpt.tier.lag.steps",
+            callbacks=[self._lag_steps],
+            unit="{step}",
+            description="steps a tier lags behind the newest saved checkpoint",
+        )
+        self.meter.create_observable_gauge(
+            "tierckpt.tier.lag.seconds",
+            callbacks=[self._lag_seconds],
+            unit="s",
+            description="how long a tier has been behind the newest saved checkpoint",
+        )
         self._warned = False
 
     # -- spans and counters ------------------------------------------------------------------
@@ -95,12 +110,17 @@ class OtelExport:
         if not phases:
             return
         try:
-            attrs = {"tierckpt.checkpoint_id": stats.checkpoint_id, "tierckpt.rank": stats.rank,
-                     "tierckpt.world": world, "tierckpt.bytes": stats.bytes}
+            attrs = {
+                "tierckpt.checkpoint_id": stats.checkpoint_id,
+                "tierckpt.rank": stats.rank,
+                "tierckpt.world": world,
+                "tierckpt.bytes": stats.bytes,
+            }
             if step is not None:
                 attrs["tierckpt.step"] = step
-            root = self.tracer.start_span("tierckpt.save", start_time=_ns(min(p.start for p in phases)),
-                                          attributes=attrs)
+            root = self.tracer.start_span(
+                "tierckpt.save", start_time=_ns(min(p.start for p in phases)), attributes=attrs
+            )
             self._children(root, phases)
             if stats.error:
                 root.set_status(Status(StatusCode.ERROR, stats.error[:300]))
@@ -124,8 +144,13 @@ class OtelExport:
     def load(self, checkpoint_id: str, phase: Phase, nbytes: int, tiers: Iterable[str]) -> Any:
         """A load (``read_data``) on this rank; returns its span's context (for :meth:`fill`)."""
         try:
-            attrs: dict[str, Any] = {"tierckpt.checkpoint_id": checkpoint_id, "tierckpt.bytes": nbytes, "tierckpt.phase": "load",
-                     "tierckpt.blocked": True, "tierckpt.tiers": sorted(set(tiers))}
+            attrs: dict[str, Any] = {
+                "tierckpt.checkpoint_id": checkpoint_id,
+                "tierckpt.bytes": nbytes,
+                "tierckpt.phase": "load",
+                "tierckpt.blocked": True,
+                "tierckpt.tiers": sorted(set(tiers)),
+            }
             span = self.tracer.start_span("tierckpt.load", start_time=_ns(phase.start), attributes=attrs)
             if phase.error:
                 span.set_status(Status(StatusCode.ERROR, phase.error[:300]))
@@ -141,10 +166,18 @@ class OtelExport:
     def fill(self, parent: Any, checkpoint_id: str, phase: Phase, nbytes: int, tier: str) -> None:
         """The fill of a load (its commit ended), a child of the load's span."""
         try:
-            span = self.tracer.start_span("tierckpt.fill", context=parent, start_time=_ns(phase.start),
-                                          attributes={"tierckpt.checkpoint_id": checkpoint_id, "tierckpt.phase": "fill",
-                                                      "tierckpt.blocked": False, "tierckpt.tier": tier,
-                                                      "tierckpt.bytes": nbytes})
+            span = self.tracer.start_span(
+                "tierckpt.fill",
+                context=parent,
+                start_time=_ns(phase.start),
+                attributes={
+                    "tierckpt.checkpoint_id": checkpoint_id,
+                    "tierckpt.phase": "fill",
+                    "tierckpt.blocked": False,
+                    "tierckpt.tier": tier,
+                    "tierckpt.bytes": nbytes,
+                },
+            )
             if phase.error:
                 span.set_status(Status(StatusCode.ERROR, phase.error[:300]))
             span.end(end_time=_ns(phase.end))

@@ -86,8 +86,9 @@ class PhaseLog:
         self._lock = threading.Lock()
         self.listener: Callable[[Phase], None] | None = None
 
-    def add(self, name: str, t0: float, t1: float | None = None, *, error: str | None = None,
-            replace: bool = False) -> Phase:
+    def add(
+        self, name: str, t0: float, t1: float | None = None, *, error: str | None = None, replace: bool = False
+    ) -> Phase:
         """Record phase ``name`` from ``t0`` to ``t1`` (``time.perf_counter`` readings; ``t1``
         None: now). ``replace``: drop an earlier phase of that name first (a phase measured again
         to a later end, e.g. ``blocked_in_save`` on the coordinator in ``finish``)."""

@@ -30,8 +30,15 @@ from .history import CheckpointRun
 
 __all__ = ["COLORS", "TimeMap", "draw", "lane_kinds"]
 
-COLORS = {"blocked_in_save": "#d62728", "prestep_wait": "#ff7f0e", "capture": "#1f77b4", "flush": "#2ca02c",
-          "commit": "#9467bd", "load": "#d62728", "fill": "#7f7f7f"}
+COLORS = {
+    "blocked_in_save": "#d62728",
+    "prestep_wait": "#ff7f0e",
+    "capture": "#1f77b4",
+    "flush": "#2ca02c",
+    "commit": "#9467bd",
+    "load": "#d62728",
+    "fill": "#7f7f7f",
+}
 _HOP_COLORS = ("#17becf", "#8c564b", "#e377c2", "#bcbd22", "#7f7f7f")
 _ORDER = ("blocked_in_save", "prestep_wait", "capture", "flush", "commit")
 MAX_RANKS = 8
@@ -122,7 +129,9 @@ def _matplotlib() -> Any:
         from matplotlib.patches import Patch
         from matplotlib.ticker import FuncFormatter, MaxNLocator
     except ImportError as e:
-        raise ImportError(f'drawing the timeline needs matplotlib ({e}); install it with: pip install "tierckpt[plot]"') from None
+        raise ImportError(
+            f'drawing the timeline needs matplotlib ({e}); install it with: pip install "tierckpt[plot]"'
+        ) from None
     return Figure, Patch, FuncFormatter, MaxNLocator
 
 
@@ -138,8 +147,9 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
         raise ValueError(f"none of ranks {ranks} is in the history (ranks there: {all_ranks})")
     kinds = lane_kinds(runs)
     t0 = min(run.start for run in runs)
-    tmap = TimeMap.build([(p.start - t0, p.end - t0) for run in runs for r in run.ranks if r.rank in drawn
-                          for p in r.phases])
+    tmap = TimeMap.build(
+        [(p.start - t0, p.end - t0) for run in runs for r in run.ranks if r.rank in drawn for p in r.phases]
+    )
     x_end = max(tmap.x(run.end - t0) for run in runs)
     min_w = 0.002 * max(x_end, 1e-6)
     lanes: dict[tuple[int, str], float] = {}
@@ -169,13 +179,30 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
     for _i, run in enumerate(runs):
         xs = tmap.x(run.start - t0)
         ax.axvline(xs, color="#555555", linestyle=":", linewidth=0.8)
-        ax.text(xs, 1.005, run.checkpoint_id + (" (failed)" if run.failed else ""), transform=ax.get_xaxis_transform(),
-                fontsize=7, rotation=25 if len(runs) > 6 else 0, ha="left", va="bottom")
+        ax.text(
+            xs,
+            1.005,
+            run.checkpoint_id + (" (failed)" if run.failed else ""),
+            transform=ax.get_xaxis_transform(),
+            fontsize=7,
+            rotation=25 if len(runs) > 6 else 0,
+            ha="left",
+            va="bottom",
+        )
     for a, b in tmap.gaps:
         xa, xb = tmap.x(a), tmap.x(b)
         ax.axvspan(xa, xb, color="#eeeeee", zorder=0)
-        ax.text((xa + xb) / 2, 0.5, f"idle {_fmt(b - a)}", transform=ax.get_xaxis_transform(), rotation=90,
-                ha="center", va="center", fontsize=8, color="#555555")
+        ax.text(
+            (xa + xb) / 2,
+            0.5,
+            f"idle {_fmt(b - a)}",
+            transform=ax.get_xaxis_transform(),
+            rotation=90,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="#555555",
+        )
     for s in seps:
         ax.axhline(s, color="#999999", linewidth=0.6)
     ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
@@ -193,8 +220,12 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
     start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0))
     ax.set_xlabel(f"wall time since {start}" + ("; long idle gaps shortened (grey)" if tmap.gaps else ""))
     shown = f"ranks {', '.join(map(str, drawn))}" + (f" of {len(all_ranks)}" if len(drawn) < len(all_ranks) else "")
-    fig.suptitle(title or f"tierckpt timeline: {len(runs)} checkpoint(s), {runs[0].checkpoint_id} to "
-                          f"{runs[-1].checkpoint_id}; {shown}", fontsize=10)
+    fig.suptitle(
+        title
+        or f"tierckpt timeline: {len(runs)} checkpoint(s), {runs[0].checkpoint_id} to "
+        f"{runs[-1].checkpoint_id}; {shown}",
+        fontsize=10,
+    )
     handles = [Patch(color=_color(k, kinds), label=k) for k in kinds]
     handles.append(Patch(facecolor="white", edgecolor="#5a0000", hatch="////", label="training thread waits"))
     if any(p.error for run in runs for r in run.ranks for p in r.phases):
@@ -203,5 +234,10 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    return {"checkpoints": [run.checkpoint_id for run in runs], "ranks": drawn, "all_ranks": all_ranks,
-            "gaps": [b - a for a, b in tmap.gaps], "out": str(out)}
+    return {
+        "checkpoints": [run.checkpoint_id for run in runs],
+        "ranks": drawn,
+        "all_ranks": all_ranks,
+        "gaps": [b - a for a, b in tmap.gaps],
+        "out": str(out),
+    }

@@ -30,11 +30,21 @@ from __future__ import annotations
 from ..lazyexports import lazy_exports
 
 _WHERE = {
-    "bits": ".state", "placeholder": ".state", "clone_state": ".state",
-    "raw": ".bitexact", "compare": ".bitexact",
-    "errors_in": ".errors", "find_error": ".errors", "err_text": ".errors",
-    "free_port": ".launch", "rank_env": ".launch", "launch_ranks": ".launch", "run_world": ".launch", "serve": ".launch",
-    "can_hide_paths": ".launch", "hide_paths": ".launch",
+    "bits": ".state",
+    "placeholder": ".state",
+    "clone_state": ".state",
+    "raw": ".bitexact",
+    "compare": ".bitexact",
+    "errors_in": ".errors",
+    "find_error": ".errors",
+    "err_text": ".errors",
+    "free_port": ".launch",
+    "rank_env": ".launch",
+    "launch_ranks": ".launch",
+    "run_world": ".launch",
+    "serve": ".launch",
+    "can_hide_paths": ".launch",
+    "hide_paths": ".launch",
     "FaultyTier": ".faults",
 }
 

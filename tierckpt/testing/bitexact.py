@@ -29,7 +29,12 @@ def compare(expected: dict, got: Any, prefix: str = "") -> list[str]:
         if isinstance(v, dict):
             bad += compare(v, g if isinstance(g, dict) else {}, name + ".")
         elif isinstance(v, torch.Tensor):
-            if not isinstance(g, torch.Tensor) or g.dtype != v.dtype or g.shape != v.shape or not torch.equal(raw(g), raw(v)):
+            if (
+                not isinstance(g, torch.Tensor)
+                or g.dtype != v.dtype
+                or g.shape != v.shape
+                or not torch.equal(raw(g), raw(v))
+            ):
                 bad.append(name)
         elif v != g:
             bad.append(name)

@@ -61,8 +61,22 @@ from typing import Any
 __all__ = ["Counters", "PhaseCounts", "install", "uninstall", "installed", "merge", "collapse", "OBJECT_COLLECTIVES"]
 
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-TENSOR_OPS = ("isend", "irecv", "send", "recv", "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
-              "reduce_scatter_tensor", "gather", "scatter", "all_to_all_single", "barrier", "monitored_barrier")
+TENSOR_OPS = (
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "broadcast",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+)
 STORE_OPS = ("set", "get", "check", "add", "delete_key", "wait", "multi_get", "multi_set", "compare_set", "append")
 NO_PHASE = "-"
 _SITE_DEPTH = 4  # tierckpt frames (outside tiers/) named per S3 call site
@@ -85,10 +99,13 @@ class PhaseCounts:
     groups: int = 0
 
     def to_json(self) -> dict:
-        return {"s3": {"calls": dict(self.s3_calls), "attempts": dict(self.s3_attempts), "sites": dict(self.s3_sites)},
-                "obj": {k: dict(v) for k, v in self.obj.items()},
-                "tensor": {k: dict(v) for k, v in self.tensor.items()},
-                "store": dict(self.store), "groups": self.groups}
+        return {
+            "s3": {"calls": dict(self.s3_calls), "attempts": dict(self.s3_attempts), "sites": dict(self.s3_sites)},
+            "obj": {k: dict(v) for k, v in self.obj.items()},
+            "tensor": {k: dict(v) for k, v in self.tensor.items()},
+            "store": dict(self.store),
+            "groups": self.groups,
+        }
 
 
 class Counters:
@@ -165,6 +182,7 @@ class Counters:
 def merge(dumps: list[dict]) -> dict:
     """The sum of several :meth:`Counters.dump` phase entries (one phase's counts of many ranks,
     or several phases of one rank): same shape, every number added."""
+
     def add(into: dict, d: dict) -> None:
         for k, v in d.items():
             if isinstance(v, dict):

@@ -40,15 +40,24 @@ class FaultyTier(Tier):
     def __init__(self, inner: Tier) -> None:
         self.inner = inner
         self.name, self.url = inner.name, inner.url
-        for flag in ("cheap_listing", "node_local", "durable", "conditional_create", "read_range",
-                     "read_concurrency", "keep", "keep_every"):
+        for flag in (
+            "cheap_listing",
+            "node_local",
+            "durable",
+            "conditional_create",
+            "read_range",
+            "read_concurrency",
+            "keep",
+            "keep_every",
+        ):
             setattr(self, flag, getattr(inner, flag))
         self._faults: dict[str, list[_Fault]] = {}
         self._lock = threading.Lock()
         self.calls: dict[str, int] = {op: 0 for op in OPS}
 
-    def arm(self, op: str, exc: BaseException | Callable[[], None], *, match: str = "", skip: int = 0,
-            times: int = 1) -> None:
+    def arm(
+        self, op: str, exc: BaseException | Callable[[], None], *, match: str = "", skip: int = 0, times: int = 1
+    ) -> None:
         """Make the next ``times`` calls of ``op`` on a key containing ``match`` raise ``exc`` (or
         call it, when it is a function: e.g. one that kills the process), after letting ``skip``
         such calls through. ``times=0``: every call from then on."""

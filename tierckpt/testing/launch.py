@@ -58,14 +58,27 @@ def hide_paths(paths: list[str]) -> list[str]:
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The environment variables torchrun would give ``rank`` of ``world`` on one loopback node."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
-def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *, timeout: float,
-                 env_of: Callable[[int], dict[str, str]] | None = None,
-                 prefix_of: Callable[[int], list[str]] | None = None,
-                 agent_store: bool = False) -> tuple[list[int | None], dict[int, str]]:
+def launch_ranks(
+    world: int,
+    argv: Callable[[int], list[str]],
+    workdir: Path,
+    *,
+    timeout: float,
+    env_of: Callable[[int], dict[str, str]] | None = None,
+    prefix_of: Callable[[int], list[str]] | None = None,
+    agent_store: bool = False,
+) -> tuple[list[int | None], dict[int, str]]:
     """Start ``argv(rank)`` for every rank (environment: ours + :func:`rank_env` + ``env_of(rank)``;
     command prefixed by ``prefix_of(rank)``, e.g. :func:`hide_paths`), output to
     ``workdir/rank<r>.log``; wait for all of them.
@@ -85,8 +98,14 @@ def launch_ranks(world: int, argv: Callable[[int], list[str]], workdir: Path, *,
 
         from torch.distributed import TCPStore
 
-        store = TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            world,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
     deadline = time.monotonic() + timeout
     try:
         for r in range(world):
@@ -121,8 +140,13 @@ _ctx: Any = None
 
 
 def _forkable(cmd: list[str]) -> bool:
-    return (os.environ.get("TIERCKPT_LAUNCH", "fork") != "exec" and len(cmd) >= 2 and cmd[0] == sys.executable
-            and cmd[1].endswith(".py") and not cmd[1].startswith("-"))
+    return (
+        os.environ.get("TIERCKPT_LAUNCH", "fork") != "exec"
+        and len(cmd) >= 2
+        and cmd[0] == sys.executable
+        and cmd[1].endswith(".py")
+        and not cmd[1].startswith("-")
+    )
 
 
 def _fork_context() -> Any:
@@ -197,10 +221,20 @@ class _Exec:
         self.out.close()
 
 
-def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *, script: Path,
-              node_of: Callable[[int], str] | None = None, timeout: float = 180.0, expect_ok: bool = True,
-              extra_env: dict[str, str] | None = None, prefix_of: Callable[[int], list[str]] | None = None,
-              agent_store: bool = False) -> list[dict]:
+def run_world(
+    world: int,
+    scenario: str,
+    args: dict[str, Any],
+    workdir: Path,
+    *,
+    script: Path,
+    node_of: Callable[[int], str] | None = None,
+    timeout: float = 180.0,
+    expect_ok: bool = True,
+    extra_env: dict[str, str] | None = None,
+    prefix_of: Callable[[int], list[str]] | None = None,
+    agent_store: bool = False,
+) -> list[dict]:
     """Run ``scenario`` of the worker module ``script`` on ``world`` ranks; return their results.
 
     ``node_of(rank)`` sets ``TIERCKPT_NODE`` per rank (default ``"node0"``): groups of ranks with
@@ -209,15 +243,25 @@ def run_world(world: int, scenario: str, args: dict[str, Any], workdir: Path, *,
     rank's log tail; otherwise a rank without a result gives ``{"exit": code, "log": tail}``.
     ``agent_store``: see :func:`launch_ranks`.
     """
+
     def env_of(r: int) -> dict[str, str]:
         return {"TIERCKPT_NODE": node_of(r) if node_of else "node0"} | (extra_env or {})
 
     codes, full_logs = launch_ranks(
-        world, lambda r: [sys.executable, str(script), scenario, json.dumps(args), str(workdir / f"result{r}.json")],
-        workdir, timeout=timeout, env_of=env_of, prefix_of=prefix_of, agent_store=agent_store)
+        world,
+        lambda r: [sys.executable, str(script), scenario, json.dumps(args), str(workdir / f"result{r}.json")],
+        workdir,
+        timeout=timeout,
+        env_of=env_of,
+        prefix_of=prefix_of,
+        agent_store=agent_store,
+    )
     logs = {r: text[-4000:] for r, text in full_logs.items()}
     if expect_ok and any(c != 0 for c in codes):
-        raise AssertionError(f"scenario {scenario} failed: exit codes {codes}\n" + "\n".join(f"--- rank {r}\n{l}" for r, l in logs.items()))
+        raise AssertionError(
+            f"scenario {scenario} failed: exit codes {codes}\n"
+            + "\n".join(f"--- rank {r}\n{l}" for r, l in logs.items())
+        )
     results = []
     for r in range(world):
         f = workdir / f"result{r}.json"

@@ -44,7 +44,7 @@ class _Sink(DataSink):
         self.tier, self.key, self.buf = tier, key, bytearray(size)
 
     def write_at(self, offset: int, data: memoryview) -> None:
-        self.buf[offset:offset + len(data)] = data
+        self.buf[offset : offset + len(data)] = data
 
     def close(self) -> None:
         self.tier._count("PutObject")
@@ -63,8 +63,9 @@ class MemoryTier(Tier):
         root: what :meth:`root_id` answers (one per simulated node).
     """
 
-    def __init__(self, name: str, url: str, *, node_local: bool = False, cheap_listing: bool = False,
-                 root: str = "") -> None:
+    def __init__(
+        self, name: str, url: str, *, node_local: bool = False, cheap_listing: bool = False, root: str = ""
+    ) -> None:
         self.name, self.url = name, url
         self.node_local, self.cheap_listing = node_local, cheap_listing
         self._root = root or url
@@ -119,7 +120,9 @@ class MemoryTier(Tier):
         data = self._find(key)
         end = len(data) if end is None else end
         if start < 0 or end < start or end > len(data):
-            raise CorruptCheckpoint(f"{self.url}/{key}: range [{start}, {end}) is outside the object ({len(data)} bytes)")
+            raise CorruptCheckpoint(
+                f"{self.url}/{key}: range [{start}, {end}) is outside the object ({len(data)} bytes)"
+            )
         return data[start:end]
 
     def read_ranges(self, key: str, start: int, bufs: list[memoryview]) -> None:
@@ -127,7 +130,7 @@ class MemoryTier(Tier):
         data = self.get(key, start, start + n)
         at = 0
         for b in bufs:
-            b[:] = data[at:at + len(b)]
+            b[:] = data[at : at + len(b)]
             at += len(b)
 
     def read_into(self, key: str, start: int, buf: memoryview) -> None:

@@ -38,12 +38,35 @@ MiB = 1 << 20
 PHASES = ("first_save", "save", "restart", "node_loss", "full_loss", "dcp_save", "dcp_load")
 LOAD_PHASES = ("restart", "node_loss", "full_loss")
 
-WRITE_CLASS = frozenset({"PutObject", "CopyObject", "UploadPart", "UploadPartCopy", "CreateMultipartUpload",
-                         "CompleteMultipartUpload", "AbortMultipartUpload", "DeleteObject", "DeleteObjects",
-                         "PutObjectTagging", "DeleteObjectTagging"})
+WRITE_CLASS = frozenset(
+    {
+        "PutObject",
+        "CopyObject",
+        "UploadPart",
+        "UploadPartCopy",
+        "CreateMultipartUpload",
+        "CompleteMultipartUpload",
+        "AbortMultipartUpload",
+        "DeleteObject",
+        "DeleteObjects",
+        "PutObjectTagging",
+        "DeleteObjectTagging",
+    }
+)
 """S3 operations under the documented 3,500 PUT/COPY/POST/DELETE requests per second per prefix."""
-READ_CLASS = frozenset({"GetObject", "HeadObject", "ListObjectsV2", "ListObjects", "ListMultipartUploads",
-                        "ListParts", "HeadBucket", "GetObjectTagging", "GetObjectAttributes"})
+READ_CLASS = frozenset(
+    {
+        "GetObject",
+        "HeadObject",
+        "ListObjectsV2",
+        "ListObjects",
+        "ListMultipartUploads",
+        "ListParts",
+        "HeadBucket",
+        "GetObjectTagging",
+        "GetObjectAttributes",
+    }
+)
 """S3 operations under the documented 5,500 GET/HEAD requests per second per prefix (LISTs included)."""
 
 P2P = ("isend", "irecv", "send", "recv")
@@ -57,9 +80,12 @@ def s3_class(op: str) -> str:
 def scale_config(base: Path, s3: dict[str, Any]) -> dict[str, Any]:
     """The job's configuration as ``config_from_dict`` takes it: a small host pool, node-local
     ``[local]`` without fsync under ``base/local/{node}``, ``[s3]`` as given."""
-    return {"host": {"buffer_size": "16MiB", "chunk_size": "4MiB", "pinned": False},
-            "local": {"path": f"{base}/local/{{node}}", "fsync": False, "flush_threads": 1},
-            "s3": dict(s3), "job": {"commit_timeout": 300.0}}
+    return {
+        "host": {"buffer_size": "16MiB", "chunk_size": "4MiB", "pinned": False},
+        "local": {"path": f"{base}/local/{{node}}", "fsync": False, "flush_threads": 1},
+        "s3": dict(s3),
+        "job": {"commit_timeout": 300.0},
+    }
 
 
 def _strip(section: dict[str, Any]) -> dict[str, Any]:
@@ -96,12 +122,18 @@ def summarize(per_rank: list[dict], world: int) -> dict[str, Any]:
         "obj_recv_bytes": sum(v.get("recv_bytes", 0) for v in total["obj"].values()),
         "obj_by_name": {k: dict(v) for k, v in sorted(total["obj"].items())},
         "obj_calls": max((sum(v.get("calls", 0) for v in r["obj"].values()) for r in per_rank), default=0),
-        "rounds": max((sum(v.get("calls", 0) for v in r["obj"].values())
-                       + sum(v.get("calls", 0) for k, v in r["tensor"].items() if _sub(k) not in P2P)
-                       for r in per_rank), default=0),
+        "rounds": max(
+            (
+                sum(v.get("calls", 0) for v in r["obj"].values())
+                + sum(v.get("calls", 0) for k, v in r["tensor"].items() if _sub(k) not in P2P)
+                for r in per_rank
+            ),
+            default=0,
+        ),
         "p2p_recv_bytes": sum(v.get("recv_bytes", 0) for k, v in total["tensor"].items() if _sub(k) in P2P),
         "tensor_recv_bytes": sum(v.get("recv_bytes", 0) for k, v in total["tensor"].items() if _sub(k) not in P2P),
-        "store_ops": sum(n for k, n in total["store"].items() if k != "check_miss") - total["store"].get("check_miss", 0),
+        "store_ops": sum(n for k, n in total["store"].items() if k != "check_miss")
+        - total["store"].get("check_miss", 0),
         "store_polls": total["store"].get("check_miss", 0),
         "store_by_op": dict(sorted(total["store"].items())),
         "groups": max((r["groups"] for r in per_rank), default=0),
@@ -113,21 +145,38 @@ def summarize(per_rank: list[dict], world: int) -> dict[str, Any]:
 
 
 def _check(results: list[dict], what: str) -> None:
-    bad = [(r, res) for r, res in enumerate(results) if res.get("errors") or res.get("mismatches") or "counts" not in res]
+    bad = [
+        (r, res) for r, res in enumerate(results) if res.get("errors") or res.get("mismatches") or "counts" not in res
+    ]
     if bad:
-        raise AssertionError(f"scale harness, {what}: " + "; ".join(
-            f"rank {r}: {res.get('errors') or res.get('mismatches') or res.get('log', res)}" for r, res in bad))
+        raise AssertionError(
+            f"scale harness, {what}: "
+            + "; ".join(
+                f"rank {r}: {res.get('errors') or res.get('mismatches') or res.get('log', res)}" for r, res in bad
+            )
+        )
 
 
 def _facts(results: list[dict]) -> dict[str, Any]:
     served = Counter(t for res in results for t in res.get("served", {}).values())
-    return {"resolved": sorted({str(res.get("resolved")) for res in results}), "served_files": dict(served),
-            "from_peers_bytes": sum(res.get("from_peers", 0) for res in results)}
+    return {
+        "resolved": sorted({str(res.get("resolved")) for res in results}),
+        "served_files": dict(served),
+        "from_peers_bytes": sum(res.get("from_peers", 0) for res in results),
+    }
 
 
-def run_scale(world: int, s3: dict[str, Any], workdir: Path, *, ranks_per_node: int = 2, own_bytes: int = MiB,
-              timeout: float = 900.0, phases: tuple[str, ...] = PHASES,
-              after_saves: Callable[[Path], None] | None = None) -> dict[str, Any]:
+def run_scale(
+    world: int,
+    s3: dict[str, Any],
+    workdir: Path,
+    *,
+    ranks_per_node: int = 2,
+    own_bytes: int = MiB,
+    timeout: float = 900.0,
+    phases: tuple[str, ...] = PHASES,
+    after_saves: Callable[[Path], None] | None = None,
+) -> dict[str, Any]:
     """Run the ``phases`` (of :data:`PHASES`, in that order; the two saves always run) for a job of
     ``world`` ranks; return ``{"world", "nodes", "ranks_per_node", "own_bytes", "source": "real",
     "phases": {phase: summary}, "per_rank": {phase: [counts of rank r]}, "detail": {phase: {sub-phase:
@@ -149,8 +198,16 @@ def run_scale(world: int, s3: dict[str, Any], workdir: Path, *, ranks_per_node: 
     facts: dict[str, Any] = {}
 
     def world_run(scenario: str, args: dict, tag: str) -> list[dict]:
-        res = run_world(world, scenario, args, workdir / "runs" / tag, script=WORKER, node_of=node_of, timeout=timeout,
-                        expect_ok=False)
+        res = run_world(
+            world,
+            scenario,
+            args,
+            workdir / "runs" / tag,
+            script=WORKER,
+            node_of=node_of,
+            timeout=timeout,
+            expect_ok=False,
+        )
         _check(res, tag)
         return res
 
@@ -177,8 +234,17 @@ def run_scale(world: int, s3: dict[str, Any], workdir: Path, *, ranks_per_node: 
 
     done = [ph for ph in PHASES if ph in raw and (ph in phases or ph in ("first_save", "save"))]
     per_rank = {ph: [collapse(d, ph) for d in raw[ph]] for ph in done}
-    detail = {ph: {k: merge([d[k] for d in raw[ph] if k in d]) for k in sorted({k for d in raw[ph] for k in d})}
-              for ph in raw}
-    return {"world": world, "nodes": nodes, "ranks_per_node": ranks_per_node, "own_bytes": own_bytes, "source": "real",
-            "phases": {ph: summarize(per_rank[ph], world) for ph in done}, "per_rank": per_rank, "detail": detail,
-            "facts": facts}
+    detail = {
+        ph: {k: merge([d[k] for d in raw[ph] if k in d]) for k in sorted({k for d in raw[ph] for k in d})} for ph in raw
+    }
+    return {
+        "world": world,
+        "nodes": nodes,
+        "ranks_per_node": ranks_per_node,
+        "own_bytes": own_bytes,
+        "source": "real",
+        "phases": {ph: summarize(per_rank[ph], world) for ph in done},
+        "per_rank": per_rank,
+        "detail": detail,
+        "facts": facts,
+    }

@@ -30,8 +30,11 @@ def state(rank: int, step: int, own_bytes: int) -> dict:
 
     from tierckpt.testing import bits
 
-    return {f"r{rank}": bits((own_bytes // 4,), torch.float32, 1000 * step + rank),
-            "shared": bits((SHARED_ELEMS,), torch.float32, step), "step": step}
+    return {
+        f"r{rank}": bits((own_bytes // 4,), torch.float32, 1000 * step + rank),
+        "shared": bits((SHARED_ELEMS,), torch.float32, step),
+        "step": step,
+    }
 
 
 def _load_target(rank: int, step: int, own_bytes: int) -> tuple[dict, dict]:
@@ -84,8 +87,13 @@ def load(args: dict, rank: int, world: int) -> dict:
         with c.phase("drain"):
             if reader.fill is not None:  # the worker leaves with os._exit: wait for the local copy
                 reader.fill.wait()
-    return {"counts": c.dump(), "resolved": reader.resolved_id, "served": dict(reader.served),
-            "from_peers": sum(reader.from_peers.values()), "mismatches": compare(want, got)}
+    return {
+        "counts": c.dump(),
+        "resolved": reader.resolved_id,
+        "served": dict(reader.served),
+        "from_peers": sum(reader.from_peers.values()),
+        "mismatches": compare(want, got),
+    }
 
 
 def dcp_save(args: dict, rank: int, world: int) -> dict:
@@ -96,8 +104,10 @@ def dcp_save(args: dict, rank: int, world: int) -> dict:
 
     c = install()
     with c.phase(args["phase"]):
-        dcp.save(state(rank, args["step"], args["own_bytes"]),
-                 storage_writer=dcp.FileSystemWriter(args["path"], sync_files=False))
+        dcp.save(
+            state(rank, args["step"], args["own_bytes"]),
+            storage_writer=dcp.FileSystemWriter(args["path"], sync_files=False),
+        )
     return {"counts": c.dump()}
 
 
@@ -116,7 +126,8 @@ def dcp_load(args: dict, rank: int, world: int) -> dict:
 
 
 SCENARIOS: dict[str, Callable[[dict, int, int], dict[str, Any]]] = {
-    f.__name__: f for f in (save, load, dcp_save, dcp_load)}
+    f.__name__: f for f in (save, load, dcp_save, dcp_load)
+}
 
 
 if __name__ == "__main__":

@@ -89,8 +89,9 @@ def _metadata(world: int, cid: str, seq: int, token: str) -> tuple[bytes, dict[s
         crcs = [crc32c(bytes(buf[s:e])) for s, e in piece_bounds(pos, padded(len(data)), CHUNK)]
         if tensor:
             size = torch.Size([numel])
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
-                                             [ChunkStorageMetadata(torch.Size([0]), size)])
+            sdm[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32), size, [ChunkStorageMetadata(torch.Size([0]), size)]
+            )
             idx = MetadataIndex(fqn, torch.Size([0]), 0)
             storage[idx] = ItemRecord(f, pos, len(data), "float32", (numel,), crcs)
         else:
@@ -102,8 +103,16 @@ def _metadata(world: int, cid: str, seq: int, token: str) -> tuple[bytes, dict[s
     add("rep", 0, bytes(range(64)) * 2, True, 32)
     add("step", 0, pickle.dumps(seq), False)
     md = Metadata(state_dict_metadata=sdm, storage_data=storage)
-    man = CheckpointManifest(cid, world, CHUNK, {f: len(b) for f, b in files.items()}, committed=float(seq),
-                             step=seq, save_token=token, seq=seq)
+    man = CheckpointManifest(
+        cid,
+        world,
+        CHUNK,
+        {f: len(b) for f, b in files.items()},
+        committed=float(seq),
+        step=seq,
+        save_token=token,
+        seq=seq,
+    )
     return metadata_to_json(md, man), {f: bytes(b) for f, b in files.items()}
 
 
@@ -112,8 +121,9 @@ def build_job(world: int, per_node: int = 2, checkpoints: int = 2) -> SimJob:
     s3 = MemoryTier("s3", "s3://sim/ckpt")
     s3.may_encode = True  # as an S3 tier: its files may be stored encoded (read through codec.decoding)
     nnodes = -(-world // per_node)
-    nodes = [MemoryTier("local", f"/sim/n{n}", node_local=True, cheap_listing=True, root=f"/sim/n{n}")
-             for n in range(nnodes)]
+    nodes = [
+        MemoryTier("local", f"/sim/n{n}", node_local=True, cheap_listing=True, root=f"/sim/n{n}") for n in range(nnodes)
+    ]
     job = SimJob(world, per_node, s3, nodes, [])
     for k in range(1, checkpoints + 1):
         cid, token = f"step-{k:06d}", f"{k:08x}" + "0" * 24
@@ -263,7 +273,9 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: Any = None) -> 
         # the coordinator's schedule (DCP's plan exchange carries the routes)
         by_fqn = {idx.fqn: (idx, rec) for idx, rec in doc_items.items()}
         wanted = [{by_fqn[f][0]: (by_fqn[f][1].file, by_fqn[f][1].length) for f in wants(r)} for r in range(world)]
-        routes = peers.schedule(wanted, decision.holders_by_file(man.files), bool(v.shared), [x.root for x in views], cid)
+        routes = peers.schedule(
+            wanted, decision.holders_by_file(man.files), bool(v.shared), [x.root for x in views], cid
+        )
         route_bytes = sum(_size(rt) for rt in routes)
         # read_data: items from other nodes, the rest through the read engine
         for r in range(world):
@@ -282,12 +294,19 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: Any = None) -> 
         decision.release()
     by_rank = job.s3.by_rank()
     return {
-        "world": world, "per_node": job.per_node, "scenario": scenario, "checkpoint": cid,
-        "s3_requests": sum(by_rank.values()), "s3_by_op": dict(job.s3.by_op()),
+        "world": world,
+        "per_node": job.per_node,
+        "scenario": scenario,
+        "checkpoint": cid,
+        "s3_requests": sum(by_rank.values()),
+        "s3_by_op": dict(job.s3.by_op()),
         "s3_max_per_rank": max(by_rank.values(), default=0),
-        "collective_bytes": sum(coll_bytes.values()), "collective_rounds": rounds,
-        "route_bytes": route_bytes, "p2p_bytes": sum(p2p_bytes.values()),
-        "metadata_bytes": len(job.metadata[cid]), "seconds": round(time.perf_counter() - t0, 3),
+        "collective_bytes": sum(coll_bytes.values()),
+        "collective_rounds": rounds,
+        "route_bytes": route_bytes,
+        "p2p_bytes": sum(p2p_bytes.values()),
+        "metadata_bytes": len(job.metadata[cid]),
+        "seconds": round(time.perf_counter() - t0, 3),
     }
 
 

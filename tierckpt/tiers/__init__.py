@@ -31,8 +31,22 @@ from .base import DataSink, ObjectInfo, Tier, check_key
 if TYPE_CHECKING:
     from ..config import Config
 
-__all__ = ["Tier", "DataSink", "ObjectInfo", "check_key", "TierKind", "register_tier", "tier_kinds",
-           "make_tier", "make_tiers", "make_local", "make_s3", "make_node_tiers", "is_node_name", "Chain"]
+__all__ = [
+    "Tier",
+    "DataSink",
+    "ObjectInfo",
+    "check_key",
+    "TierKind",
+    "register_tier",
+    "tier_kinds",
+    "make_tier",
+    "make_tiers",
+    "make_local",
+    "make_s3",
+    "make_node_tiers",
+    "is_node_name",
+    "Chain",
+]
 
 
 @dataclass(frozen=True)
@@ -98,7 +112,9 @@ def make_tiers(cfg: Config) -> list[Tier]:
         _warned_first.add(tiers[0].name)
         logging.getLogger("tierckpt").warning(
             "[%s] compression / copy_unchanged apply to the copy into it from an earlier tier; as the first tier "
-            "it stores files as written (docs/compression.md)", tiers[0].name)
+            "it stores files as written (docs/compression.md)",
+            tiers[0].name,
+        )
     return tiers
 
 
@@ -206,8 +222,14 @@ def _build_local(cfg: Config) -> Tier:
 
     lc = cfg.local
     assert lc is not None
-    return LocalTier(lc.resolved_path(), fsync=lc.fsync, node_local=lc.node_local, direct_io=lc.direct_io,
-                     keep=lc.keep, read_concurrency=lc.flush_threads)
+    return LocalTier(
+        lc.resolved_path(),
+        fsync=lc.fsync,
+        node_local=lc.node_local,
+        direct_io=lc.direct_io,
+        keep=lc.keep,
+        read_concurrency=lc.flush_threads,
+    )
 
 
 def _local_for_node(cfg: Config, node: str) -> Tier:
@@ -217,8 +239,14 @@ def _local_for_node(cfg: Config, node: str) -> Tier:
     lc = cfg.local
     assert lc is not None
     other = dataclasses.replace(lc, path=lc.path.replace("{node}", node))
-    return LocalTier(other.resolved_path(), fsync=lc.fsync, node_local=True, direct_io=lc.direct_io, keep=lc.keep,
-                     read_concurrency=lc.flush_threads)
+    return LocalTier(
+        other.resolved_path(),
+        fsync=lc.fsync,
+        node_local=True,
+        direct_io=lc.direct_io,
+        keep=lc.keep,
+        read_concurrency=lc.flush_threads,
+    )
 
 
 def _local_nodes(cfg: Config) -> list[str]:

@@ -309,7 +309,9 @@ class Tier(abc.ABC):
 
         try:
             if n:
-                with ThreadPoolExecutor(max(1, min(int(self.read_concurrency), n)), thread_name_prefix="tierckpt-copy") as pool:
+                with ThreadPoolExecutor(
+                    max(1, min(int(self.read_concurrency), n)), thread_name_prefix="tierckpt-copy"
+                ) as pool:
                     futures = [pool.submit(one, i) for i in range(n)]
                     try:
                         for f in futures:
@@ -434,8 +436,9 @@ class Tier(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
     # -- resumable writes and background work (added with the one read engine) -----------------
-    def open_resumable(self, key: str, size: int, *, block: int, tag: dict | None = None,
-                       adopt: bool = False) -> ResumableSink:
+    def open_resumable(
+        self, key: str, size: int, *, block: int, tag: dict | None = None, adopt: bool = False
+    ) -> ResumableSink:
         """Start, or resume, writing a large object of ``size`` bytes at ``key`` in ``block``-byte blocks.
 
         ``tag``: a small JSON-able dict naming what is written (e.g. the save it comes from); a

@@ -17,6 +17,7 @@ first transfer) is used buffered from then on, logged once per process; with
 ``direct_io = true`` the refusal is an error instead. fsync, rename and commit are the same
 in both modes.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -67,8 +68,16 @@ class LocalTier(LocalReads, Tier):
     name = "local"
     cheap_listing = True
 
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = True, node_local: bool = False,
-                 direct_io: bool | str = "auto", keep: int = 0, read_concurrency: int = 4) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        fsync: bool = True,
+        node_local: bool = False,
+        direct_io: bool | str = "auto",
+        keep: int = 0,
+        read_concurrency: int = 4,
+    ) -> None:
         if direct_io not in (True, False, "auto"):
             raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
         self.root = Path(root)
@@ -103,8 +112,10 @@ class LocalTier(LocalReads, Tier):
         """The file system under ``path`` refused ``O_DIRECT``: buffered from now on (``auto``) or
         a :class:`TierError` naming the file (``direct_io = true``)."""
         if self.direct_io is True:
-            raise TierError(e.errno or errno.EINVAL,
-                            f"{path}: [local] direct_io = true, but the file system refuses O_DIRECT: {e.strerror or e}")
+            raise TierError(
+                e.errno or errno.EINVAL,
+                f"{path}: [local] direct_io = true, but the file system refuses O_DIRECT: {e.strerror or e}",
+            )
         self._direct_ok = False
         _log_fallback(path, e)
 
@@ -308,10 +319,10 @@ class LocalTier(LocalReads, Tier):
                 _janitor.remove(old)
         return n
 
-
     # -- resumable writes, background deletions -------------------------------------------
-    def open_resumable(self, key: str, size: int, *, block: int, tag: dict | None = None,
-                       adopt: bool = False) -> ResumableSink:
+    def open_resumable(
+        self, key: str, size: int, *, block: int, tag: dict | None = None, adopt: bool = False
+    ) -> ResumableSink:
         """See :meth:`Tier.open_resumable`. ``<file>.partial`` holds the bytes, the sidecar
         ``<file>.ranges.partial`` (JSON: ``tag`` + size, block as ``range_size``, recorded blocks as
         ``done``) the record, an ``flock`` on ``.tmp-<file>.lock`` keeps other processes out."""
@@ -336,15 +347,20 @@ class LocalTier(LocalReads, Tier):
             dirs[:] = [d for d in dirs if not d.startswith(TRASH) and d not in spare]  # ID/ and _XX/ID/
             names = set(files)
             for fn in files:
-                stale = fn.endswith(PARTIAL) and not fn.endswith(".ranges" + PARTIAL) and \
-                    fn[: -len(PARTIAL)] + ".ranges" + PARTIAL not in names
+                stale = (
+                    fn.endswith(PARTIAL)
+                    and not fn.endswith(".ranges" + PARTIAL)
+                    and fn[: -len(PARTIAL)] + ".ranges" + PARTIAL not in names
+                )
                 stale = stale or (fn.startswith(TMP) and not fn.endswith(".lock"))
                 path = Path(dirpath) / fn
                 try:
                     if stale and path.stat().st_mtime < cutoff:
                         path.unlink()
                         n += 1
-                        log.info("removed %s, left by an interrupted write (untouched for over %.0f s)", path, older_than_s)
+                        log.info(
+                            "removed %s, left by an interrupted write (untouched for over %.0f s)", path, older_than_s
+                        )
                 except FileNotFoundError:
                     continue
                 except OSError as e:

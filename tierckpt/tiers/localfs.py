@@ -43,7 +43,10 @@ def _log_fallback(path: Path, e: OSError) -> None:
         first, _fallback_logged = not _fallback_logged, True
     (log.warning if first else log.debug)(
         "local tier: %s refuses O_DIRECT (%s): using buffered I/O there (set [local] direct_io = false to "
-        "skip the probe)", path, e.strerror or e)
+        "skip the probe)",
+        path,
+        e.strerror or e,
+    )
 
 
 def _address(mv: memoryview) -> int:

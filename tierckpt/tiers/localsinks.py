@@ -36,6 +36,7 @@ class LocalFiles(Protocol):
 
     def _direct_refused(self, path: Path, e: OSError) -> None: ...
 
+
 class _FileSink(DataSink):
     """One ``.partial`` file written at planned offsets by several threads (see the module doc).
 
@@ -238,8 +239,9 @@ class _ResumableFile(ResumableSink):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise TierError(errno.EBUSY, f"{self._final} is being written by another process "
-                                             f"(it holds {self._lockpath})") from None
+                raise TierError(
+                    errno.EBUSY, f"{self._final} is being written by another process (it holds {self._lockpath})"
+                ) from None
             try:  # the holder before us may have removed the lock file meanwhile: lock the current one
                 if os.stat(self._lockpath).st_ino == os.fstat(fd).st_ino:
                     return fd
@@ -255,8 +257,12 @@ class _ResumableFile(ResumableSink):
         if self._partial.is_file() and self._partial.stat().st_size == self.size:
             try:
                 doc = json.loads(self._sidecar.read_bytes())
-                if (isinstance(doc, dict) and all(doc.get(k) == v for k, v in self._tag.items())
-                        and doc.get("size") == self.size and doc.get("range_size") == self.block):
+                if (
+                    isinstance(doc, dict)
+                    and all(doc.get(k) == v for k, v in self._tag.items())
+                    and doc.get("size") == self.size
+                    and doc.get("range_size") == self.block
+                ):
                     return {int(i) for i in doc.get("done", [])} & whole
             except (OSError, ValueError, TypeError):
                 pass
@@ -363,8 +369,11 @@ class _ResumableFile(ResumableSink):
                 if pending:
                     self._record()
             except OSError as e:
-                log.warning("%s: cannot record the download progress (%s); the next fetch re-downloads "
-                            "what was not recorded", self._partial, e)
+                log.warning(
+                    "%s: cannot record the download progress (%s); the next fetch re-downloads what was not recorded",
+                    self._partial,
+                    e,
+                )
         self._release(discard=False)
 
     def abort(self) -> None:

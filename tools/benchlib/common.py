@@ -37,6 +37,7 @@ GiB = 1024 * MiB
 # helpers
 # ---------------------------------------------------------------------------------------------
 
+
 def now() -> float:
     return time.perf_counter()
 
@@ -49,8 +50,14 @@ def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def row(name: str, times: list[float] | None = None, nbytes: int | None = None, ratio: float | None = None,
-        note: str = "", **extra: Any) -> dict:
+def row(
+    name: str,
+    times: list[float] | None = None,
+    nbytes: int | None = None,
+    ratio: float | None = None,
+    note: str = "",
+    **extra: Any,
+) -> dict:
     """One table row: ``times`` in seconds (median/min computed here); GiB/s from ``nbytes``/median."""
     r: dict[str, Any] = {"name": name, "median_s": None, "min_s": None, "gib_s": None, "ratio": ratio, "note": note}
     if times:
@@ -73,13 +80,19 @@ def print_table(title: str, sec: dict) -> None:
     cpu = any(r.get("cpu_s_per_gib") is not None for r in rows)  # CPU seconds per GiB, when measured
     print()
     print(f"== {title} ==")
-    print(f"{'name':<{w}} | {'median s':>9} | {'min s':>9} | {'GiB/s':>7} | {'ratio':>7} | "
-          + (f"{'CPU-s/GiB':>9} | " if cpu else "") + "note")
+    print(
+        f"{'name':<{w}} | {'median s':>9} | {'min s':>9} | {'GiB/s':>7} | {'ratio':>7} | "
+        + (f"{'CPU-s/GiB':>9} | " if cpu else "")
+        + "note"
+    )
     print("-" * (w + 52 + (12 if cpu else 0)))
     for r in rows:
-        print(f"{r['name']:<{w}} | {fmt(r['median_s'], '9.4f')} | {fmt(r['min_s'], '9.4f')} | "
-              f"{fmt(r['gib_s'], '7.3f')} | {fmt(r['ratio'], '7.3f')} | "
-              + (f"{fmt(r.get('cpu_s_per_gib'), '9.3f')} | " if cpu else "") + r.get("note", ""))
+        print(
+            f"{r['name']:<{w}} | {fmt(r['median_s'], '9.4f')} | {fmt(r['min_s'], '9.4f')} | "
+            f"{fmt(r['gib_s'], '7.3f')} | {fmt(r['ratio'], '7.3f')} | "
+            + (f"{fmt(r.get('cpu_s_per_gib'), '9.3f')} | " if cpu else "")
+            + r.get("note", "")
+        )
     for k, v in sec.get("ratios", {}).items():
         tgt = sec.get("targets", {}).get(k)
         ok = ""
@@ -140,8 +153,10 @@ def tensor_bytes(sd: Any) -> int:
 
 
 def tiered_cfg(path: Path, pool: int, chunk: int, keep: int = 1, threads: int = 4) -> TierConfig:
-    return TierConfig(host=HostConfig(buffer_size=pool, chunk_size=chunk),
-                      local=LocalConfig(path=str(path), flush_threads=threads, keep=keep))
+    return TierConfig(
+        host=HostConfig(buffer_size=pool, chunk_size=chunk),
+        local=LocalConfig(path=str(path), flush_threads=threads, keep=keep),
+    )
 
 
 def size_label(n: int) -> str:
@@ -183,10 +198,12 @@ def machine_info(work: Path) -> dict:
         st = os.statvfs(work)
         info["disk_free_gib"] = round(st.f_bavail * st.f_frsize / GiB, 1)
     with contextlib.suppress(Exception):
-        info["git_head"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                          text=True, timeout=10).stdout.strip()
-        info["git_dirty"] = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True,
-                                           text=True, timeout=10).stdout.splitlines()
+        info["git_head"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        info["git_dirty"] = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()
     return info
 
 
@@ -224,11 +241,19 @@ class Contention:
     def done(self) -> dict:
         wall = now() - self.t0
         s1 = self._psutil.cpu_times()
-        busy = sum(getattr(s1, f) - getattr(self.sys0, f) for f in ("user", "nice", "system", "irq", "softirq", "steal")
-                   if hasattr(s1, f))
+        busy = sum(
+            getattr(s1, f) - getattr(self.sys0, f)
+            for f in ("user", "nice", "system", "irq", "softirq", "steal")
+            if hasattr(s1, f)
+        )
         own = self._own() - self.own0
-        out = {"wall_s": wall, "own_cpu_cores": own / wall, "other_cpu_cores": max(0.0, busy - own) / wall,
-               "loadavg_start": self.load0, "loadavg_end": os.getloadavg()}
+        out = {
+            "wall_s": wall,
+            "own_cpu_cores": own / wall,
+            "other_cpu_cores": max(0.0, busy - own) / wall,
+            "loadavg_start": self.load0,
+            "loadavg_end": os.getloadavg(),
+        }
         for k, v0 in self.psi0.items():
             v1 = _psi(k)
             if v0 is not None and v1 is not None:
@@ -237,8 +262,10 @@ class Contention:
 
     @staticmethod
     def line(c: dict) -> str:
-        s = (f"contention: other processes used {c['other_cpu_cores']:.2f} cores on average (this run "
-             f"{c['own_cpu_cores']:.2f}); loadavg {c['loadavg_start'][0]:.1f} -> {c['loadavg_end'][0]:.1f}")
+        s = (
+            f"contention: other processes used {c['other_cpu_cores']:.2f} cores on average (this run "
+            f"{c['own_cpu_cores']:.2f}); loadavg {c['loadavg_start'][0]:.1f} -> {c['loadavg_end'][0]:.1f}"
+        )
         if "psi_cpu_some_pct" in c:
             s += f"; CPU pressure {c['psi_cpu_some_pct']:.0f}%, IO pressure {c.get('psi_io_some_pct', 0):.0f}%"
         return s
@@ -263,6 +290,7 @@ class Ctx:
 # ---------------------------------------------------------------------------------------------
 # A. local tier: save bandwidth vs the disk ceiling, load vs FileSystemReader
 # ---------------------------------------------------------------------------------------------
+
 
 def make_state(total: int, seed: int = 0) -> dict:
     """A few dozen fp32/bf16 tensors of mixed sizes (~``total`` bytes), small tensors, non-tensor items."""
@@ -339,6 +367,7 @@ def raw_write(path: Path, nbytes: int, buf: torch.Tensor, threads: int, direct: 
         os.posix_fallocate(fd, 0, nbytes)
         wfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     try:
+
         def span(lo: int, hi: int) -> None:
             off = lo
             while off < hi:

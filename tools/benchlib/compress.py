@@ -48,8 +48,11 @@ def _layout(ts: list[tuple[str, torch.Tensor]]) -> tuple[np.ndarray, list[tuple[
     """One file of ``ts`` as the writer lays it out: bytes and width runs."""
     parts, items, at = [], [], 0
     for _k, t in ts:
-        b = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() and t.dim() else \
-            np.frombuffer(t.contiguous().numpy().tobytes(), np.uint8)
+        b = (
+            t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            if t.numel() and t.dim()
+            else np.frombuffer(t.contiguous().numpy().tobytes(), np.uint8)
+        )
         n = padded(len(b))
         parts.append(b)
         if n > len(b):
@@ -68,7 +71,7 @@ def _ours(data: np.ndarray, runs: list, level: int = 1) -> tuple[int, float, flo
         z = encode(data[s:e], segments_of(s, e, runs), level)
         tc += time.thread_time() - t0
         t0 = time.thread_time()
-        decode_into(z, memoryview(out)[:e - s], "bench")
+        decode_into(z, memoryview(out)[: e - s], "bench")
         td += time.thread_time() - t0
         stored += len(z)
     return stored, tc, td
@@ -80,7 +83,7 @@ def _plain_zstd(data: np.ndarray) -> tuple[int, float, float]:
     c, d = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
     stored, tc, td = 0, 0.0, 0.0
     for s in range(0, len(data), FRAME):
-        f = data[s:s + FRAME]
+        f = data[s : s + FRAME]
         t0 = time.thread_time()
         z = c.compress(f)
         tc += time.thread_time() - t0
@@ -104,10 +107,16 @@ def _blosc2(ts: list[tuple[str, torch.Tensor]]) -> tuple[int, float, float] | No
             continue
         w = min(8, t.element_size())
         for s in range(0, len(a), FRAME):
-            f = a[s:s + FRAME]
+            f = a[s : s + FRAME]
             t0 = time.thread_time()
-            z = blosc2.compress2(f, typesize=w, clevel=1, codec=blosc2.Codec.ZSTD, filters=[blosc2.Filter.SHUFFLE],
-                                 splitmode=blosc2.SplitMode.ALWAYS_SPLIT)
+            z = blosc2.compress2(
+                f,
+                typesize=w,
+                clevel=1,
+                codec=blosc2.Codec.ZSTD,
+                filters=[blosc2.Filter.SHUFFLE],
+                splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
+            )
             tc += time.thread_time() - t0
             t0 = time.thread_time()
             blosc2.decompress2(z)
@@ -125,13 +134,14 @@ def _zipnn(ts: list[tuple[str, torch.Tensor]]) -> tuple[int, float, float] | Non
     dtypes = {t.dtype for _k, t in ts}
     if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.bfloat16, torch.float32):
         return None
-    z = ZipNN(method="HUFFMAN", input_format="byte", bytearray_dtype=str(next(iter(dtypes))).removeprefix("torch."),
-              threads=1)
+    z = ZipNN(
+        method="HUFFMAN", input_format="byte", bytearray_dtype=str(next(iter(dtypes))).removeprefix("torch."), threads=1
+    )
     stored, tc, td = 0, 0.0, 0.0
     for _k, t in ts:
         a = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() and t.dim() else b""
         for s in range(0, len(a), FRAME):
-            f = a[s:s + FRAME]
+            f = a[s : s + FRAME]
             t0 = time.process_time()
             c = z.compress(f)
             tc += time.process_time() - t0
@@ -147,7 +157,9 @@ def _categories(state: dict) -> dict[str, list[tuple[str, torch.Tensor]]]:
     for k, t in tensors(state):
         top = k.split(".")[0]
         sub = k.split(".")[1] if top == "optim" else ""
-        cat = {"model": "weights", "master": "fp32 master"}.get(top, sub if sub in ("exp_avg", "exp_avg_sq") else "other")
+        cat = {"model": "weights", "master": "fp32 master"}.get(
+            top, sub if sub in ("exp_avg", "exp_avg_sq") else "other"
+        )
         cat = f"{cat} ({str(t.dtype).removeprefix('torch.')})"
         out.setdefault(cat, []).append((k, t))
     out["whole state"] = tensors(state)
@@ -171,17 +183,33 @@ def _ratios(name: str, state: dict, repeats: int = 3) -> list[dict]:
         n = len(data)
         if n < 4096:
             continue
-        for method, fn in (("tierckpt planes+zstd-1", lambda d=data, r=runs: _ours(d, r)),
-                           ("zstd-1, no planes", lambda d=data: _plain_zstd(d)),
-                           ("blosc2 shuffle+zstd-1", lambda t=ts: _blosc2(t)), ("ZipNN Huffman", lambda t=ts: _zipnn(t))):
+        for method, fn in (
+            ("tierckpt planes+zstd-1", lambda d=data, r=runs: _ours(d, r)),
+            ("zstd-1, no planes", lambda d=data: _plain_zstd(d)),
+            ("blosc2 shuffle+zstd-1", lambda t=ts: _blosc2(t)),
+            ("ZipNN Huffman", lambda t=ts: _zipnn(t)),
+        ):
             res = _best(fn, repeats)
             if res is None:
                 continue
             stored, tc, td = res
-            rows.append(row(f"{name}: {cat}: {method}", [tc], n, ratio=n / max(1, stored),
-                            note=f"{n / MB:.1f} MB, compress {n / tc / 1e9:.2f} GB/s, decompress {n / td / 1e9:.2f} GB/s "
-                                 "per core", state=name, category=cat, method=method, bytes=n, stored=stored,
-                            compress_gbs=n / tc / 1e9, decompress_gbs=n / td / 1e9))
+            rows.append(
+                row(
+                    f"{name}: {cat}: {method}",
+                    [tc],
+                    n,
+                    ratio=n / max(1, stored),
+                    note=f"{n / MB:.1f} MB, compress {n / tc / 1e9:.2f} GB/s, decompress {n / td / 1e9:.2f} GB/s "
+                    "per core",
+                    state=name,
+                    category=cat,
+                    method=method,
+                    bytes=n,
+                    stored=stored,
+                    compress_gbs=n / tc / 1e9,
+                    decompress_gbs=n / td / 1e9,
+                )
+            )
     return rows
 
 
@@ -226,10 +254,21 @@ def _dcp_zstd(state: dict, work: Path, repeats: int) -> dict:
 def _s3_cfg(work: Path, endpoint: str, bucket: str, tag: str, **s3: Any):
     from tierckpt.config import config_from_dict
 
-    return config_from_dict({"host": {"buffer_size": "256MiB", "chunk_size": "32MiB"},
-                             "local": {"path": str(work / f"local-{tag}"), "keep": 2, "fsync": False},
-                             "s3": {"bucket": bucket, "prefix": tag, "endpoint_url": endpoint, "part_size": "16MiB",
-                                    "concurrency": 4, "keep": 2, **s3}})
+    return config_from_dict(
+        {
+            "host": {"buffer_size": "256MiB", "chunk_size": "32MiB"},
+            "local": {"path": str(work / f"local-{tag}"), "keep": 2, "fsync": False},
+            "s3": {
+                "bucket": bucket,
+                "prefix": tag,
+                "endpoint_url": endpoint,
+                "part_size": "16MiB",
+                "concurrency": 4,
+                "keep": 2,
+                **s3,
+            },
+        }
+    )
 
 
 def _promote(cfg, state: dict, cid: str) -> Any:
@@ -275,10 +314,20 @@ def _throttled(ctx, cache: Path, rate_mbs: float) -> list[dict]:
         ratio = logical / max(1, stats["zstd"].stored_bytes or logical)
         speedup = med(times["none"]) / med(times["zstd"])
         rows.append(row(f"promotion at {rate_mbs:.0f} MB/s, compression none", times["none"], logical))
-        rows.append(row(f"promotion at {rate_mbs:.0f} MB/s, compression zstd", times["zstd"], logical, ratio=speedup,
-                        note=f"ratio {ratio:.3f}; speedup {speedup:.3f}x = {speedup / ratio:.2f} of the ratio "
-                             f"(target >= 0.9); compress {stats['zstd'].compress_cpu_s:.2f} CPU-s", compression_ratio=ratio,
-                        speedup=speedup, compress_cpu_s=stats["zstd"].compress_cpu_s, server=note))
+        rows.append(
+            row(
+                f"promotion at {rate_mbs:.0f} MB/s, compression zstd",
+                times["zstd"],
+                logical,
+                ratio=speedup,
+                note=f"ratio {ratio:.3f}; speedup {speedup:.3f}x = {speedup / ratio:.2f} of the ratio "
+                f"(target >= 0.9); compress {stats['zstd'].compress_cpu_s:.2f} CPU-s",
+                compression_ratio=ratio,
+                speedup=speedup,
+                compress_cpu_s=stats["zstd"].compress_cpu_s,
+                server=note,
+            )
+        )
     finally:
         th.stop()
         stop()
@@ -301,16 +350,27 @@ def _frozen(ctx, cache: Path) -> list[dict]:
             logical = st.bytes
             changed = None
             if prev is not None:
-                changed = sum(t.numel() * t.element_size() for (k, t), (_k, p) in zip(tensors(sd), tensors(prev))
-                              if not torch.equal(t, p))
+                changed = sum(
+                    t.numel() * t.element_size()
+                    for (k, t), (_k, p) in zip(tensors(sd), tensors(prev))
+                    if not torch.equal(t, p)
+                )
             prev = sd
-            rows.append(row(f"frozen-90% fine-tune, checkpoint {i + 1}", [st.promote_s], logical,
-                            ratio=st.uploaded_bytes / logical,
-                            note=f"uploaded {st.uploaded_bytes / MB:.2f} MB ({100 * st.uploaded_bytes / logical:.1f}% of "
-                                 f"{logical / MB:.1f} MB), server-side copies {st.copied_bytes / MB:.2f} MB"
-                                 + (f", changed tensors {100 * changed / logical:.1f}% of the state" if changed is not None
-                                    else ""), uploaded=st.uploaded_bytes, copied=st.copied_bytes, stored=st.stored_bytes,
-                            changed=changed))
+            rows.append(
+                row(
+                    f"frozen-90% fine-tune, checkpoint {i + 1}",
+                    [st.promote_s],
+                    logical,
+                    ratio=st.uploaded_bytes / logical,
+                    note=f"uploaded {st.uploaded_bytes / MB:.2f} MB ({100 * st.uploaded_bytes / logical:.1f}% of "
+                    f"{logical / MB:.1f} MB), server-side copies {st.copied_bytes / MB:.2f} MB"
+                    + (f", changed tensors {100 * changed / logical:.1f}% of the state" if changed is not None else ""),
+                    uploaded=st.uploaded_bytes,
+                    copied=st.copied_bytes,
+                    stored=st.stored_bytes,
+                    changed=changed,
+                )
+            )
     finally:
         stop()
     return rows + _frozen_floor(states[-2], states[-1])
@@ -328,14 +388,36 @@ def _frozen_floor(prev: dict, cur: dict) -> list[dict]:
     cdata, cruns = _layout(changed)
     floor = _ours(cdata, cruns)[0]
     raw = sum(t.numel() * t.element_size() for _k, t in changed)
-    rows = [row("frozen-90%: floor (the changed tensors, coded)", None, n, ratio=floor / n,
-                note=f"{raw / MB:.2f} MB changed ({100 * raw / n:.1f}% of {n / MB:.1f} MB), coded {floor / MB:.2f} MB "
-                     f"({100 * floor / n:.1f}%; ratio {raw / max(1, floor):.3f})", floor=floor, changed=raw)]
+    rows = [
+        row(
+            "frozen-90%: floor (the changed tensors, coded)",
+            None,
+            n,
+            ratio=floor / n,
+            note=f"{raw / MB:.2f} MB changed ({100 * raw / n:.1f}% of {n / MB:.1f} MB), coded {floor / MB:.2f} MB "
+            f"({100 * floor / n:.1f}%; ratio {raw / max(1, floor):.3f})",
+            floor=floor,
+            changed=raw,
+        )
+    ]
     diff = a != b
     for f in (FRAME, 1 << 20, 256 << 10, 64 << 10):
-        up = sum(len(encode(b[s:s + f], segments_of(s, min(n, s + f), runs))) for s in range(0, n, f) if diff[s:s + f].any())
-        rows.append(row(f"frozen-90%: frames of {f >> 10} KiB, coded bytes of the frames that differ", None, n,
-                        ratio=up / n, note=f"{up / MB:.2f} MB = {100 * up / n:.1f}% of the state", frame=f, uploaded=up))
+        up = sum(
+            len(encode(b[s : s + f], segments_of(s, min(n, s + f), runs)))
+            for s in range(0, n, f)
+            if diff[s : s + f].any()
+        )
+        rows.append(
+            row(
+                f"frozen-90%: frames of {f >> 10} KiB, coded bytes of the frames that differ",
+                None,
+                n,
+                ratio=up / n,
+                note=f"{up / MB:.2f} MB = {100 * up / n:.1f}% of the state",
+                frame=f,
+                uploaded=up,
+            )
+        )
     return rows
 
 
@@ -353,19 +435,29 @@ def section_compress(ctx) -> dict:
         rows += _ratios(name, st, 1 if ctx.quick else 3)
     log("compress: DCP ZStandard")
     d = _dcp_zstd(gpt, ctx.work, 1 if ctx.quick else 3)
-    ours = next(r for r in rows if r["state"] == "gpt" and r["category"] == "whole state"
-                and r["method"].startswith("tierckpt"))
-    rows.append(row("gpt: whole state: DCP FileSystemWriter + ZStandard", d["zstd"]["cpu_s"], d["plain"]["bytes"],
-                    ratio=d["ratio"], note=f"its codec {d['codec_gbs']:.3f} GB/s per core (CPU added to dcp.save: "
-                                           f"{d['save_gbs']:.3f} GB/s); ours: ratio {ours['ratio']:.3f}, "
-                                           f"{ours['compress_gbs']:.2f} GB/s = {ours['compress_gbs'] / d['codec_gbs']:.1f}x "
-                                           "its codec's speed", dcp=d))
+    ours = next(
+        r for r in rows if r["state"] == "gpt" and r["category"] == "whole state" and r["method"].startswith("tierckpt")
+    )
+    rows.append(
+        row(
+            "gpt: whole state: DCP FileSystemWriter + ZStandard",
+            d["zstd"]["cpu_s"],
+            d["plain"]["bytes"],
+            ratio=d["ratio"],
+            note=f"its codec {d['codec_gbs']:.3f} GB/s per core (CPU added to dcp.save: "
+            f"{d['save_gbs']:.3f} GB/s); ours: ratio {ours['ratio']:.3f}, "
+            f"{ours['compress_gbs']:.2f} GB/s = {ours['compress_gbs'] / d['codec_gbs']:.1f}x "
+            "its codec's speed",
+            dcp=d,
+        )
+    )
     for rate in (float(x) for x in str(ctx.args.throttle_mbs).split(",") if x.strip()):
         log(f"compress: promotion throttled to {rate:.0f} MB/s")
         rows += _throttled(ctx, cache, rate)
     log("compress: frozen fine-tune")
     rows += _frozen(ctx, cache)
-    notes.append("speeds: bytes per CPU second of the coding thread (ZipNN: of the process, it has its own threads), "
-                 "after a warm-up pass, least of 3 passes")
+    notes.append(
+        "speeds: bytes per CPU second of the coding thread (ZipNN: of the process, it has its own threads), "
+        "after a warm-up pass, least of 3 passes"
+    )
     return {"rows": rows, "notes": notes}
-

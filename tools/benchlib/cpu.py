@@ -18,6 +18,7 @@ from tierckpt import TieredWriter
 # C2. CPU seconds per checkpointed GiB, steady state (consecutive checkpoints with retention)
 # ---------------------------------------------------------------------------------------------
 
+
 def thread_cpu() -> dict[int, float]:
     """CPU seconds (user+system) of every live thread of this process, by native thread id
     (``/proc/self/task/*/stat``; clock-tick resolution)."""
@@ -29,14 +30,19 @@ def thread_cpu() -> dict[int, float]:
                 s = f.read()
         except OSError:
             continue
-        fields = s[s.rindex(")") + 2:].split()
+        fields = s[s.rindex(")") + 2 :].split()
         out[int(tid)] = (int(fields[11]) + int(fields[12])) / tck
     return out
 
 
-_THREAD_GROUPS = (("tierckpt-capture", "tierckpt capture"), ("tierckpt-flush", "tierckpt flush"),
-                  ("tierckpt-commit", "tierckpt commit"), ("tierckpt-janitor", "tierckpt janitor"),
-                  ("MainThread", "main thread"), ("AsyncCheckpointExecutor", "DCP async executor"))
+_THREAD_GROUPS = (
+    ("tierckpt-capture", "tierckpt capture"),
+    ("tierckpt-flush", "tierckpt flush"),
+    ("tierckpt-commit", "tierckpt commit"),
+    ("tierckpt-janitor", "tierckpt janitor"),
+    ("MainThread", "main thread"),
+    ("AsyncCheckpointExecutor", "DCP async executor"),
+)
 
 
 def thread_groups(before: dict[int, float], after: dict[int, float], total: float) -> dict[str, float]:
@@ -50,7 +56,9 @@ def thread_groups(before: dict[int, float], after: dict[int, float], total: floa
         if d <= 0:
             continue
         name = names.get(tid, "")
-        group = next((g for p, g in _THREAD_GROUPS if name.startswith(p)), "other live threads" if name else "native threads")
+        group = next(
+            (g for p, g in _THREAD_GROUPS if name.startswith(p)), "other live threads" if name else "native threads"
+        )
         out[group] = out.get(group, 0.0) + d
     out["exited threads / rounding"] = max(0.0, total - sum(out.values()))
     return out
@@ -132,26 +140,44 @@ def section_cpu(ctx: Ctx) -> dict:
     for m in modes:
         e = res[m]
         cpg = med(e["cpu_per_gib"])
-        parts = ", ".join(f"{g} {med(v):.3f}" for g, v in sorted(e["threads"].items(), key=lambda kv: -med(kv[1]))
-                          if med(v) >= 0.005)
+        parts = ", ".join(
+            f"{g} {med(v):.3f}" for g, v in sorted(e["threads"].items(), key=lambda kv: -med(kv[1])) if med(v) >= 0.005
+        )
         note = f"CPU-s/GiB by thread: {parts}"
         if e["lib"]:
             note += "; writer.stats per GiB: " + ", ".join(f"{k} {med(v):.3f}" for k, v in e["lib"].items())
-        rows.append(row(f"{m}: save until durable+committed", e["wall_s"], nbytes, ratio=cpg / ref if ref else None,
-                        note=note, cpu_s_per_gib=cpg, cpu_s_per_gib_all=e["cpu_per_gib"],
-                        threads={g: med(v) for g, v in e["threads"].items()}, lib={k: med(v) for k, v in e["lib"].items()}))
-    ratios = {"tierckpt CPU-s/GiB": ref,
-              "tierckpt/DCP sync (CPU per GiB)": ref / med(res["DCP sync FileSystemWriter"]["cpu_per_gib"]),
-              "tierckpt/async_save (CPU per GiB)": ref / med(res["DCP async_save"]["cpu_per_gib"])}
-    targets = {"tierckpt CPU-s/GiB": ("<=", 0.3), "tierckpt/DCP sync (CPU per GiB)": ("<", 1.0),
-               "tierckpt/async_save (CPU per GiB)": ("<", 1.0)}
-    notes = [f"state {nbytes / GiB:.3f} GiB ({len([v for v in sd.values() if isinstance(v, torch.Tensor)])} tensors); "
-             f"{reps} interleaved blocks of {nblock} consecutive saves per mode after 3 warm-up saves; each save waited for "
-             "(tierckpt: writer.wait(), DCP: the save / its future) before the next; newest 2 kept (tierckpt keep=2, "
-             "pool 1GiB/64MiB, 4 flush threads; DCP: rmtree of the oldest directory, inside the block)",
-             "cpu/GiB = this process's user+system CPU over the block / GiB saved; ratio column: vs tierckpt. "
-             "Not counted: kernel writeback threads (buffered writes the kernel flushes in the background, "
-             "before fsync, are charged to kworkers: DCP's figures are a lower bound)"]
+        rows.append(
+            row(
+                f"{m}: save until durable+committed",
+                e["wall_s"],
+                nbytes,
+                ratio=cpg / ref if ref else None,
+                note=note,
+                cpu_s_per_gib=cpg,
+                cpu_s_per_gib_all=e["cpu_per_gib"],
+                threads={g: med(v) for g, v in e["threads"].items()},
+                lib={k: med(v) for k, v in e["lib"].items()},
+            )
+        )
+    ratios = {
+        "tierckpt CPU-s/GiB": ref,
+        "tierckpt/DCP sync (CPU per GiB)": ref / med(res["DCP sync FileSystemWriter"]["cpu_per_gib"]),
+        "tierckpt/async_save (CPU per GiB)": ref / med(res["DCP async_save"]["cpu_per_gib"]),
+    }
+    targets = {
+        "tierckpt CPU-s/GiB": ("<=", 0.3),
+        "tierckpt/DCP sync (CPU per GiB)": ("<", 1.0),
+        "tierckpt/async_save (CPU per GiB)": ("<", 1.0),
+    }
+    notes = [
+        f"state {nbytes / GiB:.3f} GiB ({len([v for v in sd.values() if isinstance(v, torch.Tensor)])} tensors); "
+        f"{reps} interleaved blocks of {nblock} consecutive saves per mode after 3 warm-up saves; each save waited for "
+        "(tierckpt: writer.wait(), DCP: the save / its future) before the next; newest 2 kept (tierckpt keep=2, "
+        "pool 1GiB/64MiB, 4 flush threads; DCP: rmtree of the oldest directory, inside the block)",
+        "cpu/GiB = this process's user+system CPU over the block / GiB saved; ratio column: vs tierckpt. "
+        "Not counted: kernel writeback threads (buffered writes the kernel flushes in the background, "
+        "before fsync, are charged to kworkers: DCP's figures are a lower bound)",
+    ]
     writer.wait()
     for lst in dirs.values():
         for d in lst:
@@ -160,5 +186,3 @@ def section_cpu(ctx: Ctx) -> dict:
     del sd
     gc.collect()
     return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "modes": res, "state_bytes": nbytes}
-
-

@@ -19,13 +19,18 @@ from tierckpt import TieredWriter
 # C. end to end: a small GPT trained with a checkpoint every iteration
 # ---------------------------------------------------------------------------------------------
 
+
 class TinyGPT(nn.Module):
     def __init__(self, vocab: int, d: int, layers: int, heads: int, ff: int, ctx_len: int) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(ctx_len, d))
-        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True,
-                                                                norm_first=True) for _ in range(layers)])
+        self.blocks = nn.ModuleList(
+            [
+                nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(layers)
+            ]
+        )
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -49,7 +54,9 @@ def section_e2e(ctx: Ctx) -> dict:
     iters = getattr(ctx.args, "e2e_iters", None) or iters
     everies = [int(e) for e in str(getattr(ctx.args, "e2e_every", "1") or "1").split(",") if e.strip()] or [1]
     if min(everies) < 1 or max(everies) > iters:
-        raise ValueError(f"--e2e-every: each interval must be between 1 and the {iters} iterations of a block, got {everies}")
+        raise ValueError(
+            f"--e2e-every: each interval must be between 1 and the {iters} iterations of a block, got {everies}"
+        )
     model = TinyGPT(vocab, d, layers, heads, ff, T)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     nparams = sum(p.numel() for p in model.parameters())
@@ -141,10 +148,17 @@ def section_e2e(ctx: Ctx) -> dict:
         if pending is not None:
             pending.result()
         total = now() - t0
-        out = {"total_s": total, "fb_s": fbs, "opt_step_s": steps_s, "ckpt_call_s": ckpt_s, "rm_s": rm_s[0],
-               "drain_s": now() - t_loop, "cpu_s": cpu_seconds() - c0}
+        out = {
+            "total_s": total,
+            "fb_s": fbs,
+            "opt_step_s": steps_s,
+            "ckpt_call_s": ckpt_s,
+            "rm_s": rm_s[0],
+            "drain_s": now() - t_loop,
+            "cpu_s": cpu_seconds() - c0,
+        }
         if writer:
-            hist = writer.history[-(iters // every):]
+            hist = writer.history[-(iters // every) :]
             out["lib_capture_s"] = [h.capture_s for h in hist]
             out["lib_durable_s"] = [h.flush_s for h in hist]
             out["lib_prestep_wait_s"] = [h.prestep_wait_s for h in hist]
@@ -178,11 +192,22 @@ def section_e2e(ctx: Ctx) -> dict:
     iters_ck = iters // every  # checkpoints per block
     modes: dict[str, dict] = {}
     for m, bl in blocks.items():
-        agg: dict[str, Any] = {"blocks": bl, "total_s": sum(b["total_s"] for b in bl) / (len(bl) if m == "none" else 1),
-                               "cpu_s": sum(b["cpu_s"] for b in bl) / (len(bl) if m == "none" else 1),
-                               "rm_s": sum(b["rm_s"] for b in bl), "drain_s": sum(b["drain_s"] for b in bl)}
-        for k in ("fb_s", "opt_step_s", "ckpt_call_s", "lib_capture_s", "lib_durable_s", "lib_prestep_wait_s",
-                  "lib_cpu_s"):
+        agg: dict[str, Any] = {
+            "blocks": bl,
+            "total_s": sum(b["total_s"] for b in bl) / (len(bl) if m == "none" else 1),
+            "cpu_s": sum(b["cpu_s"] for b in bl) / (len(bl) if m == "none" else 1),
+            "rm_s": sum(b["rm_s"] for b in bl),
+            "drain_s": sum(b["drain_s"] for b in bl),
+        }
+        for k in (
+            "fb_s",
+            "opt_step_s",
+            "ckpt_call_s",
+            "lib_capture_s",
+            "lib_durable_s",
+            "lib_prestep_wait_s",
+            "lib_cpu_s",
+        ):
             if k in bl[0]:
                 agg[k] = [x for b in bl for x in b[k]]
         modes[m] = agg
@@ -196,48 +221,89 @@ def section_e2e(ctx: Ctx) -> dict:
     for m, r in modes.items():
         total = r["total_s"] * (scale if m == "none" else 1)
         cpu = r["cpu_s"] * (scale if m == "none" else 1)
-        note = (f"blocks {', '.join(format(b['total_s'], '.1f') for b in r['blocks'])} s; sum fwd+bwd {sum(r['fb_s']):.1f} s "
-                f"(median {med(r['fb_s']):.2f}), opt.step {sum(r['opt_step_s']):.1f} s, "
-                f"ckpt calls {sum(r['ckpt_call_s']):.1f} s; CPU {cpu - cn:+.1f} s vs none")
+        note = (
+            f"blocks {', '.join(format(b['total_s'], '.1f') for b in r['blocks'])} s; sum fwd+bwd {sum(r['fb_s']):.1f} s "
+            f"(median {med(r['fb_s']):.2f}), opt.step {sum(r['opt_step_s']):.1f} s, "
+            f"ckpt calls {sum(r['ckpt_call_s']):.1f} s; CPU {cpu - cn:+.1f} s vs none"
+        )
         if m == "tiered":
-            note += (f"; capture {med(r['lib_capture_s']):.2f} s, durable {med(r['lib_durable_s']):.2f} s, "
-                     f"pre-step wait {med(r['lib_prestep_wait_s']) * 1e3:.0f} ms, "
-                     f"writer.stats cpu_s {med(r['lib_cpu_s']):.3f} s/ckpt")
+            note += (
+                f"; capture {med(r['lib_capture_s']):.2f} s, durable {med(r['lib_durable_s']):.2f} s, "
+                f"pre-step wait {med(r['lib_prestep_wait_s']) * 1e3:.0f} ms, "
+                f"writer.stats cpu_s {med(r['lib_cpu_s']):.3f} s/ckpt"
+            )
         if m != "none":
             note += f"; final drains {r['drain_s']:.2f} s incl."
         if r["rm_s"]:
             note += f"; rm of old dirs {r['rm_s']:.2f} s incl."
-        rows.append(row(f"total {rounds}x{iters} iters: {m}" + (" (mean of blocks x rounds)" if m == "none" else ""),
-                        [total], state_bytes * iters_ck * rounds if m != "none" else None,
-                        ratio=total / tn, note="ratio: vs none; " + note,
-                        cpu_s_per_gib=None if m == "none" else (cpu - cn) / ckpt_gib))
+        rows.append(
+            row(
+                f"total {rounds}x{iters} iters: {m}" + (" (mean of blocks x rounds)" if m == "none" else ""),
+                [total],
+                state_bytes * iters_ck * rounds if m != "none" else None,
+                ratio=total / tn,
+                note="ratio: vs none; " + note,
+                cpu_s_per_gib=None if m == "none" else (cpu - cn) / ckpt_gib,
+            )
+        )
     nb = [b["total_s"] for b in modes["none"]["blocks"]]
-    ratios = {"tiered/none": tt / tn, "async/none": modes["async_save"]["total_s"] / tn,
-              "sync/none": modes["sync FileSystemWriter"]["total_s"] / tn,
-              "async/tiered": modes["async_save"]["total_s"] / tt,
-              "sync/tiered": modes["sync FileSystemWriter"]["total_s"] / tt,
-              "(info) none drift: last/first none block": nb[-1] / nb[0]}
+    ratios = {
+        "tiered/none": tt / tn,
+        "async/none": modes["async_save"]["total_s"] / tn,
+        "sync/none": modes["sync FileSystemWriter"]["total_s"] / tn,
+        "async/tiered": modes["async_save"]["total_s"] / tt,
+        "sync/tiered": modes["sync FileSystemWriter"]["total_s"] / tt,
+        "(info) none drift: last/first none block": nb[-1] / nb[0],
+    }
     targets = {"tiered/none": ("<=", 1.05), "async/tiered": (">", 1.0), "sync/tiered": (">=", 2.2)}
-    notes = [f"GPT {nparams / 1e6:.1f}M params ({layers} x TransformerEncoderLayer d={d}, vocab {vocab}), batch {B}x{T}; "
-             f"state+Adam {state_bytes / MiB:.0f} MiB; {rounds} interleaved round(s) of blocks (order: "
-             f"{', '.join(order)}{', none' if rounds == 1 else ''}), each block {iters} timed iterations after 1 "
-             f"untimed, a checkpoint every {every} iteration(s); tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: "
-             "checkpoint bytes per wall second",
-             "CPU-s/GiB column: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint "
-             "blocks' (scaled to the same iteration count), per checkpointed GiB: what checkpointing costs on these cores"]
-    series = [{"every": every, "checkpoints_per_block": iters_ck,
-               "ratio_vs_none": {m: modes[m]["total_s"] / tn for m in order[1:]}}]
+    notes = [
+        f"GPT {nparams / 1e6:.1f}M params ({layers} x TransformerEncoderLayer d={d}, vocab {vocab}), batch {B}x{T}; "
+        f"state+Adam {state_bytes / MiB:.0f} MiB; {rounds} interleaved round(s) of blocks (order: "
+        f"{', '.join(order)}{', none' if rounds == 1 else ''}), each block {iters} timed iterations after 1 "
+        f"untimed, a checkpoint every {every} iteration(s); tiered pool {size_label(pool)}/64MiB keep=2; GiB/s column: "
+        "checkpoint bytes per wall second",
+        "CPU-s/GiB column: process CPU seconds (all threads) over the timed iterations minus the no-checkpoint "
+        "blocks' (scaled to the same iteration count), per checkpointed GiB: what checkpointing costs on these cores",
+    ]
+    series = [
+        {
+            "every": every,
+            "checkpoints_per_block": iters_ck,
+            "ratio_vs_none": {m: modes[m]["total_s"] / tn for m in order[1:]},
+        }
+    ]
     for e, bl in more.items():
-        series.append({"every": e, "checkpoints_per_block": iters // e,
-                       "ratio_vs_none": {m: sum(b["total_s"] for b in bl[m]) / tn for m in order[1:]},
-                       "total_s": {m: [b["total_s"] for b in bl[m]] for m in order[1:]}})
-        rows.append(row(f"a checkpoint every {e} iterations: tiered / async_save / sync, time vs none",
-                        note=", ".join(f"{m} {series[-1]['ratio_vs_none'][m]:.3f}" for m in order[1:])))
+        series.append(
+            {
+                "every": e,
+                "checkpoints_per_block": iters // e,
+                "ratio_vs_none": {m: sum(b["total_s"] for b in bl[m]) / tn for m in order[1:]},
+                "total_s": {m: [b["total_s"] for b in bl[m]] for m in order[1:]},
+            }
+        )
+        rows.append(
+            row(
+                f"a checkpoint every {e} iterations: tiered / async_save / sync, time vs none",
+                note=", ".join(f"{m} {series[-1]['ratio_vs_none'][m]:.3f}" for m in order[1:]),
+            )
+        )
     if len(everies) > 1:
-        notes.append("series (checkpoint interval -> time vs no checkpoint): " + "; ".join(
-            f"every {s_['every']}: " + ", ".join(f"{m} {v:.3f}" for m, v in s_["ratio_vs_none"].items()) for s_ in series))
-    notes.append(write_timeline(ctx, "e2e", [root / "tiered"], last=iters // everies[-1],
-                                what=f"the last tiered block, a save every {everies[-1]} iteration(s)"))
+        notes.append(
+            "series (checkpoint interval -> time vs no checkpoint): "
+            + "; ".join(
+                f"every {s_['every']}: " + ", ".join(f"{m} {v:.3f}" for m, v in s_["ratio_vs_none"].items())
+                for s_ in series
+            )
+        )
+    notes.append(
+        write_timeline(
+            ctx,
+            "e2e",
+            [root / "tiered"],
+            last=iters // everies[-1],
+            what=f"the last tiered block, a save every {everies[-1]} iteration(s)",
+        )
+    )
     rm(root)
     del model, opt
     gc.collect()
@@ -251,7 +317,14 @@ def section_e2e(ctx: Ctx) -> dict:
             notes += s3notes
         except (OSError, RuntimeError, FileNotFoundError) as e:  # no server binary here: the rest still stands
             notes.append(f"e2e with S3 hop skipped: {type(e).__name__}: {e}")
-    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "modes": modes,
-            "params": nparams, "state_bytes": state_bytes, "iters": iters, "series": series}
-
-
+    return {
+        "rows": rows,
+        "ratios": ratios,
+        "targets": targets,
+        "notes": notes,
+        "modes": modes,
+        "params": nparams,
+        "state_bytes": state_bytes,
+        "iters": iters,
+        "series": series,
+    }

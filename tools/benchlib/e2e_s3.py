@@ -53,10 +53,21 @@ def e2e_s3_rows(ctx: Ctx, server: str) -> tuple[list[dict], list[str]]:
         def block(mode: str, r: int) -> dict:
             writer = None
             if mode != "no checkpoint":
-                cfg = config_from_dict({"host": {"buffer_size": "512MiB", "chunk_size": "32MiB"},
-                                        "local": {"path": str(root / f"local-{mode}"), "keep": 2},
-                                        "s3": {"bucket": "e2e", "prefix": f"{mode}-{r}", "endpoint_url": url, "keep": 2,
-                                               "part_size": "16MiB", "concurrency": 4, "compression": mode}})
+                cfg = config_from_dict(
+                    {
+                        "host": {"buffer_size": "512MiB", "chunk_size": "32MiB"},
+                        "local": {"path": str(root / f"local-{mode}"), "keep": 2},
+                        "s3": {
+                            "bucket": "e2e",
+                            "prefix": f"{mode}-{r}",
+                            "endpoint_url": url,
+                            "keep": 2,
+                            "part_size": "16MiB",
+                            "concurrency": 4,
+                            "compression": mode,
+                        },
+                    }
+                )
                 writer = TieredWriter(cfg)
             handle = writer.attach(opt) if writer else None
             for i in range(iters + 1):  # the first iteration (and its promotion) is an untimed warm-up
@@ -66,7 +77,9 @@ def e2e_s3_rows(ctx: Ctx, server: str) -> tuple[list[dict], list[str]]:
                     c0, t0 = cpu_seconds(), now()
                 step()
                 if writer:
-                    dcp.save(train_state(model, opt), checkpoint_id=f"s3e2e-{r}-{i:03d}", storage_writer=writer, no_dist=True)
+                    dcp.save(
+                        train_state(model, opt), checkpoint_id=f"s3e2e-{r}-{i:03d}", storage_writer=writer, no_dist=True
+                    )
             loop = now() - t0
             if writer:
                 writer.wait()
@@ -103,15 +116,26 @@ def e2e_s3_rows(ctx: Ctx, server: str) -> tuple[list[dict], list[str]]:
         extra = ""
         if m != "no checkpoint":
             ratio = sum(b["logical"] for b in bl) / max(1, sum(b["stored"] for b in bl))
-            extra = (f"; drain after the loop {med([b['drain_s'] for b in bl]):.1f} s, promote_s median "
-                     f"{med([p for b in bl for p in b['promote_s']]):.1f} s, stored ratio {ratio:.3f}, "
-                     f"compress {sum(b['compress_cpu_s'] for b in bl):.2f} CPU-s")
-        rows.append(row(name, loops, state_bytes * iters if m != "no checkpoint" else None,
-                        ratio=med(loops) / med(base),
-                        note=f"ratio: training loop vs no checkpoint; loops {', '.join(f'{v:.1f}' for v in loops)} s; "
-                             f"CPU {med([b['cpu_s'] for b in bl]):.1f} s/block" + extra, blocks=bl))
+            extra = (
+                f"; drain after the loop {med([b['drain_s'] for b in bl]):.1f} s, promote_s median "
+                f"{med([p for b in bl for p in b['promote_s']]):.1f} s, stored ratio {ratio:.3f}, "
+                f"compress {sum(b['compress_cpu_s'] for b in bl):.2f} CPU-s"
+            )
+        rows.append(
+            row(
+                name,
+                loops,
+                state_bytes * iters if m != "no checkpoint" else None,
+                ratio=med(loops) / med(base),
+                note=f"ratio: training loop vs no checkpoint; loops {', '.join(f'{v:.1f}' for v in loops)} s; "
+                f"CPU {med([b['cpu_s'] for b in bl]):.1f} s/block" + extra,
+                blocks=bl,
+            )
+        )
     nz = med([b["loop_s"] for b in blocks["zstd"]]) / med([b["loop_s"] for b in blocks["none"]])
-    notes = [f"e2e with S3 hop ({note}): GPT state+Adam {state_bytes / MiB:.0f} MiB, a checkpoint every iteration, "
-             f"{iters} iterations per block, {rounds} interleaved round(s); loop zstd/none = {nz:.3f}"
-             + (f", no-checkpoint blocks spread {100 * noise:.1f}% (the noise)" if noise is not None else "")]
+    notes = [
+        f"e2e with S3 hop ({note}): GPT state+Adam {state_bytes / MiB:.0f} MiB, a checkpoint every iteration, "
+        f"{iters} iterations per block, {rounds} interleaved round(s); loop zstd/none = {nz:.3f}"
+        + (f", no-checkpoint blocks spread {100 * noise:.1f}% (the noise)" if noise is not None else "")
+    ]
     return rows, notes

@@ -17,6 +17,7 @@ from tierckpt import TieredWriter
 # B. lazy: blocked time per checkpoint in a training loop
 # ---------------------------------------------------------------------------------------------
 
+
 class MLP(nn.Module):
     def __init__(self, d_in: int, hidden: int, layers: int) -> None:
         super().__init__()
@@ -106,11 +107,23 @@ def section_lazy(ctx: Ctx) -> dict:
     if len(runs) == 1:
         return runs[0]
     out = dict(runs[0])
-    out["rows"] = [dict(r, name=f"[{run['state_bytes'] / MiB:.0f} MiB] {r['name']}") for run in runs for r in run["rows"]]
-    out["series"] = [{"state_bytes": run["state_bytes"], "batch": run["batch"], "null_writer_s": med(run["null_writer_s"]),
-                      "blocked_s": {m: med(run["modes"][m]["blocked_s"]) for m in ("sync FileSystemWriter", "async_save", "tiered")},
-                      "blocked_all_s": {m: run["modes"][m]["blocked_s"] for m in ("sync FileSystemWriter", "async_save", "tiered")}}
-                     for run in runs]
+    out["rows"] = [
+        dict(r, name=f"[{run['state_bytes'] / MiB:.0f} MiB] {r['name']}") for run in runs for r in run["rows"]
+    ]
+    out["series"] = [
+        {
+            "state_bytes": run["state_bytes"],
+            "batch": run["batch"],
+            "null_writer_s": med(run["null_writer_s"]),
+            "blocked_s": {
+                m: med(run["modes"][m]["blocked_s"]) for m in ("sync FileSystemWriter", "async_save", "tiered")
+            },
+            "blocked_all_s": {
+                m: run["modes"][m]["blocked_s"] for m in ("sync FileSystemWriter", "async_save", "tiered")
+            },
+        }
+        for run in runs
+    ]
     out["notes"] = [n for run in runs for n in run["notes"]]
     return out
 
@@ -171,7 +184,13 @@ def _lazy_one(ctx: Ctx, state_target: int) -> dict:
         log(f"lazy: mode {mode}")
         mdir = root / mode.replace(" ", "_")
         mdir.mkdir(exist_ok=True)
-        rec: dict[str, list[float]] = {"fb": [], "opt_step": [], "save_call": [], "pre_save_wait": [], "staging_wait": []}
+        rec: dict[str, list[float]] = {
+            "fb": [],
+            "opt_step": [],
+            "save_call": [],
+            "pre_save_wait": [],
+            "staging_wait": [],
+        }
         writer = None
         hook = None
         pending: Any = None
@@ -254,8 +273,14 @@ def _lazy_one(ctx: Ctx, state_target: int) -> dict:
         if pending is not None:
             pending.result()
         drain = now() - drain_t0
-        out: dict[str, Any] = {"steps": steps, "fb_s": rec["fb"], "opt_step_s": rec["opt_step"],
-                               "save_call_s": rec["save_call"], "drain_s": drain, "cpu_s": cpu_seconds() - c0}
+        out: dict[str, Any] = {
+            "steps": steps,
+            "fb_s": rec["fb"],
+            "opt_step_s": rec["opt_step"],
+            "save_call_s": rec["save_call"],
+            "drain_s": drain,
+            "cpu_s": cpu_seconds() - c0,
+        }
         if mode == "sync FileSystemWriter":
             out["blocked_s"] = list(rec["save_call"])
         elif mode == "async_save":
@@ -285,16 +310,33 @@ def _lazy_one(ctx: Ctx, state_target: int) -> dict:
     rows = []
     fb_none = med(modes["none"]["fb_s"])
     rows.append(row("fwd+bwd (no checkpoint)", modes["none"]["fb_s"], note=f"batch {batch}"))
-    rows.append(row("TieredWriter capture (calibration)", [capture_s], state_bytes,
-                    note=f"durable after {durable_s:.3f} s; pool {size_label(pool)}/64MiB"))
+    rows.append(
+        row(
+            "TieredWriter capture (calibration)",
+            [capture_s],
+            state_bytes,
+            note=f"durable after {durable_s:.3f} s; pool {size_label(pool)}/64MiB",
+        )
+    )
     for mode in ("sync FileSystemWriter", "async_save", "tiered"):
         m = modes[mode]
-        rows.append(row(f"fwd+bwd during {mode}", m["fb_s"], ratio=med(m["fb_s"]) / fb_none,
-                        note=f"ratio: vs no checkpoint; opt.step {med(m['opt_step_s']) * 1e3:.0f} ms (none: "
-                             f"{med(modes['none']['opt_step_s']) * 1e3:.0f} ms); checkpoint CPU "
-                             f"{(m['cpu_s'] - modes['none']['cpu_s']) / steps:.2f} s/step"))
-    rows.append(row("dcp.save floor (no-op StorageWriter)", null_t,
-                    note="DCP's own planning/collectives for this state, nothing stored"))
+        rows.append(
+            row(
+                f"fwd+bwd during {mode}",
+                m["fb_s"],
+                ratio=med(m["fb_s"]) / fb_none,
+                note=f"ratio: vs no checkpoint; opt.step {med(m['opt_step_s']) * 1e3:.0f} ms (none: "
+                f"{med(modes['none']['opt_step_s']) * 1e3:.0f} ms); checkpoint CPU "
+                f"{(m['cpu_s'] - modes['none']['cpu_s']) / steps:.2f} s/step",
+            )
+        )
+    rows.append(
+        row(
+            "dcp.save floor (no-op StorageWriter)",
+            null_t,
+            note="DCP's own planning/collectives for this state, nothing stored",
+        )
+    )
     b_sync = med(modes["sync FileSystemWriter"]["blocked_s"])
     b_async = med(modes["async_save"]["blocked_s"])
     b_tier = med(modes["tiered"]["blocked_s"])
@@ -302,24 +344,43 @@ def _lazy_one(ctx: Ctx, state_target: int) -> dict:
         m = modes[mode]
         note = ""
         if mode == "async_save":
-            note = (f"call {med(m['save_call_s']) * 1e3:.1f} ms + staging wait {med(m['staging_wait_s']) * 1e3:.1f} ms"
-                    f" + wait prev future {med(m['pre_save_wait_s'][1:] or [0.0]) * 1e3:.1f} ms")
+            note = (
+                f"call {med(m['save_call_s']) * 1e3:.1f} ms + staging wait {med(m['staging_wait_s']) * 1e3:.1f} ms"
+                f" + wait prev future {med(m['pre_save_wait_s'][1:] or [0.0]) * 1e3:.1f} ms"
+            )
         if mode == "tiered":
-            note = (f"dcp.save {med(m['save_call_s']) * 1e3:.1f} ms + pre-step hook {med(m['hook_wait_s']) * 1e3:.1f} ms; "
-                    f"lib: save_blocked {med(m['lib_save_blocked_s']) * 1e3:.1f} ms, prestep_wait "
-                    f"{med(m['lib_prestep_wait_s']) * 1e3:.1f} ms")
-        rows.append(row(f"blocked/ckpt: {mode}", m["blocked_s"], ratio=med(m["blocked_s"]) / b_sync,
-                        note=("ratio: vs sync; " + note).strip("; ")))
+            note = (
+                f"dcp.save {med(m['save_call_s']) * 1e3:.1f} ms + pre-step hook {med(m['hook_wait_s']) * 1e3:.1f} ms; "
+                f"lib: save_blocked {med(m['lib_save_blocked_s']) * 1e3:.1f} ms, prestep_wait "
+                f"{med(m['lib_prestep_wait_s']) * 1e3:.1f} ms"
+            )
+        rows.append(
+            row(
+                f"blocked/ckpt: {mode}",
+                m["blocked_s"],
+                ratio=med(m["blocked_s"]) / b_sync,
+                note=("ratio: vs sync; " + note).strip("; "),
+            )
+        )
     ratios = {"tiered_blocked/sync_blocked": b_tier / b_sync, "tiered_blocked/async_blocked": b_tier / b_async}
     targets = {"tiered_blocked/sync_blocked": ("<=", 1 / 48), "tiered_blocked/async_blocked": ("<=", 0.1)}
-    notes = [f"MLP {nparams / 1e6:.1f}M params + Adam: {state_bytes / MiB:.0f} MiB state; {steps} timed steps per mode "
-             f"after 1 untimed; checkpoint after every optimizer step; batch {batch} so that fwd+bwd "
-             f"({fb_t:.2f} s) >= 1.15 x max(capture {capture_s:.2f} s, durable {durable_s:.2f} s)"]
+    notes = [
+        f"MLP {nparams / 1e6:.1f}M params + Adam: {state_bytes / MiB:.0f} MiB state; {steps} timed steps per mode "
+        f"after 1 untimed; checkpoint after every optimizer step; batch {batch} so that fwd+bwd "
+        f"({fb_t:.2f} s) >= 1.15 x max(capture {capture_s:.2f} s, durable {durable_s:.2f} s)"
+    ]
     rm(root)
     del model, opt
     gc.collect()
-    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "modes": modes, "null_writer_s": null_t,
-            "state_bytes": state_bytes, "params": nparams, "batch": batch, "calibration": {
-                "capture_s": capture_s, "durable_s": durable_s, "fb_s": fb_t}}
-
-
+    return {
+        "rows": rows,
+        "ratios": ratios,
+        "targets": targets,
+        "notes": notes,
+        "modes": modes,
+        "null_writer_s": null_t,
+        "state_bytes": state_bytes,
+        "params": nparams,
+        "batch": batch,
+        "calibration": {"capture_s": capture_s, "durable_s": durable_s, "fb_s": fb_t},
+    }

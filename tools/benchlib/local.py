@@ -60,8 +60,7 @@ def section_local(ctx: Ctx) -> dict:
     pools = [(512 * MiB, 32 * MiB), (1 * GiB, 64 * MiB)]
     # keep=0 and the previous checkpoint deleted before the timer starts: the same treatment as the
     # other writers' outputs (retention would otherwise delete it inside the timed region).
-    cfgs = {f"{size_label(p)}/{size_label(c)}": tiered_cfg(root / f"tiered-{p >> 20}m", p, c, keep=0)
-            for p, c in pools}
+    cfgs = {f"{size_label(p)}/{size_label(c)}": tiered_cfg(root / f"tiered-{p >> 20}m", p, c, keep=0) for p, c in pools}
 
     # ---- saves -------------------------------------------------------------------------
     save_times: dict[str, list[float]] = {}
@@ -96,6 +95,7 @@ def section_local(ctx: Ctx) -> dict:
             e.setdefault("commit_tail_s", []).append(t3 - t0 - (st.flush_s or 0.0))
             last_out[f"tiered {label}"] = cid
             return t3 - t0
+
         return run
 
     def out_path(name: str) -> Path:
@@ -111,6 +111,7 @@ def section_local(ctx: Ctx) -> dict:
             t = now() - t0
             last_out[name] = p
             return t
+
         return run
 
     def do_torch_save(p: Path) -> None:
@@ -125,9 +126,13 @@ def section_local(ctx: Ctx) -> dict:
         "raw O_DIRECT write+fsync 1 thread": None,
         "raw O_DIRECT write+fsync 2 threads": None,
         "torch.save+fsync": generic("torch.save+fsync", do_torch_save),
-        "DCP FileSystemWriter": generic("DCP FileSystemWriter", lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p))),
+        "DCP FileSystemWriter": generic(
+            "DCP FileSystemWriter", lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p))
+        ),
         "DCP FileSystemWriter thread_count=4": generic(
-            "DCP FileSystemWriter thread_count=4", lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4))),
+            "DCP FileSystemWriter thread_count=4",
+            lambda p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4)),
+        ),
     }
     for direct in (False, True):
         for threads in (1, 2):
@@ -189,10 +194,14 @@ def section_local(ctx: Ctx) -> dict:
         del obj
 
     loads["torch.load + copy_ into dest"] = do_torch_load
-    loads["DCP FileSystemReader"] = lambda: dcp.load(dest, storage_reader=dcp.FileSystemReader(last_out["DCP FileSystemWriter"]))
+    loads["DCP FileSystemReader"] = lambda: dcp.load(
+        dest, storage_reader=dcp.FileSystemReader(last_out["DCP FileSystemWriter"])
+    )
     for label, cfg in cfgs.items():
         cid = last_out[f"tiered {label}"]
-        loads[f"TieredReader {label}"] = (lambda cfg=cfg, cid=cid: dcp.load(dest, checkpoint_id=cid, storage_reader=TieredReader(cfg)))
+        loads[f"TieredReader {label}"] = lambda cfg=cfg, cid=cid: dcp.load(
+            dest, checkpoint_id=cid, storage_reader=TieredReader(cfg)
+        )
         load_paths[f"TieredReader {label}"] = cfg.local.resolved_path()  # keep=1: only this checkpoint
 
     load_times: dict[str, list[float]] = {}
@@ -219,8 +228,9 @@ def section_local(ctx: Ctx) -> dict:
 
     # ---- rows --------------------------------------------------------------------------
     rows = []
-    ceiling_name = min(("raw O_DIRECT write+fsync 1 thread", "raw O_DIRECT write+fsync 2 threads"),
-                       key=lambda n: med(save_times[n]))
+    ceiling_name = min(
+        ("raw O_DIRECT write+fsync 1 thread", "raw O_DIRECT write+fsync 2 threads"), key=lambda n: med(save_times[n])
+    )
     ceiling_bw = nbytes / med(save_times[ceiling_name])
     buffered_name = min(("raw write+fsync 1 thread", "raw write+fsync 2 threads"), key=lambda n: med(save_times[n]))
     gib = nbytes / GiB
@@ -232,19 +242,44 @@ def section_local(ctx: Ctx) -> dict:
         e = {}
         if name in extra:
             e = {k: {"median": med(v), "min": min(v)} for k, v in extra[name].items() if v}
-            note = (f"blocked in dcp.save {e['blocked_in_save_s']['median'] * 1e3:.1f} ms, captured "
-                    f"{e['captured_s']['median']:.2f} s, durable {e['lib_flush_durable_s']['median']:.2f} s, "
-                    f"commit tail {e['commit_tail_s']['median']:.2f} s")
-        rows.append(row("save: " + name, ts, nbytes, ratio=bw / ceiling_bw, note=note, details=e,
-                        cpu_s_per_gib=med(save_cpu[name]) / gib))
+            note = (
+                f"blocked in dcp.save {e['blocked_in_save_s']['median'] * 1e3:.1f} ms, captured "
+                f"{e['captured_s']['median']:.2f} s, durable {e['lib_flush_durable_s']['median']:.2f} s, "
+                f"commit tail {e['commit_tail_s']['median']:.2f} s"
+            )
+        rows.append(
+            row(
+                "save: " + name,
+                ts,
+                nbytes,
+                ratio=bw / ceiling_bw,
+                note=note,
+                details=e,
+                cpu_s_per_gib=med(save_cpu[name]) / gib,
+            )
+        )
     for label, t in first_save.items():
-        rows.append(row(f"save: tiered {label} first save (fresh pool)", [t], nbytes, ratio=(nbytes / t) / ceiling_bw,
-                        note="once, before the repeats; touches the pool"))
+        rows.append(
+            row(
+                f"save: tiered {label} first save (fresh pool)",
+                [t],
+                nbytes,
+                ratio=(nbytes / t) / ceiling_bw,
+                note="once, before the repeats; touches the pool",
+            )
+        )
     fs_load = med(load_times["DCP FileSystemReader"])
     for name, ts in load_times.items():
-        rows.append(row("load: " + name, ts, nbytes, ratio=fs_load / med(ts),
-                        note=f"{'cold' if cold else 'warm'}; verify {verified.get(name)}",
-                        cpu_s_per_gib=med(load_cpu[name]) / gib))
+        rows.append(
+            row(
+                "load: " + name,
+                ts,
+                nbytes,
+                ratio=fs_load / med(ts),
+                note=f"{'cold' if cold else 'warm'}; verify {verified.get(name)}",
+                cpu_s_per_gib=med(load_cpu[name]) / gib,
+            )
+        )
 
     ratios: dict[str, float] = {}
     targets: dict[str, tuple[str, float]] = {}
@@ -255,7 +290,9 @@ def section_local(ctx: Ctx) -> dict:
         ratios[f"(info) tiered_durable_bw/raw_ceiling [{label}]"] = (nbytes / durable) / ceiling_bw
         ratios[f"tiered_load_bw/fsreader_load_bw [{label}]"] = fs_load / med(load_times[f"TieredReader {label}"])
         targets[f"tiered_load_bw/fsreader_load_bw [{label}]"] = (">=", 2.0)
-    ratios["(info) raw O_DIRECT ceiling / raw buffered"] = med(save_times[buffered_name]) / med(save_times[ceiling_name])
+    ratios["(info) raw O_DIRECT ceiling / raw buffered"] = med(save_times[buffered_name]) / med(
+        save_times[ceiling_name]
+    )
     notes = [
         f"state: {nbytes / GiB:.3f} GiB in {ntensors} tensors (+ non-tensor items); {R} interleaved repeats; "
         f"ratio column: save bw / ceiling ({ceiling_name}: fallocate + O_DIRECT pwrite of 64 MiB from a page-aligned "
@@ -272,7 +309,13 @@ def section_local(ctx: Ctx) -> dict:
     rm(root)
     del sd, dest, rawbuf
     gc.collect()
-    return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes,
-            "state_bytes": nbytes, "tensors": ntensors, "loads_cold": cold, "repeats": R}
-
-
+    return {
+        "rows": rows,
+        "ratios": ratios,
+        "targets": targets,
+        "notes": notes,
+        "state_bytes": nbytes,
+        "tensors": ntensors,
+        "loads_cold": cold,
+        "repeats": R,
+    }

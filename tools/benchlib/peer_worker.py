@@ -86,7 +86,9 @@ def save_and_lose(args: dict, rank: int, world: int) -> dict:
         dcp.save(state(rank, step, args["mib"]), checkpoint_id=f"step-{step}", storage_writer=w)
         time.sleep(args["interval"])
     last = f"step-{args['steps'][-1]}"
-    mark = Path(cfg.local.path.format(node=node_name())) / last / ("peers.json" if cfg.peer.replicas else "metadata.json")
+    mark = (
+        Path(cfg.local.path.format(node=node_name())) / last / ("peers.json" if cfg.peer.replicas else "metadata.json")
+    )
     deadline = time.monotonic() + 600
     while not mark.exists() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -101,8 +103,13 @@ def resume(args: dict, rank: int, world: int) -> dict:
     reader = TieredReader(cfg)
     t0 = time.perf_counter()
     dcp.load(got, checkpoint_id="latest", storage_reader=reader)
-    return {"load_s": time.perf_counter() - t0, "id": reader.resolved_id, "bad": compare(want, got),
-            "from_peers": sum(reader.from_peers.values()), "served": reader.served}
+    return {
+        "load_s": time.perf_counter() - t0,
+        "id": reader.resolved_id,
+        "bad": compare(want, got),
+        "from_peers": sum(reader.from_peers.values()),
+        "served": reader.served,
+    }
 
 
 def resume_latest(args: dict, rank: int, world: int) -> dict:
@@ -119,5 +126,12 @@ def resume_latest(args: dict, rank: int, world: int) -> dict:
 
 
 if __name__ == "__main__":
-    serve({"save_steps": save_steps, "save_and_lose": save_and_lose, "resume": resume,
-           "resume_latest": resume_latest, "train": train})
+    serve(
+        {
+            "save_steps": save_steps,
+            "save_and_lose": save_and_lose,
+            "resume": resume,
+            "resume_latest": resume_latest,
+            "train": train,
+        }
+    )

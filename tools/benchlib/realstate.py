@@ -49,13 +49,20 @@ def _gpt() -> nn.Module:
     return TinyGPT(vocab=256, d=256, layers=6, heads=4, ctx=128)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, data: torch.Tensor, seed: int,
-           bsz: int = 16, ctx: int = 128) -> None:
+def _train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    data: torch.Tensor,
+    seed: int,
+    bsz: int = 16,
+    ctx: int = 128,
+) -> None:
     g = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
     for _ in range(steps):
         i = torch.randint(0, len(data) - ctx - 1, (bsz,), generator=g)
-        x = torch.stack([data[j: j + ctx + 1] for j in i.tolist()])
+        x = torch.stack([data[j : j + ctx + 1] for j in i.tolist()])
         logits = model(x[:, :-1])
         loss = loss_fn(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         loss.backward()
@@ -83,8 +90,7 @@ def gpt_state(cache: Path, steps: int = 300) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     _train(model, opt, steps, _corpus(), seed=1)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state = {"model": {k: v.to(torch.bfloat16) for k, v in sd.items()}, "master": sd,
-             "optim": _adam_state(model, opt)}
+    state = {"model": {k: v.to(torch.bfloat16) for k, v in sd.items()}, "master": sd, "optim": _adam_state(model, opt)}
     cache.mkdir(parents=True, exist_ok=True)
     torch.save(state, path)
     torch.save(sd, cache / f"gpt-{steps}-weights.pt")
@@ -113,8 +119,14 @@ def titan_state(cache: Path, steps: int = 60) -> dict[str, Any] | None:
 
     class _Attention(nn.Module):
         def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **_kw):  # noqa: ANN001, ANN202
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, scale=scale, enable_gqa=enable_gqa)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
             return out.transpose(1, 2)
 
     for mod in model.modules():
@@ -129,8 +141,7 @@ def titan_state(cache: Path, steps: int = 60) -> dict[str, Any] | None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-             "optim": _adam_state(model, opt)}
+    state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}, "optim": _adam_state(model, opt)}
     cache.mkdir(parents=True, exist_ok=True)
     torch.save(state, path)
     return state
@@ -159,8 +170,9 @@ def frozen_states(cache: Path, checkpoints: int = 3, every: int = 20, frozen: fl
     out = []
     for c in range(checkpoints):
         _train(model, opt, every, data, seed=100 + c)
-        out.append({"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    "optim": _adam_state(model, opt)})
+        out.append(
+            {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}, "optim": _adam_state(model, opt)}
+        )
     cache.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)
     return out

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 # F. restore after node loss: fetch + load; consolidate (fresh processes, peak RSS)
 # ---------------------------------------------------------------------------------------------
 
+
 def consolidate_child(spec: dict) -> dict:
     """One conversion in a fresh process; peak RSS by psutil sampling (5 ms) over the call (ru_maxrss
     is inherited across fork/exec on Linux, so it would report the parent's high-water mark)."""
@@ -68,8 +69,9 @@ def _cli_start(cfg_path: Path, reps: int) -> tuple[list[float], list[float]]:
     t_cli, t_py = [], []
     for _ in range(reps):
         t0 = now()
-        cp = subprocess.run([sys.executable, "-m", "restore", "latest"], env=env, capture_output=True, text=True,
-                            timeout=120, cwd=REPO)
+        cp = subprocess.run(
+            [sys.executable, "-m", "restore", "latest"], env=env, capture_output=True, text=True, timeout=120, cwd=REPO
+        )
         t_cli.append(now() - t0)
         if cp.returncode != 0:
             raise RuntimeError(f"tierckpt-restore latest failed: {cp.stderr[-2000:]}")
@@ -79,8 +81,17 @@ def _cli_start(cfg_path: Path, reps: int) -> tuple[list[float], list[float]]:
     return t_cli, t_py
 
 
-def _fetch_vs_raw(ctx: Ctx, server: str, url: str, tmp: Path, sd: dict, reps: int, rows: list[dict],
-                  ratios: dict[str, Any], targets: dict[str, Any]) -> Path:
+def _fetch_vs_raw(
+    ctx: Ctx,
+    server: str,
+    url: str,
+    tmp: Path,
+    sd: dict,
+    reps: int,
+    rows: list[dict],
+    ratios: dict[str, Any],
+    targets: dict[str, Any],
+) -> Path:
     """One server: save, then ``reps`` interleaved rounds of (raw parallel download, node loss +
     fetch_checkpoint + dcp.load); rows with wall time and this process's CPU seconds per GiB."""
     from restore.fetch import fetch_checkpoint
@@ -147,8 +158,10 @@ def _fetch_vs_raw(ctx: Ctx, server: str, url: str, tmp: Path, sd: dict, reps: in
                 raise RuntimeError(f"restore (fill) mismatch: {bad[:5]}")
             if set(reader.served.values()) != {"s3"} or not reader.fill.committed:
                 raise RuntimeError(f"fill: served {reader.served}, committed {reader.fill.committed}")
-        log(f"restore {server} rep {r}: raw {t_raw[-1]:.2f} fetch {t_fetch[-1]:.2f} load {t_load[-1]:.2f} "
-            f"load+fill {t_fill[-1]:.2f} (committed {t_filled[-1]:.2f})")
+        log(
+            f"restore {server} rep {r}: raw {t_raw[-1]:.2f} fetch {t_fetch[-1]:.2f} load {t_load[-1]:.2f} "
+            f"load+fill {t_fill[-1]:.2f} (committed {t_filled[-1]:.2f})"
+        )
     t_client = []
     for _ in range(reps):  # what every fetch pays first: its tier's S3 client, made from a cold page cache
         drop_caches()
@@ -158,28 +171,66 @@ def _fetch_vs_raw(ctx: Ctx, server: str, url: str, tmp: Path, sd: dict, reps: in
     del bufs
     gib = dsize / GiB
     ratio = med(t_raw) / med(t_total)
-    rows += [row(f"{server}: raw boto3 ranged GETs (memory)", t_raw, dsize, note="ceiling",
-                 cpu_s_per_gib=med(c_raw) / gib),
-             row(f"{server}: fetch_checkpoint('latest')", t_fetch, dsize, ratio=med(t_raw) / med(t_fetch),
-                 note="ratio: raw/fetch; CRC32C per piece, O_DIRECT writes, one fsync per file",
-                 cpu_s_per_gib=med(c_fetch) / gib),
-             row(f"{server}: dcp.load from fetched copy", t_load, dsize, note="TieredReader (local tier, cold)",
-                 cpu_s_per_gib=med(c_load) / gib),
-             row(f"{server}: fetch + load (restore)", t_total, dsize, ratio=ratio, note="ratio: raw/ours (time)",
-                 cpu_s_per_gib=med(c_total) / gib),
-             row(f"{server}: O_DIRECT read of the fetched files", t_disk, dsize,
-                 note="what any load after a fetch reads back from this disk"),
-             row(f"{server}: floor of fetch then load here", [a + b for a, b in zip(t_raw, t_disk)], dsize,
-                 ratio=(med(t_raw) + med(t_disk)) / med(t_total),
-                 note="raw download + that read; ratio: floor/ours (time); its own ratio to raw is the best a "
-                      "two-step restore can reach on this machine"),
-             row(f"{server}: dcp.load from S3, filling [local] (restore)", t_fill, dsize, ratio=med(t_raw) / med(t_fill),
-                 note="ratio: raw/ours (time); [local] fill_on_load: the load returns once the state is in",
-                 cpu_s_per_gib=med(c_fill) / gib),
-             row(f"{server}: ... until the local copy is committed", t_filled, dsize, ratio=med(t_raw) / med(t_filled),
-                 note="fsync + rename + metadata in the fill's background thread"),
-             row(f"{server}: of which: S3 client creation", t_client,
-                 note="a further S3 client in this process, page cache dropped (clients share one botocore loader)")]
+    rows += [
+        row(f"{server}: raw boto3 ranged GETs (memory)", t_raw, dsize, note="ceiling", cpu_s_per_gib=med(c_raw) / gib),
+        row(
+            f"{server}: fetch_checkpoint('latest')",
+            t_fetch,
+            dsize,
+            ratio=med(t_raw) / med(t_fetch),
+            note="ratio: raw/fetch; CRC32C per piece, O_DIRECT writes, one fsync per file",
+            cpu_s_per_gib=med(c_fetch) / gib,
+        ),
+        row(
+            f"{server}: dcp.load from fetched copy",
+            t_load,
+            dsize,
+            note="TieredReader (local tier, cold)",
+            cpu_s_per_gib=med(c_load) / gib,
+        ),
+        row(
+            f"{server}: fetch + load (restore)",
+            t_total,
+            dsize,
+            ratio=ratio,
+            note="ratio: raw/ours (time)",
+            cpu_s_per_gib=med(c_total) / gib,
+        ),
+        row(
+            f"{server}: O_DIRECT read of the fetched files",
+            t_disk,
+            dsize,
+            note="what any load after a fetch reads back from this disk",
+        ),
+        row(
+            f"{server}: floor of fetch then load here",
+            [a + b for a, b in zip(t_raw, t_disk)],
+            dsize,
+            ratio=(med(t_raw) + med(t_disk)) / med(t_total),
+            note="raw download + that read; ratio: floor/ours (time); its own ratio to raw is the best a "
+            "two-step restore can reach on this machine",
+        ),
+        row(
+            f"{server}: dcp.load from S3, filling [local] (restore)",
+            t_fill,
+            dsize,
+            ratio=med(t_raw) / med(t_fill),
+            note="ratio: raw/ours (time); [local] fill_on_load: the load returns once the state is in",
+            cpu_s_per_gib=med(c_fill) / gib,
+        ),
+        row(
+            f"{server}: ... until the local copy is committed",
+            t_filled,
+            dsize,
+            ratio=med(t_raw) / med(t_filled),
+            note="fsync + rename + metadata in the fill's background thread",
+        ),
+        row(
+            f"{server}: of which: S3 client creation",
+            t_client,
+            note="a further S3 client in this process, page cache dropped (clients share one botocore loader)",
+        ),
+    ]
     ratios[f"{server}: restore raw/ours"] = ratio
     targets[f"{server}: restore raw/ours"] = (">=", 0.9)
     ratios[f"{server}: two-step floor raw/floor"] = med(t_raw) / (med(t_raw) + med(t_disk))
@@ -241,23 +292,31 @@ def section_restore(ctx: Ctx) -> dict:
     cfg_path = tmp / "local-only.toml"
     cfg_path.write_text(f'[local]\npath = "{kept}"\n')
     t_cli, t_py = _cli_start(cfg_path, 3 if ctx.quick else 7)
-    rows += [row("tierckpt-restore latest (fresh process)", t_cli, note="target < 0.5 s"),
-             row("python -c pass (fresh process)", t_py, note="interpreter start, for reference")]
+    rows += [
+        row("tierckpt-restore latest (fresh process)", t_cli, note="target < 0.5 s"),
+        row("python -c pass (fresh process)", t_py, note="interpreter start, for reference"),
+    ]
     targets["tierckpt-restore latest s"] = ("<=", 0.5)
     ratios["tierckpt-restore latest s"] = med(t_cli)
     # consolidate vs dcp_to_torch_save, fresh process each
     fsw = tmp / "fsw"
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(fsw))
-    cases = [("consolidate -> .safetensors", "safetensors", str(kept), "x.safetensors"),
-             ("consolidate -> .pt", "pt", str(kept), "x.pt"),
-             ("dcp_to_torch_save (FileSystemWriter copy)", "dcp_to_torch_save", str(fsw), "y.pt")]
+    cases = [
+        ("consolidate -> .safetensors", "safetensors", str(kept), "x.safetensors"),
+        ("consolidate -> .pt", "pt", str(kept), "x.pt"),
+        ("dcp_to_torch_save (FileSystemWriter copy)", "dcp_to_torch_save", str(fsw), "y.pt"),
+    ]
     cres: dict[str, list[dict]] = {c[0]: [] for c in cases}
     for _r in range(2 if ctx.quick else reps):
         for name, mode, src, outname in cases:
             out = tmp / outname
             spec = {"mode": mode, "src": src, "cid": "r-0001", "out": str(out)}
-            cp = subprocess.run([sys.executable, str(BENCH), "--_consolidate-child", json.dumps(spec)],
-                                capture_output=True, text=True, timeout=600)
+            cp = subprocess.run(
+                [sys.executable, str(BENCH), "--_consolidate-child", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             rm(out)
             if cp.returncode != 0:
                 raise RuntimeError(f"consolidate child {mode} failed: {cp.stderr[-3000:]}")
@@ -267,15 +326,28 @@ def section_restore(ctx: Ctx) -> dict:
         rs = cres[name]
         peak = max(c["peak_maxrss"] - c["base_maxrss"] for c in rs)
         ts = [c["time_s"] for c in rs]
-        rows.append(row(name, ts, nbytes, ratio=ref / med(ts),
-                        note=(f"peak RSS - base {peak / MiB:.0f} MiB (= {peak / nbytes:.2f}x state); "
-                              f"abs peak {max(c['peak_maxrss'] for c in rs) / MiB:.0f} MiB; ratio: dcp_to_torch_save/this (time)"),
-                        peak_minus_base=peak))
-    notes.append(f"state {nbytes / MiB:.0f} MiB; node loss = local tier dir removed; page cache dropped before "
-                 f"the raw download and before the fetch (server cold both ways) if permitted: {drop_caches()}; {reps} interleaved repeats per server ({', '.join(servers)}); "
-                 f"[s3] part {S3_PART // MiB} MiB x {S3_CONC}; CPU-s/GiB: this process's user+system seconds per "
-                 "GiB of data objects (the S3 server runs in its own process, not counted)")
-    notes.append("consolidate: each run in a fresh child process; RSS sampled every 5 ms (psutil): base after imports, "
-                 "peak during the call; ratio: dcp_to_torch_save time / this")
+        rows.append(
+            row(
+                name,
+                ts,
+                nbytes,
+                ratio=ref / med(ts),
+                note=(
+                    f"peak RSS - base {peak / MiB:.0f} MiB (= {peak / nbytes:.2f}x state); "
+                    f"abs peak {max(c['peak_maxrss'] for c in rs) / MiB:.0f} MiB; ratio: dcp_to_torch_save/this (time)"
+                ),
+                peak_minus_base=peak,
+            )
+        )
+    notes.append(
+        f"state {nbytes / MiB:.0f} MiB; node loss = local tier dir removed; page cache dropped before "
+        f"the raw download and before the fetch (server cold both ways) if permitted: {drop_caches()}; {reps} interleaved repeats per server ({', '.join(servers)}); "
+        f"[s3] part {S3_PART // MiB} MiB x {S3_CONC}; CPU-s/GiB: this process's user+system seconds per "
+        "GiB of data objects (the S3 server runs in its own process, not counted)"
+    )
+    notes.append(
+        "consolidate: each run in a fresh child process; RSS sampled every 5 ms (psutil): base after imports, "
+        "peak during the call; ratio: dcp_to_torch_save time / this"
+    )
     rm(tmp)
     return {"rows": rows, "ratios": ratios, "targets": targets, "notes": notes, "server": ",".join(servers)}

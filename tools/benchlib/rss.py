@@ -20,6 +20,7 @@ from tierckpt import TieredWriter
 # D. peak RSS during a TieredWriter save (fresh child process per measurement)
 # ---------------------------------------------------------------------------------------------
 
+
 def rss_child(spec: dict) -> dict:
     work = Path(spec["dir"])
     sd = make_state(spec["state"], seed=3)
@@ -56,8 +57,11 @@ def rss_child(spec: dict) -> dict:
 
 def section_rss(ctx: Ctx) -> dict:
     state = (256 if ctx.quick else 1024) * MiB
-    cases = [("tiered pool 1/4", "tiered", state // 4, 32 * MiB), ("tiered pool 1x", "tiered", state, 64 * MiB),
-             ("async_save (DefaultStager ref.)", "async", 0, 0)]
+    cases = [
+        ("tiered pool 1/4", "tiered", state // 4, 32 * MiB),
+        ("tiered pool 1x", "tiered", state, 64 * MiB),
+        ("async_save (DefaultStager ref.)", "async", 0, 0),
+    ]
     rows = []
     raw: dict[str, Any] = {}
     for name, mode, pool, chunk in cases:
@@ -65,8 +69,9 @@ def section_rss(ctx: Ctx) -> dict:
         d.mkdir()
         spec = {"dir": str(d), "state": state, "mode": mode, "pool": pool, "chunk": chunk}
         log(f"rss: {name} (child process)")
-        cp = subprocess.run([sys.executable, str(BENCH), "--_rss-child", json.dumps(spec)],
-                            capture_output=True, text=True, timeout=600)
+        cp = subprocess.run(
+            [sys.executable, str(BENCH), "--_rss-child", json.dumps(spec)], capture_output=True, text=True, timeout=600
+        )
         rm(d)
         if cp.returncode != 0:
             raise RuntimeError(f"rss child failed: {cp.stderr[-3000:]}")
@@ -79,12 +84,22 @@ def section_rss(ctx: Ctx) -> dict:
             if mode != "tiered":
                 label = f"save {i + 1}"
             ref = pool if mode == "tiered" else sb
-            rows.append(row(f"{name}: {label}", [s["time_s"]], sb, ratio=delta / ref,
-                            note=(f"peak-base {delta / MiB:.0f} MiB; pool {pool / MiB:.0f} MiB; state {sb / MiB:.0f} MiB; "
-                                  f"ratio: (peak-base)/{'pool' if mode == 'tiered' else 'state'}"),
-                            peak_minus_base=delta, pool=pool))
-    notes = ["child process per case; RSS sampled every 5 ms; base = RSS after the state dict was built; "
-             "pool and engine persist in the process, so the second save shows the steady state"]
+            rows.append(
+                row(
+                    f"{name}: {label}",
+                    [s["time_s"]],
+                    sb,
+                    ratio=delta / ref,
+                    note=(
+                        f"peak-base {delta / MiB:.0f} MiB; pool {pool / MiB:.0f} MiB; state {sb / MiB:.0f} MiB; "
+                        f"ratio: (peak-base)/{'pool' if mode == 'tiered' else 'state'}"
+                    ),
+                    peak_minus_base=delta,
+                    pool=pool,
+                )
+            )
+    notes = [
+        "child process per case; RSS sampled every 5 ms; base = RSS after the state dict was built; "
+        "pool and engine persist in the process, so the second save shows the steady state"
+    ]
     return {"rows": rows, "notes": notes, "children": raw}
-
-

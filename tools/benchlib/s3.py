@@ -43,12 +43,14 @@ S3_PART = 16 * MiB
 S3_CONC = 4
 S3_BUCKET = "tierckpt-bench"
 
-_MOTO_CHILD = ("import sys, logging\n"
-               "from moto.server import ThreadedMotoServer\n"
-               "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
-               "s = ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False)\n"
-               "s.start()\n"
-               "sys.stdin.read()\n")
+_MOTO_CHILD = (
+    "import sys, logging\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
+    "s = ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False)\n"
+    "s.start()\n"
+    "sys.stdin.read()\n"
+)
 
 
 S3_DATA: Path | None = None
@@ -77,8 +79,12 @@ def start_s3_server(kind: str, tmp: Path) -> tuple[str, Callable[[], None], str]
                 shutil.rmtree(data, ignore_errors=True)
     else:
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-c", _MOTO_CHILD, str(port)], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MOTO_CHILD, str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -111,8 +117,9 @@ def start_s3_server(kind: str, tmp: Path) -> tuple[str, Callable[[], None], str]
 def s3_tier_cfg(local: Path | None, url: str, prefix: str, pool: int, keep_s3: int = 0) -> TierConfig:
     from tierckpt.config import S3Config
 
-    s3 = S3Config(bucket=S3_BUCKET, prefix=prefix, endpoint_url=url, part_size=S3_PART, concurrency=S3_CONC,
-                  keep=keep_s3)
+    s3 = S3Config(
+        bucket=S3_BUCKET, prefix=prefix, endpoint_url=url, part_size=S3_PART, concurrency=S3_CONC, keep=keep_s3
+    )
     lc = LocalConfig(path=str(local), flush_threads=4, keep=1) if local is not None else None
     return TierConfig(host=HostConfig(buffer_size=pool, chunk_size=16 * MiB), local=lc, s3=s3)
 
@@ -147,14 +154,16 @@ def default_client(url: str) -> Any:
     import boto3
     from botocore.config import Config
 
-    return boto3.session.Session().client("s3", endpoint_url=url, config=Config(
-        s3={"addressing_style": "path"}, max_pool_connections=S3_CONC + 4))
+    return boto3.session.Session().client(
+        "s3", endpoint_url=url, config=Config(s3={"addressing_style": "path"}, max_pool_connections=S3_CONC + 4)
+    )
 
 
 def _have_crt() -> bool:
     """Whether awscrt (a baseline only: ``pip install awscrt``) is installed."""
     try:
         import awscrt.s3  # noqa: F401
+
         return True
     except ImportError:
         log("s3: awscrt not installed: its baseline rows are left out (pip install awscrt)")
@@ -177,23 +186,37 @@ class Crt:
         bootstrap = io.ClientBootstrap(el, io.DefaultHostResolver(el))
         creds = boto3.session.Session().get_credentials().get_frozen_credentials()
         prov = auth.AwsCredentialsProvider.new_static(creds.access_key, creds.secret_key, creds.token)
-        self.client = s3.S3Client(bootstrap=bootstrap, region="us-east-1", tls_mode=s3.S3RequestTlsMode.DISABLED,
-                                  credential_provider=prov, part_size=S3_PART,
-                                  max_active_connections_override=S3_CONC)
+        self.client = s3.S3Client(
+            bootstrap=bootstrap,
+            region="us-east-1",
+            tls_mode=s3.S3RequestTlsMode.DISABLED,
+            credential_provider=prov,
+            part_size=S3_PART,
+            max_active_connections_override=S3_CONC,
+        )
 
     def upload(self, key: str, path: Path) -> float:
         from awscrt import http
 
         s3 = self.s3
         size = path.stat().st_size
-        req = http.HttpRequest("PUT", f"/{S3_BUCKET}/{key}", http.HttpHeaders(
-            [("Host", self.host), ("Content-Length", str(size)), ("Content-Type", "application/octet-stream")]))
+        req = http.HttpRequest(
+            "PUT",
+            f"/{S3_BUCKET}/{key}",
+            http.HttpHeaders(
+                [("Host", self.host), ("Content-Length", str(size)), ("Content-Type", "application/octet-stream")]
+            ),
+        )
         t0 = now()
         r = self.client.make_request(
-            type=s3.S3RequestType.PUT_OBJECT, request=req, send_filepath=str(path),
-            checksum_config=s3.S3ChecksumConfig(algorithm=s3.S3ChecksumAlgorithm.CRC32C,
-                                                location=s3.S3ChecksumLocation.HEADER),
-            fio_options=s3.S3FileIoOptions(should_stream=False, direct_io=True))
+            type=s3.S3RequestType.PUT_OBJECT,
+            request=req,
+            send_filepath=str(path),
+            checksum_config=s3.S3ChecksumConfig(
+                algorithm=s3.S3ChecksumAlgorithm.CRC32C, location=s3.S3ChecksumLocation.HEADER
+            ),
+            fio_options=s3.S3FileIoOptions(should_stream=False, direct_io=True),
+        )
         r.finished_future.result()
         return now() - t0
 
@@ -207,7 +230,7 @@ class Crt:
             mv = memoryview(buf)
 
             def on_body(chunk: Any, offset: int, mv: memoryview = mv, **_: Any) -> None:
-                mv[offset: offset + len(chunk)] = chunk
+                mv[offset : offset + len(chunk)] = chunk
 
             req = http.HttpRequest("GET", f"/{S3_BUCKET}/{key}", http.HttpHeaders([("Host", self.host)]))
             reqs.append(self.client.make_request(type=s3.S3RequestType.GET_OBJECT, request=req, on_body=on_body))
@@ -226,7 +249,7 @@ def raw_download(client: Any, objs: list[tuple[str, int]], bufs: list[bytearray]
         i, off, n = t
         resp = client.get_object(Bucket=S3_BUCKET, Key=objs[i][0], Range=f"bytes={off}-{off + n - 1}")
         body = resp["Body"]
-        mv = memoryview(bufs[i])[off:off + n]
+        mv = memoryview(bufs[i])[off : off + n]
         got = 0
         while got < n:
             k = body.readinto(mv[got:])
@@ -252,8 +275,9 @@ def s3tc_client(url: str) -> Any:
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
 
-    return S3Client(region="us-east-1", endpoint=url, s3client_config=S3ClientConfig(force_path_style=True,
-                                                                                    part_size=S3_PART))
+    return S3Client(
+        region="us-east-1", endpoint=url, s3client_config=S3ClientConfig(force_path_style=True, part_size=S3_PART)
+    )
 
 
 def s3tc_probe() -> str | None:
@@ -279,7 +303,9 @@ def _threads_cpu(before: dict[int, float], after: dict[int, float], prefixes: tu
 def _delete_prefix(client: Any, prefix: str) -> None:
     keys = [k for k, _ in list_objects(client, prefix)]
     for i in range(0, len(keys), 1000):
-        client.delete_objects(Bucket=S3_BUCKET, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        client.delete_objects(
+            Bucket=S3_BUCKET, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+        )
 
 
 class _Series:
@@ -369,10 +395,14 @@ def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str 
                     if bad:
                         notes.append(f"{kind}: s3torchconnector load mismatch: {bad[:3]}")
                 _delete_prefix(client, f"tc-{kind}/")
-            log(f"s3 {kind} {gib} rep {r}: save->promoted {S['save'].t[-1]:.2f} (promote {t_prom[-1]:.2f}) raw up "
-                f"{S['up'].t[-1]:.2f}/{S['up_def'].t[-1]:.2f}" + (f"/crt {S['up_crt'].t[-1]:.2f}" if S["up_crt"].t else "")
-                + f" load {S['ld'].t[-1]:.2f} raw dl {S['dl'].t[-1]:.2f}" + (f"/crt {S['dl_crt'].t[-1]:.2f}" if S["dl_crt"].t else "")
-                + (f" tc w {S['tcw'].t[-1]:.2f} r {S['tcr'].t[-1]:.2f}" if S["tcw"].t else ""))
+            log(
+                f"s3 {kind} {gib} rep {r}: save->promoted {S['save'].t[-1]:.2f} (promote {t_prom[-1]:.2f}) raw up "
+                f"{S['up'].t[-1]:.2f}/{S['up_def'].t[-1]:.2f}"
+                + (f"/crt {S['up_crt'].t[-1]:.2f}" if S["up_crt"].t else "")
+                + f" load {S['ld'].t[-1]:.2f} raw dl {S['dl'].t[-1]:.2f}"
+                + (f"/crt {S['dl_crt'].t[-1]:.2f}" if S["dl_crt"].t else "")
+                + (f" tc w {S['tcw'].t[-1]:.2f} r {S['tcr'].t[-1]:.2f}" if S["tcw"].t else "")
+            )
     finally:
         writer.close()
     dsize = sum(s for _, s in objs)
@@ -382,36 +412,97 @@ def _one_size(kind: str, url: str, tmp: Path, size: int, reps: int, why_tc: str 
         return med(a) / med(b) if a and b else None
 
     n = f"{kind} {gib}"
-    crt_rows = [
-        row(f"{n}: raw awscrt upload (send_filepath, direct_io)", S["up_crt"].t, dsize,
-            cpu_s_per_gib=S["up_crt"].per_gib(dsize), note="CRC32C per part by the CRT"),
-        row(f"{n}: raw awscrt GETs", S["dl_crt"].t, dsize, cpu_s_per_gib=S["dl_crt"].per_gib(dsize),
-            note="split by the CRT, copied in on_body"),
-    ] if crt is not None else []
+    crt_rows = (
+        [
+            row(
+                f"{n}: raw awscrt upload (send_filepath, direct_io)",
+                S["up_crt"].t,
+                dsize,
+                cpu_s_per_gib=S["up_crt"].per_gib(dsize),
+                note="CRC32C per part by the CRT",
+            ),
+            row(
+                f"{n}: raw awscrt GETs",
+                S["dl_crt"].t,
+                dsize,
+                cpu_s_per_gib=S["dl_crt"].per_gib(dsize),
+                note="split by the CRT, copied in on_body",
+            ),
+        ]
+        if crt is not None
+        else []
+    )
     rows = crt_rows + [
-        row(f"{n}: raw boto3 upload, tier's client config", S["up"].t, dsize, cpu_s_per_gib=S["up"].per_gib(dsize),
-            note="no checksum; unsigned payload, 1 MiB send blocks"),
-        row(f"{n}: raw boto3 upload, boto3 defaults", S["up_def"].t, dsize, cpu_s_per_gib=S["up_def"].per_gib(dsize),
-            note="no checksum; payload SHA-256 signed (http)"),
-        row(f"{n}: tierckpt promotion (promote_s)", t_prom, dsize, ratio=ratio(S["up"].t, t_prom), cpu_s_per_gib=pg,
-            note="ratio: raw (tier config) / ours; CPU: promotion threads"),
-        row(f"{n}: tierckpt save->promoted (dcp.save..wait)", S["save"].t, dsize, cpu_s_per_gib=S["save"].per_gib(dsize),
-            note="capture + local durable + commit + promotion"),
-        row(f"{n}: raw boto3 ranged GETs", S["dl"].t, dsize, cpu_s_per_gib=S["dl"].per_gib(dsize), note="tier's client"),
-        row(f"{n}: TieredReader from S3 only", S["ld"].t, dsize, ratio=ratio(S["dl"].t, S["ld"].t),
-            cpu_s_per_gib=S["ld"].per_gib(dsize), note="ratio: raw boto3 / ours; CRC-checked"),
+        row(
+            f"{n}: raw boto3 upload, tier's client config",
+            S["up"].t,
+            dsize,
+            cpu_s_per_gib=S["up"].per_gib(dsize),
+            note="no checksum; unsigned payload, 1 MiB send blocks",
+        ),
+        row(
+            f"{n}: raw boto3 upload, boto3 defaults",
+            S["up_def"].t,
+            dsize,
+            cpu_s_per_gib=S["up_def"].per_gib(dsize),
+            note="no checksum; payload SHA-256 signed (http)",
+        ),
+        row(
+            f"{n}: tierckpt promotion (promote_s)",
+            t_prom,
+            dsize,
+            ratio=ratio(S["up"].t, t_prom),
+            cpu_s_per_gib=pg,
+            note="ratio: raw (tier config) / ours; CPU: promotion threads",
+        ),
+        row(
+            f"{n}: tierckpt save->promoted (dcp.save..wait)",
+            S["save"].t,
+            dsize,
+            cpu_s_per_gib=S["save"].per_gib(dsize),
+            note="capture + local durable + commit + promotion",
+        ),
+        row(
+            f"{n}: raw boto3 ranged GETs", S["dl"].t, dsize, cpu_s_per_gib=S["dl"].per_gib(dsize), note="tier's client"
+        ),
+        row(
+            f"{n}: TieredReader from S3 only",
+            S["ld"].t,
+            dsize,
+            ratio=ratio(S["dl"].t, S["ld"].t),
+            cpu_s_per_gib=S["ld"].per_gib(dsize),
+            note="ratio: raw boto3 / ours; CRC-checked",
+        ),
     ]
-    ratios: dict[str, Any] = {f"{n} promote raw/ours": ratio(S["up"].t, t_prom),
-                              f"{n} S3 load raw/ours": ratio(S["dl"].t, S["ld"].t),
-                              f"{n} upload CPU/GiB ours/raw defaults": pg / S["up_def"].per_gib(dsize) if pg else None,
-                              f"{n} upload CPU/GiB ours/raw tier config": pg / S["up"].per_gib(dsize) if pg else None}
-    targets: dict[str, Any] = {f"{n} promote raw/ours": (">=", 1.0),
-                               f"{n} upload CPU/GiB ours/raw defaults": ("<", 1.0)}
+    ratios: dict[str, Any] = {
+        f"{n} promote raw/ours": ratio(S["up"].t, t_prom),
+        f"{n} S3 load raw/ours": ratio(S["dl"].t, S["ld"].t),
+        f"{n} upload CPU/GiB ours/raw defaults": pg / S["up_def"].per_gib(dsize) if pg else None,
+        f"{n} upload CPU/GiB ours/raw tier config": pg / S["up"].per_gib(dsize) if pg else None,
+    }
+    targets: dict[str, Any] = {
+        f"{n} promote raw/ours": (">=", 1.0),
+        f"{n} upload CPU/GiB ours/raw defaults": ("<", 1.0),
+    }
     if S["tcw"].t:
-        rows += [row(f"{n}: s3torchconnector S3StorageWriter", S["tcw"].t, dsize, ratio=ratio(S["tcw"].t, S["save"].t),
-                     cpu_s_per_gib=S["tcw"].per_gib(dsize), note="ratio: its save / our save->promoted; CPU incl. its serialization"),
-                 row(f"{n}: s3torchconnector S3StorageReader", S["tcr"].t, dsize, ratio=ratio(S["tcr"].t, S["ld"].t),
-                     cpu_s_per_gib=S["tcr"].per_gib(dsize), note="ratio: its load / our S3 load")]
+        rows += [
+            row(
+                f"{n}: s3torchconnector S3StorageWriter",
+                S["tcw"].t,
+                dsize,
+                ratio=ratio(S["tcw"].t, S["save"].t),
+                cpu_s_per_gib=S["tcw"].per_gib(dsize),
+                note="ratio: its save / our save->promoted; CPU incl. its serialization",
+            ),
+            row(
+                f"{n}: s3torchconnector S3StorageReader",
+                S["tcr"].t,
+                dsize,
+                ratio=ratio(S["tcr"].t, S["ld"].t),
+                cpu_s_per_gib=S["tcr"].per_gib(dsize),
+                note="ratio: its load / our S3 load",
+            ),
+        ]
         ratios[f"{n} s3tc writer / our save->promoted"] = ratio(S["tcw"].t, S["save"].t)
         ratios[f"{n} s3tc writer / our promotion"] = ratio(S["tcw"].t, t_prom)
         ratios[f"{n} s3tc reader / our S3 load"] = ratio(S["tcr"].t, S["ld"].t)
@@ -431,24 +522,28 @@ def section_s3(ctx: Ctx) -> dict:
     rows: list[dict] = []
     ratios: dict[str, Any] = {}
     targets: dict[str, Any] = {}
-    notes = [f"[s3] part_size {S3_PART // MiB} MiB, concurrency {S3_CONC} (every client: {S3_CONC} connections); "
-             f"{reps} interleaved repeats per size; medians",
-             "raw upload = boto3 create_multipart_upload/upload_part on a ThreadPoolExecutor (pread per part, no "
-             "checksum) of our local data file, with the tier's client config (make_client) and with boto3's defaults; "
-             "raw awscrt = awscrt.s3.S3Client PUT_OBJECT with send_filepath + direct_io + CRC32C, GET_OBJECT split by "
-             "the CRT; raw download = ranged GETs of 16 MiB into preallocated bytearrays",
-             "promotion = writer.history[-1].promote_s (upload of the data file incl. CRC32C per part + conditional "
-             "PutObject of metadata.json + S3 retention keep=2); promotion CPU = CPU of the threads tierckpt-replicate*/"
-             "tierckpt-s3*; every other CPU figure = whole-process CPU (getrusage) over the timed call; servers run in "
-             "other processes and are not counted"]
+    notes = [
+        f"[s3] part_size {S3_PART // MiB} MiB, concurrency {S3_CONC} (every client: {S3_CONC} connections); "
+        f"{reps} interleaved repeats per size; medians",
+        "raw upload = boto3 create_multipart_upload/upload_part on a ThreadPoolExecutor (pread per part, no "
+        "checksum) of our local data file, with the tier's client config (make_client) and with boto3's defaults; "
+        "raw awscrt = awscrt.s3.S3Client PUT_OBJECT with send_filepath + direct_io + CRC32C, GET_OBJECT split by "
+        "the CRT; raw download = ranged GETs of 16 MiB into preallocated bytearrays",
+        "promotion = writer.history[-1].promote_s (upload of the data file incl. CRC32C per part + conditional "
+        "PutObject of metadata.json + S3 retention keep=2); promotion CPU = CPU of the threads tierckpt-replicate*/"
+        "tierckpt-s3*; every other CPU figure = whole-process CPU (getrusage) over the timed call; servers run in "
+        "other processes and are not counted",
+    ]
     why_tc = s3tc_probe()
     if why_tc:
         notes.append(why_tc)
     else:
-        notes.append("s3torchconnector 1.5.0 (pip; + tenacity it needs but does not declare here): S3FileSystem passes no "
-                     "endpoint to its S3Client, so the bench replaces writer.fs._client/reader.fs._client with "
-                     "S3Client(endpoint=..., S3ClientConfig(force_path_style=True, part_size=16MiB)) (private attribute); "
-                     "writer thread_count=4; not added to pyproject")
+        notes.append(
+            "s3torchconnector 1.5.0 (pip; + tenacity it needs but does not declare here): S3FileSystem passes no "
+            "endpoint to its S3Client, so the bench replaces writer.fs._client/reader.fs._client with "
+            "S3Client(endpoint=..., S3ClientConfig(force_path_style=True, part_size=16MiB)) (private attribute); "
+            "writer thread_count=4; not added to pyproject"
+        )
     raw_res: dict[str, Any] = {}
     series: list[dict[str, Any]] = []  # per server and size: GiB/s of every client (tools/plot_bench.py)
     kinds = [k.strip() for k in str(getattr(ctx.args, "s3_servers", "moto,seaweedfs")).split(",") if k.strip()]
@@ -472,8 +567,13 @@ def section_s3(ctx: Ctx) -> dict:
                 ratios.update(out["ratios"])
                 targets.update(out["targets"])
                 raw_res[f"{kind} {size}"] = out["raw"]
-                series.append({"server": kind, "bytes": out["bytes"], "gib_s": {
-                    r["name"].split(": ", 1)[1]: r["gib_s"] for r in out["rows"] if r.get("gib_s")}})
+                series.append(
+                    {
+                        "server": kind,
+                        "bytes": out["bytes"],
+                        "gib_s": {r["name"].split(": ", 1)[1]: r["gib_s"] for r in out["rows"] if r.get("gib_s")},
+                    }
+                )
         finally:
             stop()
             rm(tmp)

@@ -38,16 +38,32 @@ FIT_MIN_N = 4
 """Exponents are fitted over the N >= this (the issue's range: 4..16 real ranks) when two or more are there."""
 
 TABLE_PHASES = ("first_save", "save", "restart", "node_loss", "full_loss")
-BASELINE = {"first_save": "dcp_save", "save": "dcp_save", "restart": "dcp_load", "node_loss": "dcp_load",
-            "full_loss": "dcp_load"}
+BASELINE = {
+    "first_save": "dcp_save",
+    "save": "dcp_save",
+    "restart": "dcp_load",
+    "node_loss": "dcp_load",
+    "full_loss": "dcp_load",
+}
 METRICS = ("s3_requests", "s3_read", "s3_write", "obj_recv_bytes", "store_ops", "rounds", "p2p_recv_bytes", "groups")
-SHORT_OP = {"GetObject": "GET", "HeadObject": "HEAD", "ListObjectsV2": "LIST", "PutObject": "PUT",
-            "DeleteObject": "DEL", "DeleteObjects": "DELS", "ListMultipartUploads": "LISTMPU", "CopyObject": "COPY",
-            "CreateMultipartUpload": "MPU", "UploadPart": "PART", "CompleteMultipartUpload": "CMPU",
-            "AbortMultipartUpload": "ABORT"}
+SHORT_OP = {
+    "GetObject": "GET",
+    "HeadObject": "HEAD",
+    "ListObjectsV2": "LIST",
+    "PutObject": "PUT",
+    "DeleteObject": "DEL",
+    "DeleteObjects": "DELS",
+    "ListMultipartUploads": "LISTMPU",
+    "CopyObject": "COPY",
+    "CreateMultipartUpload": "MPU",
+    "UploadPart": "PART",
+    "CompleteMultipartUpload": "CMPU",
+    "AbortMultipartUpload": "ABORT",
+}
 
 
 # -- the report (real rows now, simulator rows later) ---------------------------------------------
+
 
 def fit_exponent(points: list[tuple[float, float]]) -> dict[str, float] | None:
     """Least-squares line through (log N, log value) of the points with value > 0:
@@ -75,14 +91,31 @@ def _rows(results: list[dict]) -> list[dict]:
             base = res["phases"].get(BASELINE[ph], {})
             n = res["world"]
             g = s.get
-            rows.append({"source": res.get("source", "real"), "world": n, "phase": ph,
-                         "s3_requests": s["s3_requests"], "s3_per_rank": s["s3_requests"] / n,
-                         "s3_read": s["s3_read"], "s3_write": s["s3_write"], "s3_per_rank_max": g("s3_per_rank_max"),
-                         "s3_by_op": g("s3_by_op", {}), "s3_retries": g("s3_attempts", s["s3_requests"]) - s["s3_requests"],
-                         "obj_recv_bytes": g("obj_recv_bytes"), "dcp_obj_recv_bytes": base.get("obj_recv_bytes"),
-                         "obj_vs_dcp": (g("obj_recv_bytes") or 0) / base["obj_recv_bytes"] if base.get("obj_recv_bytes") else None,
-                         "store_ops": g("store_ops"), "store_polls": g("store_polls", 0), "rounds": g("rounds"),
-                         "dcp_rounds": base.get("rounds"), "p2p_recv_bytes": g("p2p_recv_bytes", 0), "groups": g("groups")})
+            rows.append(
+                {
+                    "source": res.get("source", "real"),
+                    "world": n,
+                    "phase": ph,
+                    "s3_requests": s["s3_requests"],
+                    "s3_per_rank": s["s3_requests"] / n,
+                    "s3_read": s["s3_read"],
+                    "s3_write": s["s3_write"],
+                    "s3_per_rank_max": g("s3_per_rank_max"),
+                    "s3_by_op": g("s3_by_op", {}),
+                    "s3_retries": g("s3_attempts", s["s3_requests"]) - s["s3_requests"],
+                    "obj_recv_bytes": g("obj_recv_bytes"),
+                    "dcp_obj_recv_bytes": base.get("obj_recv_bytes"),
+                    "obj_vs_dcp": (g("obj_recv_bytes") or 0) / base["obj_recv_bytes"]
+                    if base.get("obj_recv_bytes")
+                    else None,
+                    "store_ops": g("store_ops"),
+                    "store_polls": g("store_polls", 0),
+                    "rounds": g("rounds"),
+                    "dcp_rounds": base.get("rounds"),
+                    "p2p_recv_bytes": g("p2p_recv_bytes", 0),
+                    "groups": g("groups"),
+                }
+            )
     return rows
 
 
@@ -95,8 +128,13 @@ def _exponents(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
         if len({r["world"] for r in mine if r["world"] >= FIT_MIN_N}) >= 2:
             mine = [r for r in mine if r["world"] >= FIT_MIN_N]
         phases = sorted({ph for r in mine for ph in r["phases"]})
-        out[src] = {ph: {m: fit_exponent([(r["world"], r["phases"][ph].get(m, 0)) for r in mine if ph in r["phases"]])
-                         for m in METRICS} for ph in phases}
+        out[src] = {
+            ph: {
+                m: fit_exponent([(r["world"], r["phases"][ph].get(m, 0)) for r in mine if ph in r["phases"]])
+                for m in METRICS
+            }
+            for ph in phases
+        }
     return out
 
 
@@ -120,10 +158,19 @@ def _projection(results: list[dict], fits: dict) -> list[dict]:
                     continue
             rd, wr = rd or 0.0, wr or 0.0
             secs = max(rd / S3_READ_RATE, wr / S3_WRITE_RATE)
-            out.append({"phase": ph, "world": n, "how": how, "s3_read": rd, "s3_write": wr, "s3_requests": rd + wr,
-                        "seconds_at_one_prefix": secs,
-                        "share_of_interval": secs / SAVE_INTERVAL_S if ph == "save" else None,
-                        "avg_rate_per_s_every_10min": (rd + wr) / SAVE_INTERVAL_S if ph == "save" else None})
+            out.append(
+                {
+                    "phase": ph,
+                    "world": n,
+                    "how": how,
+                    "s3_read": rd,
+                    "s3_write": wr,
+                    "s3_requests": rd + wr,
+                    "seconds_at_one_prefix": secs,
+                    "share_of_interval": secs / SAVE_INTERVAL_S if ph == "save" else None,
+                    "avg_rate_per_s_every_10min": (rd + wr) / SAVE_INTERVAL_S if ph == "save" else None,
+                }
+            )
     return out
 
 
@@ -154,8 +201,10 @@ def _targets(rows: list[dict], fits: dict) -> tuple[dict[str, Any], dict[str, tu
     k = (rf.get("full_loss", {}).get("s3_requests") or {}).get("k")
     if k is not None:
         put("full loss: exponent of S3 requests vs N", k, "<=", 1.05)
-    kt, kd = ((rf.get("restart", {}).get("obj_recv_bytes") or {}).get("k"),
-              (rf.get("dcp_load", {}).get("obj_recv_bytes") or {}).get("k"))
+    kt, kd = (
+        (rf.get("restart", {}).get("obj_recv_bytes") or {}).get("k"),
+        (rf.get("dcp_load", {}).get("obj_recv_bytes") or {}).get("k"),
+    )
     if kt is not None and kd is not None:
         put("restart: object-bytes exponent - DCP load's", kt - kd, "<=", 0.1)
     return ratios, targets
@@ -175,10 +224,17 @@ def report(results: list[dict]) -> dict[str, Any]:
     rows = _rows(results)
     fits = _exponents(results)
     ratios, targets = _targets(rows, fits)
-    return {"rows": rows, "exponents": fits, "projection": _projection(results, fits), "ratios": ratios, "targets": targets}
+    return {
+        "rows": rows,
+        "exponents": fits,
+        "projection": _projection(results, fits),
+        "ratios": ratios,
+        "targets": targets,
+    }
 
 
 # -- printing ---------------------------------------------------------------------------------
+
 
 def _n(v: Any) -> str:
     return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
@@ -194,30 +250,43 @@ def _ops(by_op: dict[str, int]) -> str:
 
 def print_report(rep: dict[str, Any]) -> None:
     print("\n== scale: counts per phase (all ranks of the job unless 'per rank') ==")
-    print(f"{'src':<4} {'N':>5} {'phase':<10} | {'S3 req':>6} {'/rank':>6} {'max/rk':>6} {'rd':>5} {'wr':>5} | "
-          f"{'obj bytes':>9} {'DCP':>8} {'x DCP':>6} | {'rounds':>6} {'DCP':>4} | {'store':>6} {'polls':>5} | "
-          f"{'p2p':>8} {'grp':>3} | S3 by op")
+    print(
+        f"{'src':<4} {'N':>5} {'phase':<10} | {'S3 req':>6} {'/rank':>6} {'max/rk':>6} {'rd':>5} {'wr':>5} | "
+        f"{'obj bytes':>9} {'DCP':>8} {'x DCP':>6} | {'rounds':>6} {'DCP':>4} | {'store':>6} {'polls':>5} | "
+        f"{'p2p':>8} {'grp':>3} | S3 by op"
+    )
     for r in rep["rows"]:
-        print(f"{r['source']:<4} {r['world']:>5} {r['phase']:<10} | {_n(r['s3_requests']):>6} {r['s3_per_rank']:>6.1f} "
-              f"{_n(r['s3_per_rank_max']):>6} {_n(r['s3_read']):>5} {_n(r['s3_write']):>5} | {_kb(r['obj_recv_bytes']):>9} "
-              f"{_kb(r['dcp_obj_recv_bytes']):>8} {'-' if r['obj_vs_dcp'] is None else format(r['obj_vs_dcp'], '.1f'):>6} | "
-              f"{_n(r['rounds']):>6} {_n(r['dcp_rounds']):>4} | {_n(r['store_ops']):>6} "
-              f"{_n(r['store_polls']):>5} | {_kb(r['p2p_recv_bytes']):>8} {_n(r['groups']):>3} | {_ops(r['s3_by_op'])}"
-              + (f" (+{r['s3_retries']} retries)" if r["s3_retries"] else ""))
+        print(
+            f"{r['source']:<4} {r['world']:>5} {r['phase']:<10} | {_n(r['s3_requests']):>6} {r['s3_per_rank']:>6.1f} "
+            f"{_n(r['s3_per_rank_max']):>6} {_n(r['s3_read']):>5} {_n(r['s3_write']):>5} | {_kb(r['obj_recv_bytes']):>9} "
+            f"{_kb(r['dcp_obj_recv_bytes']):>8} {'-' if r['obj_vs_dcp'] is None else format(r['obj_vs_dcp'], '.1f'):>6} | "
+            f"{_n(r['rounds']):>6} {_n(r['dcp_rounds']):>4} | {_n(r['store_ops']):>6} "
+            f"{_n(r['store_polls']):>5} | {_kb(r['p2p_recv_bytes']):>8} {_n(r['groups']):>3} | {_ops(r['s3_by_op'])}"
+            + (f" (+{r['s3_retries']} retries)" if r["s3_retries"] else "")
+        )
     print("\n== scale: fitted exponent k (count ~ N^k, log-log least squares) ==")
     for src, phases in rep["exponents"].items():
         print(f"{'src':<4} {'phase':<10} | " + " ".join(f"{m:>14}" for m in METRICS))
         for ph, fits in phases.items():
-            print(f"{src:<4} {ph:<10} | " + " ".join(f"{'-' if f is None else format(f['k'], '.2f'):>14}"
-                                                     for f in (fits[m] for m in METRICS)))
-    print(f"\n== scale: projection against S3's per-prefix rates ({S3_WRITE_RATE:.0f} PUT/COPY/POST/DELETE, "
-          f"{S3_READ_RATE:.0f} GET/HEAD per s; LIST counted as GET) ==")
+            print(
+                f"{src:<4} {ph:<10} | "
+                + " ".join(f"{'-' if f is None else format(f['k'], '.2f'):>14}" for f in (fits[m] for m in METRICS))
+            )
+    print(
+        f"\n== scale: projection against S3's per-prefix rates ({S3_WRITE_RATE:.0f} PUT/COPY/POST/DELETE, "
+        f"{S3_READ_RATE:.0f} GET/HEAD per s; LIST counted as GET) =="
+    )
     print(f"{'phase':<10} {'N':>6} {'how':<24} | {'reads':>10} {'writes':>10} | {'s at 1 prefix':>13} | note")
     for p in rep["projection"]:
-        note = (f"{100 * p['share_of_interval']:.2f}% of a 10-min interval; {p['avg_rate_per_s_every_10min']:.1f} req/s on average"
-                if p["phase"] == "save" else "the whole job restarting at once")
-        print(f"{p['phase']:<10} {p['world']:>6} {p['how']:<24} | {p['s3_read']:>10.0f} {p['s3_write']:>10.0f} | "
-              f"{p['seconds_at_one_prefix']:>13.2f} | {note}")
+        note = (
+            f"{100 * p['share_of_interval']:.2f}% of a 10-min interval; {p['avg_rate_per_s_every_10min']:.1f} req/s on average"
+            if p["phase"] == "save"
+            else "the whole job restarting at once"
+        )
+        print(
+            f"{p['phase']:<10} {p['world']:>6} {p['how']:<24} | {p['s3_read']:>10.0f} {p['s3_write']:>10.0f} | "
+            f"{p['seconds_at_one_prefix']:>13.2f} | {note}"
+        )
 
 
 def print_sites(res: dict[str, Any], phases: tuple[str, ...] = ("save", "restart", "node_loss", "full_loss")) -> dict:
@@ -260,17 +329,27 @@ def simulated(n: int) -> dict:
         out = simulate_load(build_job(n, 2), scenario)
         by_op = Counter(out["s3_by_op"])
         phases[phase] = {
-            "world": n, "s3_requests": out["s3_requests"], "s3_by_op": dict(by_op),
+            "world": n,
+            "s3_requests": out["s3_requests"],
+            "s3_by_op": dict(by_op),
             "s3_read": sum(v for op, v in by_op.items() if op in ("GetObject", "HeadObject", "ListObjectsV2")),
             "s3_write": sum(v for op, v in by_op.items() if op not in ("GetObject", "HeadObject", "ListObjectsV2")),
-            "s3_per_rank_max": out["s3_max_per_rank"], "obj_recv_bytes": out["collective_bytes"],
-            "rounds": out["collective_rounds"], "p2p_recv_bytes": out["p2p_bytes"],
+            "s3_per_rank_max": out["s3_max_per_rank"],
+            "obj_recv_bytes": out["collective_bytes"],
+            "rounds": out["collective_rounds"],
+            "p2p_recv_bytes": out["p2p_bytes"],
         }
-    return {"world": n, "source": "sim", "phases": phases, "wall_s": time.perf_counter() - t0,
-            "cpu_s": time.process_time() - c0}
+    return {
+        "world": n,
+        "source": "sim",
+        "phases": phases,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+    }
 
 
 # -- the section ------------------------------------------------------------------------------
+
 
 def section_scale(ctx: Ctx) -> dict:
     import dataclasses
@@ -288,8 +367,16 @@ def section_scale(ctx: Ctx) -> dict:
     runs: list[dict] = []
     try:
         for n in ranks:
-            s3 = dataclasses.asdict(S3Config(bucket=S3_BUCKET, prefix=f"scale-{n}", endpoint_url=url, part_size=5 << 20,
-                                             concurrency=4, max_attempts=5))
+            s3 = dataclasses.asdict(
+                S3Config(
+                    bucket=S3_BUCKET,
+                    prefix=f"scale-{n}",
+                    endpoint_url=url,
+                    part_size=5 << 20,
+                    concurrency=4,
+                    max_attempts=5,
+                )
+            )
             c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
             log(f"scale: {n} ranks ...")
@@ -311,20 +398,37 @@ def section_scale(ctx: Ctx) -> dict:
         results.append(simulated(n))
     rep = report(results)
     print_report(rep)
-    sites = {res["world"]: print_sites(res) for res in results
-             if ranks and res.get("source", "real") == "real" and res["world"] == max(ranks)}
-    notes.append("each N: 2 ranks per simulated node, [local] '.../{node}' (no fsync) + [s3] (moto, 5 MiB parts); "
-                 "1 MiB per rank + a 16 KiB replicated tensor + the step; two saves (first_save, save: each waited until "
-                 "committed on every tier), then fresh processes dcp.load('latest'): restart (every file local), node_loss "
-                 "(last node's directory deleted), full_loss (every local directory deleted); DCP = FileSystemWriter/Reader "
-                 "on one shared directory, same state")
-    notes.append("S3 req = API calls (a LIST page is one); obj bytes = pickled bytes each rank received through "
-                 "all_gather_object/broadcast_object_list/gather_object/scatter_object_list from other ranks (own object "
-                 "excluded), summed over ranks; rounds = collective calls (object + tensor, p2p excluded) of the busiest rank; "
-                 "store = store ops of all ranks (polls that found nothing apart: timing-dependent); p2p = bytes received by "
-                 "irecv/recv (peer file service); grp = process groups created per rank")
+    sites = {
+        res["world"]: print_sites(res)
+        for res in results
+        if ranks and res.get("source", "real") == "real" and res["world"] == max(ranks)
+    }
+    notes.append(
+        "each N: 2 ranks per simulated node, [local] '.../{node}' (no fsync) + [s3] (moto, 5 MiB parts); "
+        "1 MiB per rank + a 16 KiB replicated tensor + the step; two saves (first_save, save: each waited until "
+        "committed on every tier), then fresh processes dcp.load('latest'): restart (every file local), node_loss "
+        "(last node's directory deleted), full_loss (every local directory deleted); DCP = FileSystemWriter/Reader "
+        "on one shared directory, same state"
+    )
+    notes.append(
+        "S3 req = API calls (a LIST page is one); obj bytes = pickled bytes each rank received through "
+        "all_gather_object/broadcast_object_list/gather_object/scatter_object_list from other ranks (own object "
+        "excluded), summed over ranks; rounds = collective calls (object + tensor, p2p excluded) of the busiest rank; "
+        "store = store ops of all ranks (polls that found nothing apart: timing-dependent); p2p = bytes received by "
+        "irecv/recv (peer file service); grp = process groups created per rank"
+    )
     notes += [f"N={r['world']}: {r['wall_s']:.0f} s wall, ranks' CPU {r['rank_cpu_s']:.0f} s" for r in runs]
-    notes += [f"sim N={r['world']}: {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} CPU-s (three scenarios)"
-              for r in results if r.get("source") == "sim"]
-    return {"rows": [], "ratios": rep["ratios"], "targets": rep["targets"], "notes": notes, "report": rep,
-            "sites": sites, "results": results}
+    notes += [
+        f"sim N={r['world']}: {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} CPU-s (three scenarios)"
+        for r in results
+        if r.get("source") == "sim"
+    ]
+    return {
+        "rows": [],
+        "ratios": rep["ratios"],
+        "targets": rep["targets"],
+        "notes": notes,
+        "report": rep,
+        "sites": sites,
+        "results": results,
+    }

@@ -13,8 +13,13 @@ from tierckpt.config import config_from_dict
 
 # == case: backlog ==================================================================================
 
-BACKLOG_KILLS = (("local.commit", "after"), ("s3.upload", "before"), ("s3.upload", "mid"), ("s3.commit", "before"),
-                 ("no-s3", ""))
+BACKLOG_KILLS = (
+    ("local.commit", "after"),
+    ("s3.upload", "before"),
+    ("s3.upload", "mid"),
+    ("s3.commit", "before"),
+    ("no-s3", ""),
+)
 
 
 def case_backlog(env: Env, trials: int, seed: int, *, plan: tuple[str, ...] = ()) -> CaseResult:
@@ -58,7 +63,9 @@ def case_backlog(env: Env, trials: int, seed: int, *, plan: tuple[str, ...] = ()
         s3_newest = max((s for _c, s in at["s3"]), default=0)
         owed = {c for c, s in at["local"] if s > s3_newest}
         res.note(f"owed {len(owed)} at the kill")
-        p = env.spawn("trainer", {"argv": trainer_argv(cfg_path, d / "run2.jsonl", train_seed, "--resume")}, d / "run2.out")
+        p = env.spawn(
+            "trainer", {"argv": trainer_argv(cfg_path, d / "run2.jsonl", train_seed, "--resume")}, d / "run2.out"
+        )
         if (rc2 := wait_proc(p, 300)) != 0:
             res.fail(trial, f"resumed run failed (exit {rc2}): {tail(d / 'run2.out')}")
         after = committed(cfg)
@@ -83,5 +90,3 @@ def case_backlog(env: Env, trials: int, seed: int, *, plan: tuple[str, ...] = ()
         env.cleanup(d, cfgd)
     res.seconds = time.perf_counter() - t0
     return res
-
-

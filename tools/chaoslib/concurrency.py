@@ -18,6 +18,7 @@ from tierckpt.testing import find_error
 
 # == case: concurrency =============================================================================
 
+
 def _concurrent_save_child(payload: dict) -> int:
     """Forked child: wait at the barrier file, save ``payload['seed']``'s state as ``payload['cid']``."""
     cfg = config_from_dict(payload["config"])
@@ -29,8 +30,12 @@ def _concurrent_save_child(payload: dict) -> int:
     while not go.exists() and time.monotonic() < deadline:
         time.sleep(0.001)
     e = save_wait(writer, sd, payload["cid"])
-    out = {"ok": e is None, "clear": e is None or is_clear(e), "conflict": e is not None and find_error(e, CommitConflict) is not None,
-           "error": "" if e is None else short(e)}
+    out = {
+        "ok": e is None,
+        "clear": e is None or is_clear(e),
+        "conflict": e is not None and find_error(e, CommitConflict) is not None,
+        "error": "" if e is None else short(e),
+    }
     Path(payload["result"]).write_text(json.dumps(out))
     return 0
 
@@ -55,14 +60,23 @@ def case_concurrency(env: Env, trials: int, seed: int, *, scenarios: tuple[str, 
         seeds = (rng.randrange(1 << 20), rng.randrange(1 << 20))
         states = [make_state(s) for s in seeds]
         cid = "step-000007"
-        use_s3 = scen in ("two-engines+s3", "two-nodes-one-s3") or (scen == "two-processes" and env.has_s3 and rng.random() < 0.5)
+        use_s3 = scen in ("two-engines+s3", "two-nodes-one-s3") or (
+            scen == "two-processes" and env.has_s3 and rng.random() < 0.5
+        )
         prefix = f"chaos/{d.name}"
         cfgs = []
         for w in range(2):
             base = d / (f"node{w}" if scen == "two-nodes-one-s3" else "shared")
             base.mkdir(exist_ok=True)
-            c = env.config(base, s3=use_s3, prefix=prefix, local_keep=0, s3_keep=0, fsync=False,
-                           flush_threads=1 if (w == 0 or scen == "one-engine") else 2)
+            c = env.config(
+                base,
+                s3=use_s3,
+                prefix=prefix,
+                local_keep=0,
+                s3_keep=0,
+                fsync=False,
+                flush_threads=1 if (w == 0 or scen == "one-engine") else 2,
+            )
             cfgs.append(c)
         trial = f"#{i} {scen}" + (" +s3" if use_s3 and scen == "two-processes" else "")
         outcomes: list[dict] = [{}, {}]
@@ -71,8 +85,14 @@ def case_concurrency(env: Env, trials: int, seed: int, *, scenarios: tuple[str, 
             if scen == "two-processes":
                 procs = []
                 for w in range(2):
-                    pay = {"config": cfgs[w], "seed": seeds[w], "cid": cid, "go": str(d / "go"), "ready": str(d / f"ready{w}"),
-                           "result": str(d / f"result{w}.json")}
+                    pay = {
+                        "config": cfgs[w],
+                        "seed": seeds[w],
+                        "cid": cid,
+                        "go": str(d / "go"),
+                        "ready": str(d / f"ready{w}"),
+                        "result": str(d / f"result{w}.json"),
+                    }
                     procs.append(env.spawn("concurrent-save", pay, d / f"child{w}.out"))
                 deadline = time.monotonic() + 120
                 while not all((d / f"ready{w}").exists() for w in range(2)) and time.monotonic() < deadline:
@@ -83,7 +103,11 @@ def case_concurrency(env: Env, trials: int, seed: int, *, scenarios: tuple[str, 
                     try:
                         outcomes[w] = json.loads((d / f"result{w}.json").read_text())
                     except (OSError, ValueError):
-                        outcomes[w] = {"ok": False, "clear": False, "error": f"child exit {rc}: {tail(d / f'child{w}.out')}"}
+                        outcomes[w] = {
+                            "ok": False,
+                            "clear": False,
+                            "error": f"child exit {rc}: {tail(d / f'child{w}.out')}",
+                        }
             else:
                 writers = [TieredWriter(config_from_dict(c)) for c in cfgs]
                 barrier = threading.Barrier(2)
@@ -91,9 +115,12 @@ def case_concurrency(env: Env, trials: int, seed: int, *, scenarios: tuple[str, 
                 def run(w: int) -> None:
                     barrier.wait()
                     e = save_wait(writers[w], states[w], cid)
-                    outcomes[w] = {"ok": e is None, "clear": e is None or is_clear(e),
-                                   "conflict": e is not None and find_error(e, CommitConflict) is not None,
-                                   "error": "" if e is None else short(e)}
+                    outcomes[w] = {
+                        "ok": e is None,
+                        "clear": e is None or is_clear(e),
+                        "conflict": e is not None and find_error(e, CommitConflict) is not None,
+                        "error": "" if e is None else short(e),
+                    }
 
                 ts = [threading.Thread(target=run, args=(w,)) for w in range(2)]
                 for t in ts:
@@ -127,8 +154,16 @@ def which_state(cfg: TierConfig, states: list[dict], cid: str) -> tuple[int | No
     return None, "loads as NEITHER writer's state (mixed or corrupt)"
 
 
-def check_race(res: CaseResult, trial: str, scen: str, cfgs: list[dict], states: list[dict], outcomes: list[dict],
-               cid: str, use_s3: bool) -> None:
+def check_race(
+    res: CaseResult,
+    trial: str,
+    scen: str,
+    cfgs: list[dict],
+    states: list[dict],
+    outcomes: list[dict],
+    cid: str,
+    use_s3: bool,
+) -> None:
     oks = [w for w in range(2) if outcomes[w].get("ok")]
     for w in range(2):
         if not outcomes[w].get("ok") and not outcomes[w].get("clear"):
@@ -141,7 +176,9 @@ def check_race(res: CaseResult, trial: str, scen: str, cfgs: list[dict], states:
             if got != w:
                 res.lose(trial, f"node {w}'s local copy {err or f'is writer {got}s state'}")
     if len(oks) != 1:
-        res.fail(trial, f"{len(oks)} writers reported success (expected exactly one): {[o.get('error') for o in outcomes]}")
+        res.fail(
+            trial, f"{len(oks)} writers reported success (expected exactly one): {[o.get('error') for o in outcomes]}"
+        )
         if not oks:
             return
     winner = oks[0]
@@ -149,15 +186,20 @@ def check_race(res: CaseResult, trial: str, scen: str, cfgs: list[dict], states:
         res.note("loser: CommitConflict")
     else:
         res.note("loser: other clear error")
-    shared = [only(config_from_dict(cfgs[winner]), "s3")] if scen == "two-nodes-one-s3" else \
-             [only(config_from_dict(cfgs[winner]), "local")] + ([only(config_from_dict(cfgs[winner]), "s3")] if use_s3 else [])
+    shared = (
+        [only(config_from_dict(cfgs[winner]), "s3")]
+        if scen == "two-nodes-one-s3"
+        else [only(config_from_dict(cfgs[winner]), "local")]
+        + ([only(config_from_dict(cfgs[winner]), "s3")] if use_s3 else [])
+    )
     for sub in shared:
         name = "s3" if sub.local is None else "local"
         got, err = which_state(sub, states, cid)
         if got is None:
             res.lose(trial, f"the committed {cid} on {name} {err}")
         elif got != winner:
-            res.lose(trial, f"{name} holds writer {got}'s state but writer {winner} reported the commit",
-                     "error-to-other-writer" if scen == "one-engine" else "")
-
-
+            res.lose(
+                trial,
+                f"{name} holds writer {got}'s state but writer {winner} reported the commit",
+                "error-to-other-writer" if scen == "one-engine" else "",
+            )

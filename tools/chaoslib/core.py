@@ -29,6 +29,7 @@ log = logging.getLogger("chaos")
 
 # -- results ----------------------------------------------------------------------------------
 
+
 @dataclass
 class CaseResult:
     """What one case found. ``lost`` problems are counted in ``failures`` too."""
@@ -71,8 +72,10 @@ class CaseResult:
     def notes_text(self, limit: int = 8) -> str:
         if self.skipped:
             return f"skipped: {self.skipped}"
-        items = [(f"KNOWN BUG {k}", v) for k, v in self.known.items()] + sorted(self.notes.items(), key=lambda kv: -kv[1])
-        text = ", ".join(f"{k} {v}" for k, v in items[:limit + len(self.known)])
+        items = [(f"KNOWN BUG {k}", v) for k, v in self.known.items()] + sorted(
+            self.notes.items(), key=lambda kv: -kv[1]
+        )
+        text = ", ".join(f"{k} {v}" for k, v in items[: limit + len(self.known)])
         if len(items) > limit + len(self.known):
             text += f", +{len(items) - limit} more"
         return text
@@ -88,7 +91,11 @@ def format_table(results: list[CaseResult]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = []
     for j, row in enumerate(rows):
-        lines.append(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row[:5], widths))) + " | " + row[5])
+        lines.append(
+            " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row[:5], widths)))
+            + " | "
+            + row[5]
+        )
         if j == 0:
             lines.append("-+-".join("-" * w for w in widths) + "-+-" + "-" * 20)
     return "\n".join(lines)
@@ -104,8 +111,10 @@ KNOWN_BUGS: dict[str, str] = {}  # failures explained by an open library bug (no
 
 
 # DCP 2.13 turns a failed read_metadata into an AssertionError carrying only the message text.
-_TIERCKPT_TEXT = re.compile(r"is not committed on any tier|no committed checkpoint|CRC32C|no tier holds valid metadata|"
-                            r"already committed|already exists|not valid tierckpt metadata|cannot read item")
+_TIERCKPT_TEXT = re.compile(
+    r"is not committed on any tier|no committed checkpoint|CRC32C|no tier holds valid metadata|"
+    r"already committed|already exists|not valid tierckpt metadata|cannot read item"
+)
 
 
 def is_clear(exc: BaseException) -> bool:
@@ -124,12 +133,15 @@ def is_not_found(exc: BaseException) -> bool:
 def short(exc: BaseException, n: int = 300) -> str:
     """The most telling error in ``exc``: a tierckpt error, else the first one DCP wrapped."""
     every = errors_in(exc)
-    inner = [e for e in every if isinstance(e, TierckptError)] or [e for e in every if not hasattr(e, "failures")] or [exc]
+    inner = (
+        [e for e in every if isinstance(e, TierckptError)] or [e for e in every if not hasattr(e, "failures")] or [exc]
+    )
     e = inner[0]
     return f"{type(e).__name__}: {e}".replace("\n", " | ")[:n]
 
 
 # -- states -------------------------------------------------------------------------------------
+
 
 def make_state(seed: int, big: int = 1 * MiB) -> dict:
     """Random bits (NaN payloads, -0, subnormals) in several dtypes plus a non-tensor item."""
@@ -167,6 +179,7 @@ def load_state(cfg: TierConfig, expected: dict, cid: str) -> tuple[dict, TieredR
 
 # -- configurations -----------------------------------------------------------------------------
 
+
 def toml_text(d: dict) -> str:
     out = []
     for sec, kv in d.items():
@@ -187,5 +200,3 @@ def only(cfg: TierConfig, tier: str) -> TierConfig | None:
     if tier == "local":
         return None if cfg.local is None else dataclasses.replace(cfg, s3=None)
     return None if cfg.s3 is None else dataclasses.replace(cfg, local=None)
-
-

@@ -39,16 +39,44 @@ KILL_POINTS: dict[str, tuple[str, ...]] = {
     "s3.delete": ("before", "after"),  # S3 retention
     "s3.delete_prefix": ("before", "mid", "after"),
 }
-STAGE_OF = {"save.return": "capture", "local.open": "capture", "local.write": "flush", "local.close": "flush",
-            "local.commit": "commit", "local.delete": "retention", "local.delete_prefix": "retention",
-            "s3.upload": "promotion", "s3.commit": "promotion", "s3.delete": "retention", "s3.delete_prefix": "retention"}
+STAGE_OF = {
+    "save.return": "capture",
+    "local.open": "capture",
+    "local.write": "flush",
+    "local.close": "flush",
+    "local.commit": "commit",
+    "local.delete": "retention",
+    "local.delete_prefix": "retention",
+    "s3.upload": "promotion",
+    "s3.commit": "promotion",
+    "s3.delete": "retention",
+    "s3.delete_prefix": "retention",
+}
 
 
 def trainer_argv(cfg_path: Path, log_path: Path, seed: int, *extra: str) -> list[str]:
     t = TRAIN
-    return ["--config", str(cfg_path), "--steps", str(t["steps"]), "--ckpt-every", str(t["ckpt_every"]),
-            "--log", str(log_path), "--seed", str(seed), "--d-model", str(t["d_model"]), "--layers", str(t["layers"]),
-            "--batch", str(t["batch"]), "--ctx", str(t["ctx"]), *extra]
+    return [
+        "--config",
+        str(cfg_path),
+        "--steps",
+        str(t["steps"]),
+        "--ckpt-every",
+        str(t["ckpt_every"]),
+        "--log",
+        str(log_path),
+        "--seed",
+        str(seed),
+        "--d-model",
+        str(t["d_model"]),
+        "--layers",
+        str(t["layers"]),
+        "--batch",
+        str(t["batch"]),
+        "--ctx",
+        str(t["ctx"]),
+        *extra,
+    ]
 
 
 class Reference:
@@ -61,8 +89,15 @@ class Reference:
         cfg_path = d / "tiers.toml"
         cfg_path.write_text(toml_text(cfgd))
         ref_log = d / "reference.jsonl"
-        p = env.spawn("trainer", {"argv": trainer_argv(cfg_path, ref_log, seed, "--writer", "dcp", "--dcp-dir",
-                                                       str(d / "dcp"), "--digests")}, d / "reference.out")
+        p = env.spawn(
+            "trainer",
+            {
+                "argv": trainer_argv(
+                    cfg_path, ref_log, seed, "--writer", "dcp", "--dcp-dir", str(d / "dcp"), "--digests"
+                )
+            },
+            d / "reference.out",
+        )
         rc = wait_proc(p, 600)
         if rc != 0:
             raise RuntimeError(f"reference run failed (exit {rc}): {tail(d / 'reference.out')}")
@@ -72,8 +107,11 @@ class Reference:
         # census: the same run through the tiers, counting calls per operation (no kill)
         census = d / "census.json"
         run_log = d / "census.jsonl"
-        p = env.spawn("trainer", {"argv": trainer_argv(cfg_path, run_log, seed, "--digests", "--chaos", f"count={census}")},
-                      d / "census.out")
+        p = env.spawn(
+            "trainer",
+            {"argv": trainer_argv(cfg_path, run_log, seed, "--digests", "--chaos", f"count={census}")},
+            d / "census.out",
+        )
         rc = wait_proc(p, 600)
         if rc != 0:
             raise RuntimeError(f"census run failed (exit {rc}): {tail(d / 'census.out')}")
@@ -81,7 +119,9 @@ class Reference:
         ev = read_events(run_log)
         tiered = {e["step"]: e["digest"] for e in ev if e.get("event") == "save"}
         if tiered != self.digest:
-            raise RuntimeError("the tiered run's digests differ from DCP's reference run: the trainer is not deterministic")
+            raise RuntimeError(
+                "the tiered run's digests differ from DCP's reference run: the trainer is not deterministic"
+            )
         env.cleanup(d, cfgd)
 
 
@@ -141,14 +181,20 @@ def check_tiers(res: CaseResult, trial: Any, cfg: TierConfig, ref: Reference, st
                 res.lose(trial, f"{stage}: committed {cid} on {name} does not load: {short(e)}")
                 continue
             if got_step != step or dig != ref.digest.get(step):
-                res.lose(trial, f"{stage}: committed {cid} on {name} loaded WRONG state (step {got_step}, digest "
-                                f"{dig[:12]} vs reference {str(ref.digest.get(step))[:12]})")
+                res.lose(
+                    trial,
+                    f"{stage}: committed {cid} on {name} loaded WRONG state (step {got_step}, digest "
+                    f"{dig[:12]} vs reference {str(ref.digest.get(step))[:12]})",
+                )
         for cid in sorted(partial[name]):
             try:
                 load_app(sub, cid, ref.seed)
             except BaseException as e:  # noqa: BLE001
                 if not is_not_found(e):
-                    res.fail(trial, f"{stage}: uncommitted {cid} on {name} refused, but not as CheckpointNotFound: {short(e)}")
+                    res.fail(
+                        trial,
+                        f"{stage}: uncommitted {cid} on {name} refused, but not as CheckpointNotFound: {short(e)}",
+                    )
                 continue
             res.lose(trial, f"{stage}: uncommitted {cid} on {name} was LOADED")
     every = set().union(*committed.values()) if committed else set()
@@ -170,7 +216,9 @@ def check_tiers(res: CaseResult, trial: Any, cfg: TierConfig, ref: Reference, st
     return committed
 
 
-def choose_kill(rng: random.Random, ref: Reference, has_s3: bool, point: str | None = None) -> tuple[str, int, str] | None:
+def choose_kill(
+    rng: random.Random, ref: Reference, has_s3: bool, point: str | None = None
+) -> tuple[str, int, str] | None:
     points = [p for p in KILL_POINTS if ref.counts.get(p, 0) > 0 and (has_s3 or not p.startswith("s3."))]
     if point is not None:
         points = [p for p in points if p == point]
@@ -180,8 +228,15 @@ def choose_kill(rng: random.Random, ref: Reference, has_s3: bool, point: str | N
     return point, rng.randint(1, ref.counts[point]), rng.choice(KILL_POINTS[point])
 
 
-def case_crash(env: Env, trials: int, seed: int, *, node_loss_rate: float = 0.25, random_kill_rate: float = 0.35,
-               plan: tuple[str, ...] = ()) -> CaseResult:
+def case_crash(
+    env: Env,
+    trials: int,
+    seed: int,
+    *,
+    node_loss_rate: float = 0.25,
+    random_kill_rate: float = 0.35,
+    plan: tuple[str, ...] = (),
+) -> CaseResult:
     """``plan``: kill points to take in turn (``"random"`` for a random-time kill, or a key of
     :data:`KILL_POINTS`); by default each trial draws a random-time kill (``random_kill_rate``) or a
     random point, its call number and its timing."""
@@ -241,8 +296,11 @@ def case_crash(env: Env, trials: int, seed: int, *, node_loss_rate: float = 0.25
         ev = read_events(log2)
         if rc2 != 0:
             out2 = tail(d / "run2.out", 3000)
-            known = "resume-without-checkpoint" if ("no committed checkpoint on any tier" in out2 and
-                                                    not any(e.get("event") == "resumed" for e in ev)) else ""
+            known = (
+                "resume-without-checkpoint"
+                if ("no committed checkpoint on any tier" in out2 and not any(e.get("event") == "resumed" for e in ev))
+                else ""
+            )
             last_line = next((ln for ln in reversed(out2.split(" | ")) if ln.strip()), "")
             res.fail(trial, f"resumed run failed (exit {rc2}): {last_line[:300]}", known)
         else:
@@ -265,5 +323,3 @@ def case_crash(env: Env, trials: int, seed: int, *, node_loss_rate: float = 0.25
         env.cleanup(d, cfgd)
     res.seconds = time.perf_counter() - t0
     return res
-
-

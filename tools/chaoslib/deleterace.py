@@ -132,8 +132,17 @@ def case_deleterace(env: Env, trials: int, seed: int) -> CaseResult:
         try:
             if setup == "reuse":
                 _stale_partial(cfg, cids[-1])
-            child = env.spawn("race-deleter", {"config": cfgd, "stop": str(stop), "results": str(results),
-                                               "seed": rng.randrange(1 << 30), "pause": 0.15}, d / "deleter.out")
+            child = env.spawn(
+                "race-deleter",
+                {
+                    "config": cfgd,
+                    "stop": str(stop),
+                    "results": str(results),
+                    "seed": rng.randrange(1 << 30),
+                    "pause": 0.15,
+                },
+                d / "deleter.out",
+            )
             deadline = time.monotonic() + 60
             while not results.exists() and child.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -174,8 +183,15 @@ def case_deleterace(env: Env, trials: int, seed: int) -> CaseResult:
             # after a lapse the deleter may take the file at any stage: before the commit's check
             # ("vanished"), or the .partial before its rename ("cannot commit"): failed, not lost
             lapse = "lapsed" in why or (setup == "lapse" and ("vanished" in why or "cannot commit" in why))
-            res.note("saved" if why == "ok" else "save failed: lease lapsed" if lapse
-                     else "save failed: deletion under way" if "being deleted" in why else "save failed: other")
+            res.note(
+                "saved"
+                if why == "ok"
+                else "save failed: lease lapsed"
+                if lapse
+                else "save failed: deletion under way"
+                if "being deleted" in why
+                else "save failed: other"
+            )
             if why != "ok" and not lapse and "being deleted" not in why:
                 res.note(f"other failure: {why[:80]}")
         try:

@@ -35,7 +35,9 @@ class Env:
     """Shared resources of a chaos session: a work directory, an S3 server (moto or SeaweedFS, or
     ``endpoint`` of a running one), the zygote that forks trainers. Use as a context manager."""
 
-    def __init__(self, s3: str = "moto", work: str | Path | None = None, endpoint: str | None = None, keep: bool = False) -> None:
+    def __init__(
+        self, s3: str = "moto", work: str | Path | None = None, endpoint: str | None = None, keep: bool = False
+    ) -> None:
         self.s3 = s3
         self.keep = keep
         self._own_work = work is None
@@ -69,8 +71,16 @@ class Env:
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         self._log_handler = h
         self._saved_loggers: list[tuple[logging.Logger, list, bool, int]] = []
-        for name in ("tierckpt", "chaos", "torch.distributed.checkpoint", "torch.distributed", "botocore", "urllib3",
-                     "werkzeug", ""):
+        for name in (
+            "tierckpt",
+            "chaos",
+            "torch.distributed.checkpoint",
+            "torch.distributed",
+            "botocore",
+            "urllib3",
+            "werkzeug",
+            "",
+        ):
             lg = logging.getLogger(name)
             self._saved_loggers.append((lg, list(lg.handlers), lg.propagate, lg.level))
         for name in ("tierckpt", "chaos"):
@@ -100,18 +110,43 @@ class Env:
         d.mkdir(parents=True)
         return d
 
-    def config(self, d: Path, *, s3: bool | None = None, prefix: str = "", local: bool = True, local_keep: int = 2,
-               s3_keep: int = 2, buffer: str = "2MiB", chunk: str = "256KiB", flush_threads: int = 2, fsync: bool = True,
-               endpoint: str | None = None, commit_timeout: float = 30.0, **s3_over: Any) -> dict:
+    def config(
+        self,
+        d: Path,
+        *,
+        s3: bool | None = None,
+        prefix: str = "",
+        local: bool = True,
+        local_keep: int = 2,
+        s3_keep: int = 2,
+        buffer: str = "2MiB",
+        chunk: str = "256KiB",
+        flush_threads: int = 2,
+        fsync: bool = True,
+        endpoint: str | None = None,
+        commit_timeout: float = 30.0,
+        **s3_over: Any,
+    ) -> dict:
         """A tier configuration as a dict (TOML-shaped). ``s3=None``: S3 when the session has it."""
         use_s3 = self.has_s3 if s3 is None else (s3 and self.has_s3)
-        c: dict[str, dict] = {"job": {"commit_timeout": commit_timeout}, "host": {"buffer_size": buffer, "chunk_size": chunk}}
+        c: dict[str, dict] = {
+            "job": {"commit_timeout": commit_timeout},
+            "host": {"buffer_size": buffer, "chunk_size": chunk},
+        }
         if local:
             c["local"] = {"path": str(d / "local"), "keep": local_keep, "flush_threads": flush_threads, "fsync": fsync}
         if use_s3:
-            c["s3"] = {"bucket": BUCKET, "prefix": prefix or f"chaos/{d.name}", "endpoint_url": endpoint or self.endpoint,
-                       "part_size": "5MiB", "concurrency": 4, "keep": s3_keep, "max_attempts": 4,
-                       "connect_timeout": 2.0, "read_timeout": 10.0} | s3_over
+            c["s3"] = {
+                "bucket": BUCKET,
+                "prefix": prefix or f"chaos/{d.name}",
+                "endpoint_url": endpoint or self.endpoint,
+                "part_size": "5MiB",
+                "concurrency": 4,
+                "keep": s3_keep,
+                "max_attempts": 4,
+                "connect_timeout": 2.0,
+                "read_timeout": 10.0,
+            } | s3_over
         return c
 
     def client(self) -> Any:
@@ -164,10 +199,26 @@ class Env:
 
 # imported by the zygote before it forks (torch._dynamo & co. are imported lazily by the first
 # optimizer / transformer call: seconds per child otherwise)
-PRELOAD = ("torch", "torch._dynamo", "torch._functorch.deprecated", "torch._decomp.decompositions_for_rng",
-           "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "numpy.random", "numpy.fft",
-           "statistics", "boto3", "botocore", "psutil", "tierckpt", "tierckpt.chain.replicate", "tierckpt.tiers.local", "tierckpt.tiers.s3",
-           "train_gpt", "chaos_tiers")
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch._functorch.deprecated",
+    "torch._decomp.decompositions_for_rng",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "numpy.random",
+    "numpy.fft",
+    "statistics",
+    "boto3",
+    "botocore",
+    "psutil",
+    "tierckpt",
+    "tierckpt.chain.replicate",
+    "tierckpt.tiers.local",
+    "tierckpt.tiers.s3",
+    "train_gpt",
+    "chaos_tiers",
+)
 
 
 class Zygote:
@@ -178,11 +229,16 @@ class Zygote:
     def __init__(self) -> None:
         import subprocess
 
-        code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(TOOLS)!r}]; "
-                "import chaos; chaos._zygote_main()")
+        code = f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(TOOLS)!r}]; import chaos; chaos._zygote_main()"
         self._lock = threading.Lock()
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     cwd=str(ROOT), text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=str(ROOT),
+            text=True,
+            bufsize=1,
+        )
         if self._ask({"op": "ping"}).get("pong") is not True:
             raise RuntimeError("chaos zygote did not start")
         self.children: list[Child] = []
@@ -324,5 +380,3 @@ def tail(path: Path, n: int = 800) -> str:
         return path.read_text(errors="replace")[-n:].replace("\n", " | ")
     except OSError:
         return "(no output)"
-
-

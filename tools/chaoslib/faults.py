@@ -174,6 +174,7 @@ def case_faults(env: Env, trials: int, seed: int) -> CaseResult:
 
 # == case: corrupt =================================================================================
 
+
 def case_corrupt(env: Env, trials: int, seed: int) -> CaseResult:
     res = CaseResult("corrupt")
     t0 = time.perf_counter()
@@ -203,7 +204,7 @@ def case_corrupt(env: Env, trials: int, seed: int) -> CaseResult:
         c = env.client()
         for page in c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
             for o in page.get("Contents", ()):
-                key = o["Key"][len(prefix) + 1:]
+                key = o["Key"][len(prefix) + 1 :]
                 if split_key(key) is not None:
                     files.append(("s3", key))
     tiers = sorted({t for t, _ in files})
@@ -267,8 +268,11 @@ def case_corrupt(env: Env, trials: int, seed: int) -> CaseResult:
             newest = max(states)
             if bad:
                 res.lose(trial, f"SILENTLY WRONG load of {resolved}: {bad[:4]} differ")
-            elif target_id == "latest" and resolved != newest and (
-                    len(reader_tiers) > 1 or not (kind == "metadata" and cid == newest)):
+            elif (
+                target_id == "latest"
+                and resolved != newest
+                and (len(reader_tiers) > 1 or not (kind == "metadata" and cid == newest))
+            ):
                 res.fail(trial, f"latest resolved to {resolved}, not to the newest intact {newest}")
             else:
                 if resolved != cid and cid == newest:
@@ -285,5 +289,3 @@ def case_corrupt(env: Env, trials: int, seed: int) -> CaseResult:
     env.cleanup(d, cfgd)
     res.seconds = time.perf_counter() - t0
     return res
-
-

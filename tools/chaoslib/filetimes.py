@@ -38,12 +38,16 @@ def perturb(env: Env, rng: random.Random, cfg: TierConfig, order: list[str]) -> 
     s3c = env.client() if "s3" in objs else None
 
     def files(cid: str) -> list[Path]:  # metadata last, as a careful operator restores
-        return sorted((key_path(cfg.local.resolved_path(), o.key) for o in objs["local"][cid].values()),
-                      key=lambda p: p.name == "metadata.json")
+        return sorted(
+            (key_path(cfg.local.resolved_path(), o.key) for o in objs["local"][cid].values()),
+            key=lambda p: p.name == "metadata.json",
+        )
 
     def keys(cid: str) -> list[str]:
-        return sorted((f"{cfg.s3.prefix}/{o.key}" for o in objs.get("s3", {}).get(cid, {}).values()),
-                      key=lambda k: k.endswith("metadata.json"))
+        return sorted(
+            (f"{cfg.s3.prefix}/{o.key}" for o in objs.get("s3", {}).get(cid, {}).values()),
+            key=lambda k: k.endswith("metadata.json"),
+        )
 
     def s3get(k: str) -> bytes:
         return s3c.get_object(Bucket=BUCKET, Key=k)["Body"].read()
@@ -79,7 +83,9 @@ def check_newest(res: CaseResult, trial: str, cfg: TierConfig, cfg_path: Path, o
     newest = order[-1]
     tiers = open_tiers(cfg)
     try:
-        found = {"both tiers": find_latest(tiers).checkpoint_id} | {t.name: find_latest([t]).checkpoint_id for t in tiers}
+        found = {"both tiers": find_latest(tiers).checkpoint_id} | {
+            t.name: find_latest([t]).checkpoint_id for t in tiers
+        }
         listed = {"restore.list_all": [x.checkpoint_id for x in list_all(tiers) if x.committed_anywhere]}
         listed |= {f"commit order on {t.name}": [c.checkpoint_id for c in committed_in_order(t)] for t in tiers}
     finally:
@@ -156,5 +162,3 @@ def case_filetimes(env: Env, trials: int, seed: int) -> CaseResult:
         env.cleanup(d, cfgd)
     res.seconds = time.perf_counter() - t0
     return res
-
-

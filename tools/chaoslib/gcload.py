@@ -22,7 +22,9 @@ from tierckpt.testing import errors_in, find_error
 
 # == case: gcload ===================================================================================
 
-GONE = re.compile(r"being deleted|was deleted|is not committed|not committed on|holds a committed copy|no committed checkpoint")
+GONE = re.compile(
+    r"being deleted|was deleted|is not committed|not committed on|holds a committed copy|no committed checkpoint"
+)
 
 
 def classify(exc: BaseException) -> str:
@@ -33,7 +35,8 @@ def classify(exc: BaseException) -> str:
     if any(re.search(r"was deleted from .* while it was being read", t) for t in texts):
         return "deleted under the reader"
     if find_error(exc, CorruptCheckpoint) is not None or (
-            any(_TIERCKPT_TEXT.search(t) for t in texts) and not any(GONE.search(t) for t in texts)):
+        any(_TIERCKPT_TEXT.search(t) for t in texts) and not any(GONE.search(t) for t in texts)
+    ):
         return "corrupt"
     return "gone" if is_not_found(exc) or any(GONE.search(t) for t in texts) else "unclear"
 
@@ -90,9 +93,19 @@ def case_gcload(env: Env, trials: int, seed: int) -> CaseResult:
 
         try:
             states = save_series(cfg, sd, g, [f"step-{k:06d}" for k in range(1, n + 1)])
-            child = env.spawn("loss-loader", {"config": cfgd, "target": target, "state_seed": state_seed, "big": big,
-                                              "digest": state_digest(states[target]), "results": str(results),
-                                              "stop": str(stop)}, d / "loader.out")
+            child = env.spawn(
+                "loss-loader",
+                {
+                    "config": cfgd,
+                    "target": target,
+                    "state_seed": state_seed,
+                    "big": big,
+                    "digest": state_digest(states[target]),
+                    "results": str(results),
+                    "stop": str(stop),
+                },
+                d / "loader.out",
+            )
             deadline = time.monotonic() + 60
             while not read_events(results) and child.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -131,5 +144,3 @@ def case_gcload(env: Env, trials: int, seed: int) -> CaseResult:
         env.cleanup(d, cfgd)
     res.seconds = time.perf_counter() - t0
     return res
-
-

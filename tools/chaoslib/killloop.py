@@ -18,6 +18,7 @@ from tierckpt.format.layout import step_of
 
 # == case: killloop =================================================================================
 
+
 def _digests_child(payload: dict) -> int:
     """Zygote child: replay the trainer's training (no checkpoints) and write the state digest at
     each step of ``steps``: the reference for any step, however many restarts it took."""
@@ -56,8 +57,16 @@ def kill_stage(ev: list[dict], newest_step: int) -> str:
     return "save in flight (capture/flush/commit)" if last_save > newest_step else "after a commit"
 
 
-def _chain(env: Env, res: CaseResult, rng: random.Random, train_seed: int, with_s3: bool, n: int, first: int,
-           checks: list[tuple[str, int, str]]) -> tuple[dict, Path]:
+def _chain(
+    env: Env,
+    res: CaseResult,
+    rng: random.Random,
+    train_seed: int,
+    with_s3: bool,
+    n: int,
+    first: int,
+    checks: list[tuple[str, int, str]],
+) -> tuple[dict, Path]:
     """``n`` kill + restart trials on one tier setup; (trial, step, digest) of each load go to ``checks``."""
     d = env.fresh("killloop")
     cfgd = env.config(d, s3=with_s3, local_keep=3, s3_keep=2)
@@ -67,8 +76,9 @@ def _chain(env: Env, res: CaseResult, rng: random.Random, train_seed: int, with_
     for j in range(n):
         trial = f"#{first + j} {'local+s3' if with_s3 else 'local'}"
         log, out = d / f"run{j:03d}.jsonl", d / f"run{j:03d}.out"
-        argv = trainer_argv(d / "tiers.toml", log, train_seed, "--steps", "1000000", "--ckpt-every", "1", "--resume",
-                            "--digests")
+        argv = trainer_argv(
+            d / "tiers.toml", log, train_seed, "--steps", "1000000", "--ckpt-every", "1", "--resume", "--digests"
+        )
         p = env.spawn("trainer", {"argv": argv}, out)
         until = time.monotonic() + (rng.uniform(0.0, 0.5) if rng.random() < 0.25 else rng.uniform(0.3, 2.5))
         while time.monotonic() < until and p.is_alive():
@@ -118,19 +128,27 @@ def case_killloop(env: Env, trials: int, seed: int, *, s3_share: float = 0.5) ->
     train_seed = seed % 1000
     n_s3 = round(trials * s3_share) if env.has_s3 else 0
     checks: list[tuple[str, int, str]] = []
-    chains = [_chain(env, res, rng, train_seed, s3, n, first, checks)
-              for s3, n, first in ((False, trials - n_s3, 0), (True, n_s3, trials - n_s3)) if n]
+    chains = [
+        _chain(env, res, rng, train_seed, s3, n, first, checks)
+        for s3, n, first in ((False, trials - n_s3, 0), (True, n_s3, trials - n_s3))
+        if n
+    ]
     logged: dict[int, set[str]] = {}  # step -> digests the trainers logged when saving it
     for _cfgd, d in chains:
         for f in sorted(d.glob("run*.jsonl")):
             for e in read_events(f):
                 if e.get("event") == "save" and "digest" in e:
                     logged.setdefault(e["step"], set()).add(e["digest"])
-    needed = {s for _t, s, _d in checks} | {step_of(c) or 0 for cfgd, _d in chains for c in ids(committed(config_from_dict(cfgd)))}
+    needed = {s for _t, s, _d in checks} | {
+        step_of(c) or 0 for cfgd, _d in chains for c in ids(committed(config_from_dict(cfgd)))
+    }
     needed |= set(rng.sample(sorted(logged), min(30, len(logged))))
     refd = env.fresh("killloop-ref")
-    p = env.spawn("loss-digests", {"seed": train_seed, "steps": sorted(needed - {0}), "out": str(refd / "ref.json")},
-                  refd / "ref.out")
+    p = env.spawn(
+        "loss-digests",
+        {"seed": train_seed, "steps": sorted(needed - {0}), "out": str(refd / "ref.json")},
+        refd / "ref.out",
+    )
     if wait_proc(p, 600) != 0:
         res.fail("reference", f"the replay failed: {tail(refd / 'ref.out')}")
         ref_digest: dict[int, str] = {}
@@ -138,8 +156,11 @@ def case_killloop(env: Env, trials: int, seed: int, *, s3_share: float = 0.5) ->
         ref_digest = {int(k): v for k, v in json.loads((refd / "ref.json").read_text()).items()}
     for s, digs in logged.items():
         if s in ref_digest and digs != {ref_digest[s]}:
-            res.fail("reference", f"step {s}: the trainer logged digest(s) {sorted(x[:12] for x in digs)}, the "
-                                  f"replay {ref_digest[s][:12]} (replay or trainer not deterministic)")
+            res.fail(
+                "reference",
+                f"step {s}: the trainer logged digest(s) {sorted(x[:12] for x in digs)}, the "
+                f"replay {ref_digest[s][:12]} (replay or trainer not deterministic)",
+            )
     for trial, s, dig in checks:
         if dig != ref_digest.get(s):
             res.lose(trial, f"the state loaded for step {s} differs from the reference")
@@ -152,5 +173,3 @@ def case_killloop(env: Env, trials: int, seed: int, *, s3_share: float = 0.5) ->
     env.cleanup(refd)
     res.seconds = time.perf_counter() - t0
     return res
-
-

@@ -25,6 +25,7 @@ Committed = dict[str, list[tuple[str, int]]]  # tier -> (id, seq), oldest commit
 
 # -- helpers ------------------------------------------------------------------------------------
 
+
 def state_digest(x: Any) -> str:
     """SHA-256 over every leaf of a (nested) state dict: tensors by dtype, shape and raw bytes."""
     h = hashlib.sha256()
@@ -67,8 +68,14 @@ def with_keep(cfgd: dict, keep: int) -> dict:
     return {sec: kv | ({"keep": keep} if sec in ("local", "s3") else {}) for sec, kv in cfgd.items()}
 
 
-def save_series(cfg: TierConfig, sd: dict, g: torch.Generator, cids: list[str], rng: random.Random | None = None,
-                new_job: float = 0.0) -> dict[str, dict]:
+def save_series(
+    cfg: TierConfig,
+    sd: dict,
+    g: torch.Generator,
+    cids: list[str],
+    rng: random.Random | None = None,
+    new_job: float = 0.0,
+) -> dict[str, dict]:
     """Save ``cids`` in turn (each waited for), a training step between saves; before a save, with
     probability ``new_job``, a new writer engine (a new job). Returns the saved states, in order."""
     states: dict[str, dict] = {}
@@ -114,5 +121,3 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
         lg.handlers, lg.propagate = saved[0], saved[1]
         lg.setLevel(saved[2])
     return rc, out.getvalue()
-
-

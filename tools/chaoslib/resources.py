@@ -24,6 +24,7 @@ from tierckpt.tiers import make_s3
 
 # == case: resources ===============================================================================
 
+
 def _resources_child(payload: dict) -> int:
     """Forked child: ``n`` checkpoints in a row, then ``loads`` loads of ``latest``; samples RSS,
     threads and open fds after each."""
@@ -64,8 +65,9 @@ def _resources_child(payload: dict) -> int:
     return 0
 
 
-def _growth(res: CaseResult, trial: str, what: str, s: list[dict], warmup: int, slack: dict[str, int],
-            worst: dict[str, float]) -> None:
+def _growth(
+    res: CaseResult, trial: str, what: str, s: list[dict], warmup: int, slack: dict[str, int], worst: dict[str, float]
+) -> None:
     """Threads and fds: the peak after warm-up may exceed the warm-up value by ``slack``. RSS
     wanders in a band of a few MiB (malloc arenas, the size of the state), so it fails only when
     it *trends*: the least-squares slope over the samples after warm-up, times their number, and
@@ -88,12 +90,16 @@ def _growth(res: CaseResult, trial: str, what: str, s: list[dict], warmup: int, 
     rise = statistics.median(ys[-k:]) - statistics.median(ys[:k])
     worst["rss_trend"] = max(worst.get("rss_trend", trend), trend)
     if trend > slack["rss"] / MiB and rise > slack["rss"] / MiB / 2:
-        res.fail(trial, f"{what}: RSS keeps growing after warm-up: {slope:+.2f} MiB per step, "
-                        f"{ys[0]:.0f} -> {ys[-1]:.0f} MiB over {len(ys)} steps")
+        res.fail(
+            trial,
+            f"{what}: RSS keeps growing after warm-up: {slope:+.2f} MiB per step, "
+            f"{ys[0]:.0f} -> {ys[-1]:.0f} MiB over {len(ys)} steps",
+        )
 
 
-def case_resources(env: Env, trials: int, seed: int, *, n: int = 30, loads: int = 16, warmup: int = 10,
-                   load_warmup: int = 8) -> CaseResult:
+def case_resources(
+    env: Env, trials: int, seed: int, *, n: int = 30, loads: int = 16, warmup: int = 10, load_warmup: int = 8
+) -> CaseResult:
     res = CaseResult("resources")
     t0 = time.perf_counter()
     worst_s: dict[str, float] = {}
@@ -103,8 +109,18 @@ def case_resources(env: Env, trials: int, seed: int, *, n: int = 30, loads: int 
         d = env.fresh("resources")
         cfgd = env.config(d, local_keep=2, s3_keep=2, buffer="2MiB", chunk="256KiB", fsync=rng.random() < 0.5)
         out = d / "result.json"
-        p = env.spawn("resources", {"config": cfgd, "n": n, "loads": loads, "seed": rng.randrange(1 << 20),
-                                    "big": 3 * MiB, "result": str(out)}, d / "child.out")
+        p = env.spawn(
+            "resources",
+            {
+                "config": cfgd,
+                "n": n,
+                "loads": loads,
+                "seed": rng.randrange(1 << 20),
+                "big": 3 * MiB,
+                "result": str(out),
+            },
+            d / "child.out",
+        )
         rc = wait_proc(p, 900)
         trial = f"#{i}"
         res.trials += 1
@@ -119,7 +135,9 @@ def case_resources(env: Env, trials: int, seed: int, *, n: int = 30, loads: int 
         _growth(res, trial, f"{n} saves", data["saves"], warmup, {"rss": 16 * MiB, "threads": 1, "fds": 2}, worst_s)
         # each TieredReader builds its own tiers (with S3, a boto3 client per reader, never closed):
         # memory plateaus once the garbage collector reclaims them; it must not keep growing
-        _growth(res, trial, f"{loads} loads", data["loads"], load_warmup, {"rss": 24 * MiB, "threads": 1, "fds": 2}, worst_l)
+        _growth(
+            res, trial, f"{loads} loads", data["loads"], load_warmup, {"rss": 24 * MiB, "threads": 1, "fds": 2}, worst_l
+        )
         env.cleanup(d, cfgd)
     for what, w in ((f"{n} saves", worst_s), (f"{loads} loads", worst_l)):
         if w:
@@ -129,6 +147,7 @@ def case_resources(env: Env, trials: int, seed: int, *, n: int = 30, loads: int 
 
 
 # == case: s3faults ================================================================================
+
 
 def case_s3faults(env: Env, trials: int, seed: int, *, error_rate: float = 0.05, drop_rate: float = 0.05) -> CaseResult:
     """Promotions alternate between a writer with botocore's retries (``max_attempts = 4``: they
@@ -145,8 +164,20 @@ def case_s3faults(env: Env, trials: int, seed: int, *, error_rate: float = 0.05,
     rng = random.Random(f"{seed}-s3faults")
     d = env.fresh("s3faults")
     proxy = FaultProxy(env.endpoint, error_rate=error_rate, drop_rate=drop_rate, seed=rng.randrange(1 << 30)).start()
-    cfgds = [env.config(d, endpoint=proxy.url, prefix=f"chaos/{d.name}", local_keep=2, s3_keep=0, fsync=False,
-                        max_attempts=attempts, connect_timeout=2.0, read_timeout=5.0) for attempts in (4, 1)]
+    cfgds = [
+        env.config(
+            d,
+            endpoint=proxy.url,
+            prefix=f"chaos/{d.name}",
+            local_keep=2,
+            s3_keep=0,
+            fsync=False,
+            max_attempts=attempts,
+            connect_timeout=2.0,
+            read_timeout=5.0,
+        )
+        for attempts in (4, 1)
+    ]
     cfgd = cfgds[0]
     cfg = config_from_dict(cfgd)
     direct = dataclasses.replace(cfg, s3=dataclasses.replace(cfg.s3, endpoint_url=env.endpoint))
@@ -215,5 +246,3 @@ def case_s3faults(env: Env, trials: int, seed: int, *, error_rate: float = 0.05,
     env.cleanup(d, cfgd)
     res.seconds = time.perf_counter() - t0
     return res
-
-

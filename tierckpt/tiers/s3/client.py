@@ -61,6 +61,7 @@ _SEND_BLOCK = 1 << 20
 
 _T = TypeVar("_T")
 
+
 def _backoff(attempt: int) -> float:
     """Delay before retry ``attempt`` (1-based): exponential, capped, with +-50% jitter."""
     return min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * (2 ** (attempt - 1))) * (0.5 + random.random())
@@ -91,7 +92,7 @@ _DENIED: dict[str, str] = {
     "AccountProblem": "a problem with the account prevents this operation",
     "InvalidAccessKeyId": "the server does not know the access key id in use (check AWS_ACCESS_KEY_ID or the profile)",
     "SignatureDoesNotMatch": "the secret access key does not match the access key id "
-                             "(check AWS_SECRET_ACCESS_KEY or the profile)",
+    "(check AWS_SECRET_ACCESS_KEY or the profile)",
     "InvalidSecurity": "the security credentials are invalid",
     "ExpiredToken": "the session token has expired (refresh the credentials)",
     "TokenRefreshRequired": "the session token has expired (refresh the credentials)",
@@ -107,7 +108,9 @@ def _is_denied(e: ClientError) -> bool:
 
 
 def _is_not_found(e: ClientError) -> bool:
-    return _err_code(e) in ("NoSuchKey", "404", "NotFound") or (_err_status(e) == 404 and _err_code(e) != "NoSuchBucket")
+    return _err_code(e) in ("NoSuchKey", "404", "NotFound") or (
+        _err_status(e) == 404 and _err_code(e) != "NoSuchBucket"
+    )
 
 
 def _is_conflict(e: ClientError) -> bool:
@@ -162,13 +165,17 @@ def make_client(cfg: S3Config) -> Any:
     check_endpoint_url(cfg.endpoint_url)
     try:
         session = _session()
-        client = session.client("s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region or None, config=conf)
+        client = session.client(
+            "s3", endpoint_url=cfg.endpoint_url or None, region_name=cfg.region or None, config=conf
+        )
     except ValueError as e:  # botocore refuses an endpoint or region our checks let through
-        raise ConfigError(f"[s3] endpoint_url/region: botocore refuses {redact_url(cfg.endpoint_url)!r} / "
-                          f"{cfg.region!r}: {redact(e)}") from None
+        raise ConfigError(
+            f"[s3] endpoint_url/region: botocore refuses {redact_url(cfg.endpoint_url)!r} / {cfg.region!r}: {redact(e)}"
+        ) from None
     except BotoCoreError as e:
-        raise TierUnavailable(f"cannot create the S3 client for {redact_url(cfg.endpoint_url) or 'AWS'}: "
-                              f"{type(e).__name__}: {redact(e)}") from None
+        raise TierUnavailable(
+            f"cannot create the S3 client for {redact_url(cfg.endpoint_url) or 'AWS'}: {type(e).__name__}: {redact(e)}"
+        ) from None
     _send_large_blocks(client)
     return client
 
@@ -273,7 +280,9 @@ class S3Requests(Tier):
                 "AWS_SECRET_ACCESS_KEY, a profile (AWS_PROFILE) or an instance role"
             )
         if isinstance(e, BotoConnectionError):
-            return TierUnavailable(f"{what} {url}: cannot reach the S3 endpoint after retries: {type(e).__name__}: {redact(e)}")
+            return TierUnavailable(
+                f"{what} {url}: cannot reach the S3 endpoint after retries: {type(e).__name__}: {redact(e)}"
+            )
         retried = isinstance(e, (HTTPClientError, IncompleteReadError))
         return TierError(f"{what} {url} failed{' after retries' if retried else ''}: {type(e).__name__}: {redact(e)}")
 
@@ -311,7 +320,9 @@ class S3Requests(Tier):
         """(size, ETag) of ``full``, or None if it does not exist."""
         url = self._url_of(full)
         try:
-            resp = self._retrying(lambda: self._client.head_object(Bucket=self.bucket, Key=full), "head", url, own_retry=False)
+            resp = self._retrying(
+                lambda: self._client.head_object(Bucket=self.bucket, Key=full), "head", url, own_retry=False
+            )
         except ClientError as e:
             if _is_not_found(e):
                 return None
@@ -343,4 +354,3 @@ class S3Requests(Tier):
             raise self._client_error(e, "list", url) from e
         except BotoCoreError as e:
             raise self._transport_error(e, "list", url) from e
-

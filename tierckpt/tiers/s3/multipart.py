@@ -40,8 +40,9 @@ class Uploads(Protocol):
 
     def _client_error(self, e: ClientError, what: str, url: str) -> TierckptError: ...
 
-    def _put_object(self, full: str, body: bytes, crc: str, *, if_none_match: bool = False,
-                    tries: list[int] | None = None) -> Any: ...
+    def _put_object(
+        self, full: str, body: bytes, crc: str, *, if_none_match: bool = False, tries: list[int] | None = None
+    ) -> Any: ...
 
     def _create_upload(self, full: str) -> str: ...
 
@@ -51,8 +52,10 @@ class Uploads(Protocol):
 
     def _abort_upload(self, full: str, upload_id: str) -> bool: ...
 
+
 MAX_PARTS = 10_000
 """S3's limit on the number of parts of one multipart upload."""
+
 
 def crc32c_b64(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     """Base64 of the big-endian CRC32C of ``data``: the value of ``x-amz-checksum-crc32c``.
@@ -149,7 +152,6 @@ def pread_exact(fd: int, n: int, off: int, path: str, url: str) -> bytes:
         return data
     except OSError as e:
         raise TierError(e.errno or 0, f"cannot read {path} to upload it to {url}: {e.strerror or e}") from e
-
 
 
 # -- the multipart sink ----------------------------------------------------------------------
@@ -285,7 +287,9 @@ class S3Sink(DataSink):
         try:
             if self._single is not None:
                 if self._single_filled != self._size:
-                    raise TierError(f"{self._url}: close() after {self._single_filled} of {self._size} bytes were written")
+                    raise TierError(
+                        f"{self._url}: close() after {self._single_filled} of {self._size} bytes were written"
+                    )
                 body = bytes(self._single)
                 self._single = None
                 try:

@@ -72,7 +72,9 @@ class S3Reads(S3Requests):
             total = int(resp["ContentLength"])
         return resp["Body"], int(resp["ContentLength"]), total, resp.get("ETag")
 
-    def _fetch(self, key: str, start: int, end: int | None, dest: memoryview | list[memoryview] | None) -> bytearray | None:
+    def _fetch(
+        self, key: str, start: int, end: int | None, dest: memoryview | list[memoryview] | None
+    ) -> bytearray | None:
         """Read ``[start, end)`` of ``key`` into ``dest`` (or a new bytearray, returned); a list
         of buffers is filled one after the other (a scatter read: no temporary buffer).
 
@@ -126,7 +128,9 @@ class S3Reads(S3Requests):
                         f"last at byte {start + got}: {type(e).__name__}: {redact(e)}"
                     ) from e
                 delay = _backoff(attempt)
-                log.debug("get %s: body broke at byte %d (%s); resuming in %.2fs", url, start + got, type(e).__name__, delay)
+                log.debug(
+                    "get %s: body broke at byte %d (%s); resuming in %.2fs", url, start + got, type(e).__name__, delay
+                )
                 time.sleep(delay)
             finally:
                 try:

@@ -45,6 +45,7 @@ class StreamTier(Uploads, Protocol):
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
 
+
 MIN_PART = 5 << 20
 MAX_COPY = 5 << 30
 _NO_COPY = ("NotImplemented", "InvalidRequest", "MethodNotAllowed")
@@ -105,10 +106,19 @@ class S3Stream(StreamSink):
         self.copied += end - start
 
         def copy() -> dict[str, Any]:
-            resp = tier._call(lambda: tier._client.upload_part_copy(
-                Bucket=tier.bucket, Key=self._full, UploadId=uid, PartNumber=pn,
-                CopySource={"Bucket": tier.bucket, "Key": src_full}, CopySourceRange=f"bytes={start}-{end - 1}"),
-                f"copy part {pn} from {tier._url_of(src_full)} into", self._url, own_retry=True)
+            resp = tier._call(
+                lambda: tier._client.upload_part_copy(
+                    Bucket=tier.bucket,
+                    Key=self._full,
+                    UploadId=uid,
+                    PartNumber=pn,
+                    CopySource={"Bucket": tier.bucket, "Key": src_full},
+                    CopySourceRange=f"bytes={start}-{end - 1}",
+                ),
+                f"copy part {pn} from {tier._url_of(src_full)} into",
+                self._url,
+                own_retry=True,
+            )
             res = resp.get("CopyPartResult", {})
             entry = {"PartNumber": pn, "ETag": res["ETag"]}
             if res.get("ChecksumCRC32C"):
@@ -182,8 +192,11 @@ class S3Stream(StreamSink):
             except TierError as e:
                 cause = e.__cause__
                 if isinstance(cause, ClientError) and _err_code(cause) in _NO_COPY and self.copied:
-                    log.warning("%s refuses UploadPartCopy (%s): unchanged parts are uploaded again from now on",
-                                self._tier.url, _err_code(cause))
+                    log.warning(
+                        "%s refuses UploadPartCopy (%s): unchanged parts are uploaded again from now on",
+                        self._tier.url,
+                        _err_code(cause),
+                    )
                     self._tier._part_copy = False
                 raise
             self._tier._complete_upload(self._full, self._upload_id, self._parts, self.size)

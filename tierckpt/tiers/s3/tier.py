@@ -137,7 +137,9 @@ class S3Tier(S3Reads, S3Writes):
         full = self._full(key)
         url = self._url_of(full)
         try:
-            self._retrying(lambda: self._client.delete_object(Bucket=self.bucket, Key=full), "delete", url, own_retry=False)
+            self._retrying(
+                lambda: self._client.delete_object(Bucket=self.bucket, Key=full), "delete", url, own_retry=False
+            )
         except ClientError as e:
             if not _is_not_found(e):
                 raise self._client_error(e, "delete", url) from e
@@ -222,4 +224,3 @@ class S3Tier(S3Reads, S3Writes):
                 self._client.close()
             except Exception:  # noqa: BLE001 - best effort
                 pass
-

@@ -179,9 +179,15 @@ class S3Writes(S3Requests):
         except ClientError as e:
             if _err_code(e) == "NoSuchUpload":
                 return True
-            log.warning("cannot abort the multipart upload of %s: %s", self._url_of(full), redact(_err_code(e)) or _err_message(e))
+            log.warning(
+                "cannot abort the multipart upload of %s: %s",
+                self._url_of(full),
+                redact(_err_code(e)) or _err_message(e),
+            )
         except Exception as e:  # noqa: BLE001 - abort must never raise
-            log.warning("cannot abort the multipart upload of %s: %s: %s", self._url_of(full), type(e).__name__, redact(e))
+            log.warning(
+                "cannot abort the multipart upload of %s: %s: %s", self._url_of(full), type(e).__name__, redact(e)
+            )
         return False
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -258,13 +264,14 @@ class S3Writes(S3Requests):
             self._abort_upload(full, upload_id)
             raise
 
-
     def _last_part_time(self, key: str, upload_id: str) -> float | None:
         """Epoch time of the most recently uploaded part of an upload (None: no parts, or the
         upload vanished)."""
         latest: float | None = None
         try:
-            for page in self._client.get_paginator("list_parts").paginate(Bucket=self.bucket, Key=key, UploadId=upload_id):
+            for page in self._client.get_paginator("list_parts").paginate(
+                Bucket=self.bucket, Key=key, UploadId=upload_id
+            ):
                 for part in page.get("Parts", ()) or ():
                     t = part["LastModified"].timestamp()
                     latest = t if latest is None else max(latest, t)
@@ -303,7 +310,7 @@ class S3Writes(S3Requests):
             raise self._transport_error(e, "list multipart uploads under", url) from e
         for page in pages:
             for up in page.get("Uploads", ()) or ():
-                if spare and up["Key"][len(self._root):].split("/", 1)[0] in spare:
+                if spare and up["Key"][len(self._root) :].split("/", 1)[0] in spare:
                     continue
                 initiated = up.get("Initiated")
                 age = now - initiated.timestamp() if initiated is not None else float("inf")
@@ -316,4 +323,3 @@ class S3Writes(S3Requests):
                 if self._abort_upload(up["Key"], up["UploadId"]):
                     n += 1
         return n
-
