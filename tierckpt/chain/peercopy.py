@@ -185,21 +185,20 @@ class PeerHop(Replicator):
             rounds = max([-(-job.size // piece)] * bool(targets) + [-(-s // piece) for s in sizes.values()] + [0])
             for i in range(rounds):
                 off = i * piece
-                works = []
+                posts: list[tuple[str, Any]] = []  # (peer, post the transfer): posted by _settle
                 for q in incoming:
                     if off < sizes[q]:
-                        works.append(
-                            (
-                                f"from rank {q}",
-                                dist.irecv(recv_bufs[q][: min(piece, sizes[q] - off)], src=q, group=group.group),
-                            )
-                        )
+                        buf = recv_bufs[q][: min(piece, sizes[q] - off)]
+                        posts.append((f"from rank {q}", lambda b=buf, q=q: dist.irecv(b, src=q, group=group.group)))
                 if targets and off < job.size:
                     assert send_buf is not None
                     n = min(piece, job.size - off)
                     tier.read_into(mine, off, memoryview(send_buf[:n].numpy()))
-                    works += [(f"to rank {t}", dist.isend(send_buf[:n], dst=t, group=group.group)) for t in targets]
-                _settle(works, f"checkpoint {cid}: peer copies of rank {job.assign.rank}")
+                    posts += [
+                        (f"to rank {t}", lambda t=t, n=n: dist.isend(send_buf[:n], dst=t, group=group.group))
+                        for t in targets
+                    ]
+                _settle(posts, f"checkpoint {cid}: peer copies of rank {job.assign.rank}")
                 for q, (f, _size) in incoming.items():
                     if off < sizes[q]:
                         view = recv_bufs[q][: min(piece, sizes[q] - off)].numpy()
@@ -224,10 +223,16 @@ class PeerHop(Replicator):
                 lease.release()
 
 
-def _settle(works: list[tuple[str, Any]], what: str) -> None:
-    """Wait for every transfer of a piece; raise naming the peers whose transfer failed (a peer
-    that died breaks only the transfers with it)."""
-    failed = []
+def _settle(posts: list[tuple[str, Any]], what: str) -> None:
+    """Post every transfer of a piece, then wait for them; raise naming the peers whose transfer
+    failed (a peer that died breaks only the transfers with it; posting to a peer already gone
+    fails at once)."""
+    failed, works = [], []
+    for peer, post in posts:
+        try:
+            works.append((peer, post()))
+        except Exception as e:  # noqa: BLE001 - reported once all are settled
+            failed.append((peer, e))
     for peer, w in works:
         try:
             w.wait()
