@@ -46,20 +46,28 @@ def _committed(tmp_path, cid: str) -> list[str]:
     return [f"n{n}" for n in range(WORLD // 2) if (tmp_path / "ckpt" / f"n{n}" / cid / "metadata.json").exists()]
 
 
-@pytest.mark.parametrize("phase,victim", [("plan", VICTIM), ("save", VICTIM), ("commit", 0), ("load", VICTIM)])
-def test_a_dead_rank_is_named_by_every_other(tmp_path, phase, victim):
-    # The job's store lives outside the ranks, as under torchrun (its agent hosts it): rank 0 may die too.
+def _kill(tmp_path, cfg: dict, phase: str, victim: int, **extra) -> list[dict]:
+    """Run ``die_in_phase`` on 16 ranks (``extra``: more scenario args, or run_world's
+    ``agent_store``/``prefix_of``); check that the victim died as told; every rank's result."""
+    launch = {k: extra.pop(k) for k in ("agent_store", "prefix_of") if k in extra}
     res = run_world(
         WORLD,
         "die_in_phase",
-        {"config": _cfg(tmp_path), "victim": victim, "phase": phase},
+        {"config": cfg, "victim": victim, "phase": phase, **extra},
         tmp_path / "w",
         node_of=_node,
         timeout=300,
         expect_ok=False,
-        agent_store=True,
+        **launch,
     )
     assert res[victim].get("exit") == 9, res[victim]
+    return res
+
+
+@pytest.mark.parametrize("phase,victim", [("plan", VICTIM), ("save", VICTIM), ("commit", 0), ("load", VICTIM)])
+def test_a_dead_rank_is_named_by_every_other(tmp_path, phase, victim):
+    # The job's store lives outside the ranks, as under torchrun (its agent hosts it): rank 0 may die too.
+    res = _kill(tmp_path, _cfg(tmp_path), phase, victim, agent_store=True)
     namers = [r for r, out in enumerate(res) if r != victim and _named_in(out, victim)]
     for r, out in enumerate(res):
         if r != victim:
@@ -80,16 +88,7 @@ def test_a_rank_dying_in_the_s3_hop_is_named_and_nothing_is_committed_there(tmp_
     s3 = dataclasses.asdict(s3cfg(moto_endpoint))
     # 16 uploads to one single-threaded moto server must all report within the commit timeout
     cfg = _cfg(tmp_path) | {"s3": s3, "job": {"commit_timeout": 45}}
-    res = run_world(
-        WORLD,
-        "die_in_phase",
-        {"config": cfg, "victim": VICTIM, "phase": "hop"},
-        tmp_path / "w",
-        node_of=_node,
-        timeout=300,
-        expect_ok=False,
-    )
-    assert res[VICTIM].get("exit") == 9, res[VICTIM]
+    res = _kill(tmp_path, cfg, "hop", VICTIM)
     for r, out in enumerate(res):
         if r != VICTIM:  # the hop's commit names it on every rank, raised by wait()
             assert out["error"] and _named_in(out, VICTIM), (r, out)
@@ -103,16 +102,7 @@ def test_a_rank_dying_in_the_s3_hop_is_named_and_nothing_is_committed_there(tmp_
 
 def test_a_rank_dying_in_the_peer_copies_is_named(tmp_path):
     cfg = _cfg(tmp_path) | {"peer": {"replicas": 1}}
-    res = run_world(
-        WORLD,
-        "die_in_phase",
-        {"config": cfg, "victim": VICTIM, "phase": "peer"},
-        tmp_path / "w",
-        node_of=_node,
-        timeout=300,
-        expect_ok=False,
-    )
-    assert res[VICTIM].get("exit") == 9, res[VICTIM]
+    res = _kill(tmp_path, cfg, "peer", VICTIM)
     for r, out in enumerate(res):
         if r != VICTIM:  # the peer hop's commit fails on every rank, naming the dead one
             assert out["error"] and _named_in(out, VICTIM), (r, out)
@@ -129,17 +119,14 @@ def test_a_rank_dying_while_serving_a_lost_node_is_named(tmp_path):
     nodes = [tmp_path / "ckpt" / f"n{n}" for n in range(WORLD // 2)]
     for d in nodes:
         d.mkdir(parents=True)
-    res = run_world(
-        WORLD,
-        "die_in_phase",
-        {"config": cfg, "victim": 8, "phase": "exchange", "wiped": "n3"},
-        tmp_path / "w",
-        node_of=_node,
-        timeout=300,
-        expect_ok=False,
+    res = _kill(
+        tmp_path,
+        cfg,
+        "exchange",
+        8,
+        wiped="n3",
         prefix_of=lambda r: hide_paths([str(d) for d in nodes if d.name != _node(r)]),
     )
-    assert res[8].get("exit") == 9, res[8]
     for r, out in enumerate(res):
         if r != 8:
             assert out["error"], (r, out)  # none hangs
