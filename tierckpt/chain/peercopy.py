@@ -40,7 +40,7 @@ from ..format.layout import PEERS, data_key, padded, piece_bounds, rank_of_file
 from ..format.metadata import metadata_from_json
 from ..tiers.base import Tier
 from .commit import Round, run_commit
-from .peers import PeerGroup
+from .peers import PeerGroup, settle
 from .replicate import HopOwner, Replicator
 
 __all__ = ["PeerHop", "placement"]
@@ -224,20 +224,9 @@ class PeerHop(Replicator):
 
 
 def _settle(posts: list[tuple[str, Any]], what: str) -> None:
-    """Post every transfer of a piece, then wait for them; raise naming the peers whose transfer
-    failed (a peer that died breaks only the transfers with it; posting to a peer already gone
-    fails at once)."""
-    failed, works = [], []
-    for peer, post in posts:
-        try:
-            works.append((peer, post()))
-        except Exception as e:  # noqa: BLE001 - reported once all are settled
-            failed.append((peer, e))
-    for peer, w in works:
-        try:
-            w.wait()
-        except Exception as e:  # noqa: BLE001 - reported once all are settled
-            failed.append((peer, e))
+    """The transfers of one piece (:func:`tierckpt.chain.peers.settle`); raise naming the peers
+    whose transfer failed."""
+    failed = settle(posts)
     if failed:
         raise TierckptError(
             f"{what}: the transfer {', '.join(p for p, _e in failed[:20])} failed (dead or hung?): "

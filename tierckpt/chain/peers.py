@@ -173,31 +173,20 @@ class PeerGroup:
         import torch.distributed as dist
 
         g = self.transport()
-        ops = [
-            ("from", peer, lambda b=buf, p=peer: dist.irecv(b, src=p, group=g, tag=TAG))
+        posts = [
+            (f"from rank {peer}", lambda b=buf, p=peer: dist.irecv(b, src=p, group=g, tag=TAG))
             for peer, buf in sorted(recvs.items())
         ]
-        ops += [
-            ("to", peer, lambda b=buf, p=peer: dist.isend(b, dst=p, group=g, tag=TAG))
+        posts += [
+            (f"to rank {peer}", lambda b=buf, p=peer: dist.isend(b, dst=p, group=g, tag=TAG))
             for peer, buf in sorted(sends.items())
         ]
-        errors, works = [], []
-        for way, peer, post in ops:  # posting fails at once when the peer's connection is already gone
-            try:
-                works.append((way, peer, post()))
-            except Exception as e:  # noqa: BLE001 - reported once all are settled
-                errors.append((way, peer, e))
-        for way, peer, w in works:
-            try:
-                if w is not None:  # None only for a rank outside the group
-                    w.wait()
-            except Exception as e:  # noqa: BLE001 - reported once all are settled
-                errors.append((way, peer, e))
+        errors = settle(posts)
         if errors:
-            way, peer, first = errors[0]
-            failed = ", ".join(f"{w} rank {p}" for w, p, _e in errors[:20])
+            failed = ", ".join(peer for peer, _e in errors[:20])
             err = TierckptError(
-                f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or hung?): {first}"
+                f"serving checkpoint files between nodes failed on rank {self.rank} ({failed}: dead or hung?): "
+                f"{errors[0][1]}"
             )
             # Logged too: inside dcp.load, DCP's collective that follows fails on the same dead rank
             # and its error (naming no rank) is the one raised.
@@ -210,6 +199,27 @@ class PeerGroup:
         ranks that never arrived (:func:`_named`)."""
         self._round += 1
         return _named(what, f"{self._uid}/{self._round}", self.rank, self.world, fn)
+
+
+def settle(posts: list[tuple[str, Any]]) -> list[tuple[str, BaseException]]:
+    """Post every point-to-point transfer of ``posts`` (``(peer label, post)``; ``post()`` returns
+    the work, or None for a rank outside the group), then wait for them all; the ones that failed,
+    with their errors. A peer that died breaks only the transfers with it; posting to a peer
+    already gone fails at once and counts the same."""
+    failed: list[tuple[str, BaseException]] = []
+    works = []
+    for peer, post in posts:
+        try:
+            works.append((peer, post()))
+        except Exception as e:  # noqa: BLE001 - reported once all are settled
+            failed.append((peer, e))
+    for peer, w in works:
+        try:
+            if w is not None:
+                w.wait()
+        except Exception as e:  # noqa: BLE001 - reported once all are settled
+            failed.append((peer, e))
+    return failed
 
 
 def _named(what: str, key: str, rank: int, world: int, fn: Any) -> Any:
