@@ -119,12 +119,14 @@ class DrainReport:
         return [c.checkpoint_id for c in self.checkpoints if not c.committed]
 
 
-def drain(timeout: float | None = None) -> DrainReport:
+def drain(timeout: float | None = None, *, seen: dict[int, list[Any]] | None = None) -> DrainReport:
     """Commit what is in flight in this process before it goes (see the module docstring).
 
     Any thread; blocks for at most ``timeout`` seconds (default: the installed ``[job]
     drain_timeout``, else 20). The training thread must not change the state being captured
     meanwhile (a signal handler stops it; a job's own handler calling this does too).
+    ``seen``: jobs already counted by the caller (engine id -> jobs); they are reported even when
+    they finish before the drain looks (the handler counts them, then starts the drain thread).
     """
     t0 = time.monotonic()
     deadline = t0 + (timeout if timeout is not None else (_timeout or 20.0))
@@ -137,7 +139,9 @@ def drain(timeout: float | None = None) -> DrainReport:
     for eng in live_engines():
         peer = next((h for h in eng.hops if isinstance(h, PeerHop)), None)
         later = [h.name for h in eng.hops if h is not peer]
-        for job in eng.pending():
+        jobs = list((seen or {}).get(id(eng), []))
+        jobs += [j for j in eng.pending() if all(j is not k for k in jobs)]
+        for job in jobs:
             d = DrainedCheckpoint(job.id, job.assign.rank, eng.first_tier.name, False)
             try:
                 job.committed.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -209,11 +213,11 @@ def _handler(signum: int, frame: Any) -> None:
     _cut.clear()
     try:
         timeout = _timeout or 20.0
-        engines = live_engines()
-        n = sum(len(e.pending()) for e in engines)
+        seen = {id(e): e.pending() for e in live_engines()}
+        n = sum(len(v) for v in seen.values())
         log.warning("%s: draining %d checkpoint(s) in flight (up to %.0f s) before handing over", name, n, timeout)
         box: list[DrainReport] = []
-        t = threading.Thread(target=lambda: box.append(drain(timeout)), name="tierckpt-drain", daemon=True)
+        t = threading.Thread(target=lambda: box.append(drain(timeout, seen=seen)), name="tierckpt-drain", daemon=True)
         t.start()
         end = time.monotonic() + timeout + 1.0
         while t.is_alive() and not _cut.is_set() and time.monotonic() < end:
