@@ -76,7 +76,7 @@ class LocalReads:
         :meth:`read_ranges` reads these keys buffered, from the page cache, until
         :meth:`end_prefetch`. Such a load is over before ``O_DIRECT`` pays: its cold reads
         would need fresh bounce buffers (4 x 8 MiB of huge pages: faulting them in took
-        100-320 ms of system CPU on a host with fragmented memory, reading the 37 MiB they
+        100-320 ms of system CPU in a fresh process on the test host, while reading the 37 MiB they
         were for takes 45 ms buffered), and the page cache it fills is small. A larger load
         is not prefetched (returns 0): its cold ranges are read with ``O_DIRECT``. Replaces
         the previous announcement; absent keys are skipped (the reads report them). Returns
