@@ -45,13 +45,18 @@ def buffer_for(it: Item) -> memoryview:
     return memoryview(it.scratch.numpy())
 
 
-def deliver(it: Item, allow_pickle: bool, checkpoint_id: str | None) -> None:
+def deliver(it: Item, allow_pickle: bool, checkpoint_id: str | None, passed: set[bytes] | None = None) -> None:
     """Copy a verified item out to DCP's destinations (tensors), or keep its bytes (objects,
-    refused unless they load with ``weights_only=True`` or ``allow_pickle``); frees the scratch buffer."""
+    refused unless they load with ``weights_only=True`` or ``allow_pickle``); frees the scratch buffer.
+
+    ``passed``: the objects of this load that passed the ``weights_only`` check; an object equal
+    to one of them, byte for byte, is not unpickled again (the check depends on the bytes
+    alone: an optimizer's ``param_groups`` are hundreds of copies of a few values). Objects
+    that pass are added. Several threads may share it."""
     rec = it.rec
     if not rec.is_tensor:
         data = bytes(it.data)  # type: ignore[arg-type]
-        if not allow_pickle:
+        if not allow_pickle and (passed is None or data not in passed):
             try:
                 torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:  # noqa: BLE001 - any unpickling failure means: refuse
@@ -60,6 +65,8 @@ def deliver(it: Item, allow_pickle: bool, checkpoint_id: str | None) -> None:
                     f"weights_only=True ({type(e).__name__}); pass TieredReader(..., allow_pickle=True) "
                     "only if you trust this checkpoint"
                 ) from None
+            if passed is not None:
+                passed.add(data)
         it.data = data
         return
     if it.direct is not None:

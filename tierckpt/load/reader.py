@@ -41,7 +41,7 @@ from ..chain.commit import default_channel
 from ..codec.view import decoding
 from ..config import TierConfig, load_config
 from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
-from ..format.layout import check_checkpoint_id, is_valid_checkpoint_id
+from ..format.layout import check_checkpoint_id, data_key, is_valid_checkpoint_id
 from ..format.layout import padded as _padded
 from ..format.metadata import ItemRecord, item_intact
 from ..tiers import make_tiers
@@ -100,6 +100,7 @@ class TieredReader(MetadataResolution, StorageReader):
         self._decision: agreement.Decision | None = None  # the coordinator's: who holds what, the job's leases
         self._roots: list[str] = []  # the coordinator's: each rank's node
         self._failed: BaseException | None = None  # why the last read_metadata failed
+        self._passed: set[bytes] = set()  # objects of the last read that passed the weights_only check
 
     # -- DCP StorageReader ----------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -120,12 +121,16 @@ class TieredReader(MetadataResolution, StorageReader):
         self._raw_md = None
 
     def release(self) -> None:
-        """Give up the leases this reader holds (done at the end of ``read_data``; idempotent)."""
+        """Give up the leases this reader holds and the local tier's prefetch (done at the end of
+        ``read_data``; idempotent)."""
         for lease in self._leases:
             lease.release()
         self._leases = []
         if self._decision is not None:
             self._decision.release()
+        for t in self.tiers[:1]:
+            if isinstance(t, LocalTier):
+                t.end_prefetch()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.metadata = metadata
@@ -167,7 +172,22 @@ class TieredReader(MetadataResolution, StorageReader):
             ) from None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Every rank: tags the plan with the resolved id, and announces this rank's reads to the
+        local tier, which starts prefetching a small load while DCP plans (:meth:`LocalTier.prefetch`)."""
+        self._prefetch(plan)
         return dataclasses.replace(plan, storage_data=self.resolved_id)
+
+    def _prefetch(self, plan: LoadPlan) -> None:
+        local = self._holding[0] if self._holding else None
+        if not isinstance(local, LocalTier) or self.metadata is None or self.resolved_id is None:
+            return
+        storage = self.metadata.storage_data or {}
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for ri in plan.items:
+            rec = storage.get(ri.storage_index)
+            if rec is not None and rec.length:
+                spans.setdefault(data_key(self.resolved_id, rec.file), []).append((rec.pos, rec.pos + rec.length))
+        local.prefetch(spans)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: every rank must have resolved the same checkpoint (``latest`` may race a
@@ -217,6 +237,7 @@ class TieredReader(MetadataResolution, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         assert self.metadata is not None and self.resolved_id is not None
         t_load = time.perf_counter()
+        self._passed = set()  # objects of this load that passed the weights_only check (deliver)
         storage: dict[MetadataIndex, ItemRecord] = self.metadata.storage_data
         groups: dict[MetadataIndex, Item] = {}
         for ri in plan.items:
@@ -244,7 +265,10 @@ class TieredReader(MetadataResolution, StorageReader):
             what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
             requests.append(
                 Request(
-                    it.rec, buffer_for(it), what, done=functools.partial(_done, it, self.allow_pickle, self.resolved_id)
+                    it.rec,
+                    buffer_for(it),
+                    what,
+                    done=functools.partial(_done, it, self.allow_pickle, self.resolved_id, self._passed),
                 )
             )
         # each item served to other nodes is read (and verified) once, whatever the number of peers,
@@ -297,6 +321,7 @@ class TieredReader(MetadataResolution, StorageReader):
             else:
                 for ri in it.reads:
                     planner.load_bytes(ri, io.BytesIO(it.data))
+        self._passed = set()
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -416,7 +441,7 @@ class TieredReader(MetadataResolution, StorageReader):
                     dst[:] = staged[i]
                     if self.fill is not None:
                         self.fill.received(storage[i], dst)
-                    deliver(it, self.allow_pickle, self.resolved_id)
+                    deliver(it, self.allow_pickle, self.resolved_id, self._passed)
         damaged: list[Request] = []
         for p, idx in recv_from.items():
             mv, at = memoryview(recv_bufs[p].numpy()), 0
@@ -429,7 +454,7 @@ class TieredReader(MetadataResolution, StorageReader):
                 if item_intact(rec, dst, b"\0" * (_padded(rec.length) - rec.length), self.chunk_size):
                     if self.fill is not None:
                         self.fill.received(rec, dst)
-                    deliver(it, self.allow_pickle, self.resolved_id)
+                    deliver(it, self.allow_pickle, self.resolved_id, self._passed)
                     self.from_peers[rec.file] = self.from_peers.get(rec.file, 0) + rec.length
                     continue
                 log.error(
@@ -440,7 +465,7 @@ class TieredReader(MetadataResolution, StorageReader):
                         rec,
                         dst,
                         f"item {i.fqn!r}",
-                        done=functools.partial(_done, it, self.allow_pickle, self.resolved_id),
+                        done=functools.partial(_done, it, self.allow_pickle, self.resolved_id, self._passed),
                     )
                 )
         if damaged:
@@ -454,7 +479,7 @@ class TieredReader(MetadataResolution, StorageReader):
             Readback(cid, shared, self.chunk_size, threads=self.threads).read(damaged)
 
 
-def _done(it: Item, allow_pickle: bool, checkpoint_id: str | None, r: Request) -> None:
+def _done(it: Item, allow_pickle: bool, checkpoint_id: str | None, passed: set[bytes], r: Request) -> None:
     """The engine verified the item (on a worker thread): copy it out, free its scratch buffer."""
-    deliver(it, allow_pickle, checkpoint_id)
+    deliver(it, allow_pickle, checkpoint_id, passed)
     r.buf = memoryview(b"")

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import TierError
 
-__all__ = ["fsync_dir", "open_new", "drain_deletions", "DIO_ALIGN", "PARTIAL", "TMP", "TRASH"]
+__all__ = ["fsync_dir", "open_new", "drain_deletions", "willneed", "DIO_ALIGN", "PARTIAL", "TMP", "TRASH"]
 
 log = logging.getLogger("tierckpt")
 
@@ -29,6 +29,9 @@ DIO_ALIGN = max(4096, mmap.PAGESIZE)  # offsets, lengths and addresses of O_DIRE
 DIRECT_READ_MIN = 1 << 20  # reads smaller than this stay buffered (page cache, readahead)
 BOUNCE_SIZE = 8 << 20  # bytes per direct read into the bounce buffer
 INPLACE_STEP = 64 << 20  # bytes per O_DIRECT read straight into an aligned destination (no bounce)
+PREFETCH_MAX = 256 << 20  # a load announcing at most this much is prefetched and read buffered (LocalReads.prefetch)
+PREFETCH_STEP = 2 << 20  # bytes per POSIX_FADV_WILLNEED call: Linux reads at most one readahead window per call
+PREFETCH_GAP = 256 << 10  # announced ranges this close are prefetched as one
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTTY)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -85,6 +88,36 @@ class _Bounce:
 
 
 _bounce = _Bounce()
+
+
+def willneed(ranges: dict[Path, list[tuple[int, int]]], stop: threading.Event) -> None:
+    """Ask the kernel to read ``ranges`` (per file, ``(start, end)`` byte ranges) into the page
+    cache: ``POSIX_FADV_WILLNEED`` over the merged ranges (neighbours up to :data:`PREFETCH_GAP`
+    apart taken as one), :data:`PREFETCH_STEP` bytes per call, since one call reads at most the
+    device's readahead window. Each call submits reads and returns without waiting for them.
+    Stops early once ``stop`` is set. A file that is absent or refuses the advice is skipped:
+    prefetching is a hint, the reads that follow report what is wrong."""
+    for path, spans in ranges.items():
+        merged: list[list[int]] = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1] + PREFETCH_GAP:
+                merged[-1][1] = max(merged[-1][1], b)
+            elif b > a:
+                merged.append([a, b])
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            for a, b in merged:
+                for off in range(a, b, PREFETCH_STEP):
+                    if stop.is_set():
+                        return
+                    os.posix_fadvise(fd, off, min(PREFETCH_STEP, b - off), os.POSIX_FADV_WILLNEED)
+        except OSError as e:
+            log.debug("prefetching %s: %s", path, e)
+        finally:
+            os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:

@@ -7,8 +7,9 @@ Per round and manager: one run of tests/titan_scenarios.py (llama3 debugmodel, F
 ranks on CPU) trains 2 steps and saves step 2 (waited for); a second run in fresh processes resumes
 from it. Reported: the seconds ``CheckpointManager.load`` took on each rank of the resuming run
 (the slower rank counts), as the median over rounds, and their ratio; the CPU seconds of each
-rank's process during that load (all its threads; the ranks summed); the CPU seconds of the resuming
-runs (all ranks, whole processes: imports included). Managers alternate within each round.
+rank's process during that load (all its threads; the ranks summed), and the load average at the
+end. Managers alternate within each round. (The ranks are forked from the launcher's fork server,
+not children of this process: the CPU time of whole runs is not visible here.)
 ``--profile DIR``: a cProfile of each rank's load in DIR (``load-<manager>-<rank>.prof``, last round).
 ``--cold``: before each resume, the checkpoint's files are dropped from the page cache
 (``posix_fadvise(DONTNEED)``), as on a restart on another node: both managers read from the disk.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -33,11 +33,6 @@ sys.path.insert(0, str(ROOT))
 from tierckpt.testing.launch import run_world  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "titan_scenarios.py"
-
-
-def _cpu_children() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def _run(root: Path, manager: str, tag: str) -> list[dict]:
@@ -82,17 +77,15 @@ def main() -> None:
                 _run(root, manager, "save")
                 if a.cold:
                     _drop_cached(root)
-                cpu0 = _cpu_children()
                 res = _run(root, manager, "resume")
-                cpu = _cpu_children() - cpu0
                 if any(r["resumed_from"] != 2 for r in res):
                     raise SystemExit(f"{manager}: resumed from {[r['resumed_from'] for r in res]}, not step 2")
                 rows.append({"round": rnd, "manager": manager, "load_s": max(r["load_s"] for r in res),
                              "load_s_ranks": [r["load_s"] for r in res],
-                             "load_cpu_s": sum(r["load_cpu_s"] for r in res), "cpu_s_resume_run": cpu})
-    print(f"{'round':>5} {'manager':11} {'load s':>8} {'load CPU s':>11} {'CPU s (run)':>12}")
+                             "load_cpu_s": sum(r["load_cpu_s"] for r in res), "loadavg": os.getloadavg()[0]})
+    print(f"{'round':>5} {'manager':11} {'load s':>8} {'load CPU s':>11} {'load avg':>9}")
     for r in rows:
-        print(f"{r['round']:5d} {r['manager']:11} {r['load_s']:8.3f} {r['load_cpu_s']:11.3f} {r['cpu_s_resume_run']:12.1f}")
+        print(f"{r['round']:5d} {r['manager']:11} {r['load_s']:8.3f} {r['load_cpu_s']:11.3f} {r['loadavg']:9.1f}")
     ms = ("tierckpt", "torchtitan")
     med = {m: statistics.median(r["load_s"] for r in rows if r["manager"] == m) for m in ms}
     cpu = {m: statistics.median(r["load_cpu_s"] for r in rows if r["manager"] == m) for m in ms}
