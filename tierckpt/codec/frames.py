@@ -194,14 +194,20 @@ def _gather(a: np.ndarray, pieces: list[tuple[int, int]]) -> np.ndarray:
     return out
 
 
-def _code(out: np.ndarray, src: int, count: int, at: int, level: int, entropy: bool) -> tuple[int, int]:
+def _code(
+    out: np.ndarray, src: int, count: int, at: int, level: int, entropy: bool, probe: bool = True
+) -> tuple[int, int]:
     """Code the plane at ``out[src:src + count]`` and leave its stream at ``out[at:]`` (``at <=
     src``; the bytes after ``src + count`` are not touched): (kind, stream size). ``entropy``: a
-    byte plane of wider elements, coded with :data:`PLANE_PARAMS` at levels <= 1."""
+    byte plane of wider elements, coded literal-only at levels <= 1 (:func:`_compressor`).
+    ``probe``: a large plane is first sampled (:data:`PROBE`) and kept raw, uncoded, when the
+    sample does not shrink; without it the plane is coded at once (the top plane of a width,
+    sign and exponent bits or the high bytes of integers, which compresses: a sample of it
+    would be coded twice)."""
     plane = out[src : src + count]
     c = _compressor(level, entropy)
     coded = None
-    if count >= 4 * PROBE:
+    if probe and count >= 4 * PROBE:
         mid = count // 2
         if len(c(plane[mid : mid + PROBE])) <= KEEP * PROBE:
             coded = c(plane)
@@ -236,7 +242,7 @@ def encode(data: memoryview | bytes | bytearray | np.ndarray, segs: list[tuple[i
         base = at
         split(_gather(a, pieces), w, out[base : base + w * count])
         for j in range(w):
-            kind, size = _code(out, base + j * count, count, at, level, w > 1)
+            kind, size = _code(out, base + j * count, count, at, level, w > 1, j < w - 1)
             kinds.append((kind, size))
             at += size
     if at >= 1 + len(a):
