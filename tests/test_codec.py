@@ -93,6 +93,9 @@ def test_planes_of_bf16_weights_compress_and_random_bytes_stay_raw() -> None:
     noise = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
     s2 = encode(noise, [(len(noise), 1)])
     assert s2[0] == 0 and len(s2) == len(noise) + 1  # kept as it was
+    # as 4-byte elements: the top plane is coded without a sample first, and kept raw all the same
+    s4 = encode(noise, [(len(noise), 4)])
+    assert s4[0] == 0 and len(s4) == len(noise) + 1
 
 
 def test_literal_only_coder_and_its_fallback_write_frames_one_reader_decodes(monkeypatch: pytest.MonkeyPatch) -> None:

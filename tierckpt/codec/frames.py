@@ -6,7 +6,8 @@ file (:mod:`tierckpt.codec`). Its bytes are *segments* (runs of one item type, s
 fp32, 8 for fp64/int64, the component size for complex types, 1 for bytes, bool and serialized
 objects). The encoder groups the frame's bytes by width and splits each group into byte planes
 (plane ``j`` holds byte ``j`` of every element); the exponent planes of floating point data are
-highly compressible, the low mantissa planes are not. Each plane is coded with zstd, or kept raw
+highly compressible, the low mantissa planes are not. Each plane is coded with zstd (at levels
+<= 1 literal-only: Huffman-coded bytes, no match search, see :func:`_entropy_coder`), or kept raw
 when a sample of it does not compress (so incompressible planes cost no coder CPU) or when its
 coded form is not smaller.
 
@@ -19,8 +20,10 @@ Format (little endian), version 1::
 Streams come per width in order of first appearance among the segments, planes ``0..width-1``
 (one stream for width 1). A frame decodes on its own (:func:`decode_into`), with no other input
 than its logical length, which the stored index gives: ranged reads, resumable fetches and
-parallel loads decode only the frames they touch. python-zstandard releases the GIL while it
-codes; the plane shuffles are numpy copies.
+parallel loads decode only the frames they touch. Every coder writes ordinary zstd frames (stream
+kind 1), which python-zstandard decodes whatever parameters made them: the coder is not recorded
+and needs not be. The zstd modules release the GIL while they code; the plane shuffles are numpy
+copies.
 """
 
 from __future__ import annotations
