@@ -93,6 +93,34 @@ def test_planes_of_bf16_weights_compress_and_random_bytes_stay_raw() -> None:
     noise = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
     s2 = encode(noise, [(len(noise), 1)])
     assert s2[0] == 0 and len(s2) == len(noise) + 1  # kept as it was
+    # as 4-byte elements: the top plane is coded without a sample first, and kept raw all the same
+    s4 = encode(noise, [(len(noise), 4)])
+    assert s4[0] == 0 and len(s4) == len(noise) + 1
+
+
+def test_literal_only_coder_and_its_fallback_write_frames_one_reader_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Byte planes are coded literal-only where the zstd module takes the parameter (the package's
+    dependency brings one); frames coded without it (older checkpoints, or the fallback to
+    python-zstandard's stable parameters) decode the same way, at about the same size."""
+    from tierckpt.codec import frames
+
+    assert frames._entropy_coder() is not None
+    data = np.concatenate(
+        [_bytes((torch.randn(1 << 19) * 0.02).to(torch.bfloat16)), _bytes(torch.randn(1 << 18).square() * 1e-6)]
+    )
+    segs = [(1 << 20, 2), (1 << 20, 4)]
+    sizes = []
+    for fallback in (False, True):
+        monkeypatch.setattr(frames._local, "compressors", {}, raising=False)  # this thread's coders, made anew
+        if fallback:
+            monkeypatch.setattr(frames, "_entropy_coder", lambda: None)
+        stored = encode(data, segs)
+        assert stored[0] == 1
+        out = bytearray(len(data))
+        decode_into(stored, memoryview(out), "test")
+        assert bytes(out) == data.tobytes()
+        sizes.append(len(stored))
+    assert 0.9 < sizes[0] / sizes[1] < 1.1
 
 
 def test_segments_of_cuts_runs_at_frame_bounds() -> None:

@@ -55,10 +55,10 @@ def split(group: np.ndarray, w: int, dst: np.ndarray | None = None) -> np.ndarra
         return out
     x = group.view(_WORD[w])
     np.copyto(out[0], x, casting="unsafe")  # the low byte: a narrowing cast keeps it
-    tmp = scratch("shift", count, _WORD[w])
     for j in range(1, w):
-        np.right_shift(x, 8 * j, out=tmp)
-        np.copyto(out[j], tmp, casting="unsafe")
+        # shift in the word type, narrowed into the plane by the ufunc's own small buffer: one
+        # pass over memory instead of a shift into a scratch word array and a narrowing copy
+        np.right_shift(x, 8 * j, out=out[j], casting="unsafe")
     return out
 
 
@@ -75,6 +75,10 @@ def merge(planes: list[np.ndarray], w: int, dst: np.ndarray) -> None:
             rows[:, j] = planes[j]
         return
     o = dst.view(_WORD[w])
+    if w == 2:  # widening and shift in one pass (the ufunc casts the plane in its own small buffer)
+        np.left_shift(planes[1], 8, out=o, dtype=o.dtype)
+        np.bitwise_or(o, planes[0], out=o)
+        return
     np.copyto(o, planes[w - 1])  # widening copy, then shift in the lower planes
     for j in range(w - 2, -1, -1):
         np.left_shift(o, 8, out=o)

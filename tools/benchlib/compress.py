@@ -6,7 +6,8 @@ torchtitan's debugmodel after 60 steps, a fine-tune with 90% of the parameters f
 1. **Ratios and speeds.** Each state is laid out as the writer lays a rank's file out (items in
    key order at 64-byte aligned offsets, plane width from the dtype) and cut into 4 MiB frames;
    per category (bf16 weights, fp32 master, ``exp_avg``, ``exp_avg_sq``, the whole state): our
-   frames (byte planes + zstd level 1, :mod:`tierckpt.codec.frames`), zstd level 1 on the raw
+   frames (byte planes, zstd literal-only per plane at the default level 1,
+   :mod:`tierckpt.codec.frames`), zstd level 1 on the raw
    bytes, and, where installed, blosc2 (shuffle + zstd-1) and ZipNN (Huffman) side by side.
    Speeds are bytes per CPU second of the one thread that codes (``time.thread_time``), after a
    warm-up pass, the least of three passes.
@@ -184,7 +185,7 @@ def _ratios(name: str, state: dict, repeats: int = 3) -> list[dict]:
         if n < 4096:
             continue
         for method, fn in (
-            ("tierckpt planes+zstd-1", lambda d=data, r=runs: _ours(d, r)),
+            ("tierckpt planes+zstd literal-only", lambda d=data, r=runs: _ours(d, r)),
             ("zstd-1, no planes", lambda d=data: _plain_zstd(d)),
             ("blosc2 shuffle+zstd-1", lambda t=ts: _blosc2(t)),
             ("ZipNN Huffman", lambda t=ts: _zipnn(t)),
