@@ -109,7 +109,9 @@ class LocalConfig:
             with ``O_DIRECT`` from the page-aligned host pool, bypassing the page cache; a file
             system that refuses it (some tmpfs, FUSE or network file systems) gets buffered I/O,
             with one log line per process. ``true``: ``O_DIRECT`` is required (a refusal is an
-            error naming the file). ``false``: always buffered.
+            error naming the file). ``false``: always buffered. A load of at most 256 MiB per
+            rank is read through the page cache after a background prefetch (``auto`` and
+            ``true``): small resumes do not pay ``O_DIRECT``'s per-read cost.
         fill_on_load: when ``dcp.load`` takes data files this rank wrote from a shared tier (S3)
             or from other nodes because this tier lacks them (a lost or replaced node), write them here as they
             arrive and commit the local copy after the load, so the next restart finds them
@@ -170,8 +172,8 @@ class S3Config:
             (default): as written.
         compression_level: the zstd level (-7..22; 1 by default: higher levels gain little on
             model state and cost much CPU). At levels <= 1 the byte planes of multi-byte items
-            are coded with near-entropy-only zstd parameters (faster than level 1 at the same
-            ratio; ``tierckpt.codec.frames.PLANE_PARAMS``), other bytes at the level.
+            are coded literal-only (Huffman, no match search; faster than level 1 at the same
+            ratio; ``tierckpt.codec.frames``), other bytes at the level.
         copy_unchanged: frames byte-identical (128-bit hash) to the same rank's file in the
             previous checkpoint on this tier are copied by the server (``UploadPartCopy``), not
             uploaded again. Either this or ``compression`` switches the hop to the encoded copy.
