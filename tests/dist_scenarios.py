@@ -298,9 +298,10 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
                 os._exit(9)
             target = placeholder(_small_state(rank, 1))
             dcp.load(target, checkpoint_id="latest", storage_reader=TieredReader(cfg))
-        return {"error": None, "seconds": time.monotonic() - t0, "logged": logged}
+        return {"error": None, "seconds": time.monotonic() - t0, "logged": logged, "dead_ranks": [victim]}
     except BaseException as e:  # noqa: BLE001 - the error is the result
         return {
+            "dead_ranks": [victim],
             "error": _err(e),
             "seconds": time.monotonic() - t0,
             "logged": logged,

@@ -274,7 +274,8 @@ def serve(scenarios: dict[str, Callable[[dict, int, int], dict]], *, report_erro
     group, write its result to ``sys.argv[3]``, and exit 0 without running atexit handlers.
 
     ``report_errors``: a scenario that raises gives ``{"errors": ["scenario crashed: ..."]}`` as
-    its result (the test sees the error as text); otherwise the process dies with it.
+    its result (the test sees the error as text); otherwise the process dies with it. A scenario
+    that kills ranks names them in its result's ``dead_ranks``: the others do not wait for them.
     """
     import torch.distributed as dist
 
@@ -287,9 +288,28 @@ def serve(scenarios: dict[str, Callable[[dict, int, int], dict]], *, report_erro
         result = scenarios[name](json.loads(args_json), rank, world)
     except BaseException as e:  # noqa: BLE001 - the test gets the error as text
         if not report_errors:
+            _done(1, world)  # counted as arrived (rank 0 waits for no one): the failure ends the run
             raise
         result = {"errors": [f"scenario crashed: {err_text(e, 3000)}\n{traceback.format_exc()[-3000:]}"]}
     Path(result_path).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    _done(rank, world - len(result.get("dead_ranks", ())) if isinstance(result, dict) else world)
     os._exit(0)  # skip the atexit drain: every scenario waits for its own work
+
+
+def _done(rank: int, alive: int) -> None:
+    """The end of :func:`serve`: rank 0, when it hosts the job's store, stays until the ``alive``
+    ranks (the world less the ``dead_ranks`` a scenario names) have written their results; the
+    others go at once. Through the store, not a gloo barrier: that would wait its full timeout for
+    a rank a scenario killed. (Rank 0 must not linger otherwise: ranks still blocked in a gloo
+    collective with it fail only when it goes.)"""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        store = c10d._get_default_store()
+        store.add("tierckpt-serve/done", 1)
+        deadline = time.monotonic() + 300
+        host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else the launcher hosts it
+        while rank == 0 and host and store.add("tierckpt-serve/done", 0) < alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store's host died (a scenario killed it): nothing to wait for
+        pass
