@@ -193,7 +193,9 @@ def view_from_wire(w: tuple) -> NodeView:
 
 
 def verdict_to_wire(v: Verdict) -> tuple:
-    return (v.checkpoint_id, v.seq, v.md_rank, v.md_size, v.md_send, v.shared, v.leased, v.load, v.error, v.md_from)
+    """A verdict as a plain tuple (``md_from`` only when set: a restart's verdict stays as small)."""
+    w = (v.checkpoint_id, v.seq, v.md_rank, v.md_size, v.md_send, v.shared, v.leased, v.load, v.error)
+    return (*w, v.md_from) if v.md_from else w
 
 
 def verdict_from_wire(w: tuple) -> Verdict:
