@@ -16,10 +16,14 @@ it listed the checkpoint's objects:
 4. delete the metadata (the checkpoint stops being committed), then the listed data objects,
    then the tombstone.
 
-A reader does the mirror image: write its lease, then check for a live tombstone (and that the
-checkpoint is still committed). Both sides write before they look, so at least one of them sees
-the other (local file systems and S3 are read-after-write consistent): either the reader backs
-off before reading a byte, or the deleter leaves the checkpoint alone.
+A reader does the mirror image: write its lease, then check for a live tombstone, then that the
+checkpoint is still committed (a HEAD of its metadata, or a GET of the whole metadata when the
+reader needs it anyway: ``acquire(read_metadata=size)``, which a load's coordinator uses). Both
+sides write before they look, so at least one of them sees the other (local file systems and S3
+are read-after-write consistent): either the reader backs off before reading a byte, or the
+deleter leaves the checkpoint alone. The order of the reader's two looks matters: a deletion
+that missed the lease removes the metadata before its tombstone, so a reader that finds no
+tombstone and then the metadata knows no such deletion was under way when it looked.
 
 A *writer* (a save into its first tier, a hop copying into the next tier) does the same with
 :func:`acquire_for_write`, before its first object of the checkpoint on that tier, and holds the
@@ -214,6 +218,7 @@ class Lease:
         self.purpose = purpose
         self.key = _key(checkpoint_id, kind, uuid.uuid4().hex[:16])
         self.released = False
+        self.metadata: bytes | None = None  # the metadata read by acquire(read_metadata=...), after the lease
         self.valid_until = 0.0  # the expiry written by the last successful put (this host's clock)
         self._late = False  # a renewal landed after (or just before) the previous expiry
 
@@ -259,6 +264,7 @@ def acquire(
     purpose: str = "",
     require_committed: bool = True,
     check_tombs: bool = True,
+    read_metadata: int = 0,
 ) -> Lease:
     """Take a lease on ``checkpoint_id`` on ``tier``: write it, then make sure no deletion is under way.
 
@@ -266,6 +272,12 @@ def acquire(
     and :class:`CheckpointNotFound` if ``require_committed`` and the checkpoint is not (or no
     longer) committed there. Fetches into a tier pass ``require_committed=False``; saves and
     hops use :func:`acquire_for_write` (which waits for a deletion of the same id instead).
+
+    ``read_metadata``: the size of the checkpoint's ``metadata.json`` as listed; the committed
+    check then reads those bytes with one GET instead of a HEAD (the same request count, and
+    the same proof: it runs after the tombstone check) and keeps them in :attr:`Lease.metadata`.
+    A metadata shorter than listed now (replaced since) raises :class:`CheckpointNotFound` too,
+    the lease released; the caller checks the bytes' commit header against the one it listed.
     """
     lease = Lease(tier, checkpoint_id, kind, purpose)
     try:
@@ -287,7 +299,9 @@ def acquire(
                 f"checkpoint {checkpoint_id} is being deleted on {tier.url} "
                 f"({tombs[0].describe()}): it cannot be {purpose or 'used'}"
             )
-        if require_committed and not tier.exists(metadata_key(checkpoint_id)):
+        if require_committed and read_metadata > 0:
+            lease.metadata = _read_whole(tier, checkpoint_id, read_metadata)
+        elif require_committed and not tier.exists(metadata_key(checkpoint_id)):
             raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed on {tier.url} (deleted?)")
     except BaseException:
         lease.release()
@@ -295,6 +309,23 @@ def acquire(
     if not lease.released:
         _renewer.add(lease)
     return lease
+
+
+def _read_whole(tier: Tier, checkpoint_id: str, size: int) -> bytes:
+    """``metadata.json`` of ``checkpoint_id``, ``size`` bytes as listed, with one GET (the committed check)."""
+    key = metadata_key(checkpoint_id)
+    try:
+        raw = tier.get(key, 0, size)
+    except CheckpointNotFound:
+        raise CheckpointNotFound(f"checkpoint {checkpoint_id} is not committed on {tier.url} (deleted?)") from None
+    except CorruptCheckpoint as e:  # a range past the end: shorter than listed
+        raise CheckpointNotFound(f"checkpoint {checkpoint_id} on {tier.url} changed since it was listed: {e}") from None
+    if len(raw) != size:
+        raise CheckpointNotFound(
+            f"checkpoint {checkpoint_id} on {tier.url} changed since it was listed: "
+            f"{tier.url}/{key} has {len(raw)} bytes, {size} were listed"
+        )
+    return raw
 
 
 _warned: set[str] = set()

@@ -16,19 +16,25 @@ same functions for thousands of simulated ranks:
 3. :func:`decide`, the coordinator alone: lists each shared tier once (one delimited listing and
    one small ranged read per committed checkpoint: :func:`tierckpt.catalog.committed_headers`),
    picks the newest checkpoint whose every data file some node or a shared tier holds, and
-   takes the job's one lease on each shared tier the load will read from (:meth:`Decision.lease`).
+   takes the job's one lease on each shared tier the load will read from (:attr:`Decision.leases`).
+   The lease's committed check on the first such tier reads the whole ``metadata.json`` (one GET
+   where a HEAD proved no more) when the copy is of use: the coordinator then holds that tier's
+   metadata (:attr:`Decision.metadata`) for its own rank and for the few ranks it sends it to.
    It keeps who holds which file (:attr:`Decision.holders`, for the read schedule) and returns a
    :class:`Verdict` of constant size (plus ranges of ranks).
 4. The verdict is broadcast (one ``broadcast_object_list``). Every rank then has the metadata
    (:func:`metadata_source`): from its own node when it holds the checkpoint (read in phase 1),
-   from the rank that holds it (point to point) when no shared tier has it, else with one GET
-   from the shared tier.
+   on the coordinator from its lease's read, from the rank that holds it (point to point: the
+   coordinator's shared copy, else a node's) when no shared tier has it or at most
+   :data:`PEER_METADATA_MAX` ranks lack it, else with one GET from the shared tier.
 5. When every rank has read (a store counter, :func:`done_key`), the coordinator releases the
    job's leases.
 
 So a restart whose files are all on local disks sends the bucket one LIST plus one small GET
-per committed checkpoint there, for the whole job; a load from S3 sends one metadata GET per
-rank plus the ranged GETs of the data it reads.
+per committed checkpoint there, for the whole job; a load from S3 sends the ranged GETs of the
+data it reads, the coordinator's listing, headers and lease (PUT, LIST, the metadata GET,
+DELETE), and one metadata GET per other rank once more than :data:`PEER_METADATA_MAX` ranks
+lack it.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from ..catalog import lease as leases
 from ..catalog.listing import committed_headers, committed_in_order, read_checkpoint_raw
 from ..errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from ..format.layout import MAX_METADATA_BYTES, metadata_key
-from ..format.metadata import CheckpointDoc
+from ..format.metadata import CheckpointDoc, read_header
 from ..tiers.base import Tier
 
 __all__ = [
@@ -71,6 +77,10 @@ CANDIDATES = 3
 
 PEER_METADATA_MAX = 32
 """At most this many ranks lacking the metadata get it from another node rather than a shared tier."""
+
+PEER_METADATA_BYTES = 64 << 20
+"""At most this many bytes of metadata in all go from the coordinator to the ranks lacking it
+(a copy it read from a shared tier); beyond, each of them reads it from that tier."""
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -130,9 +140,10 @@ class NodeView:
 class Verdict:
     """What the coordinator tells every rank (phase 4): constant size plus ranges of ranks.
 
-    ``md_rank``: a rank whose node holds the metadata (-1: none); ``md_send``: the ranks that get
-    it from ``md_rank`` point to point (their node lacks it, and no shared tier holds it or at most
-    :data:`PEER_METADATA_MAX` ranks lack it);
+    ``md_rank``: a rank holding the metadata (-1: none): the coordinator when it read it from
+    shared tier ``md_from`` taking the job's lease there, else a rank whose node holds it
+    (``md_from`` empty); ``md_send``: the ranks that get it from ``md_rank`` point to point (their
+    node lacks it, and no shared tier holds it or at most :data:`PEER_METADATA_MAX` ranks lack it);
     ``shared``: names of the shared tiers holding it committed, ``leased`` those the coordinator
     holds a lease on for the job; ``load``: this load's token (store keys); ``error``: why no
     checkpoint can be loaded (every rank raises it).
@@ -147,16 +158,19 @@ class Verdict:
     leased: tuple[str, ...] = ()
     load: str = ""
     error: str = ""
+    md_from: str = ""
 
 
 @dataclass
 class Decision:
     """The coordinator's whole answer: the verdict, and (kept on the coordinator only) which
-    ranks' nodes hold each data file, by index into :func:`data_files`."""
+    ranks' nodes hold each data file, by index into :func:`data_files`, the job's leases, and
+    the ``metadata.json`` its first lease read: ``(shared tier name, bytes)``, or None."""
 
     verdict: Verdict
     holders: dict[int, list[int]] = field(default_factory=dict)
     leases: list[leases.Lease] = field(default_factory=list)
+    metadata: tuple[str, bytes] | None = None
 
     def holders_by_file(self, files: dict[str, int]) -> dict[str, list[int]]:
         names = data_files(files)
@@ -179,7 +193,9 @@ def view_from_wire(w: tuple) -> NodeView:
 
 
 def verdict_to_wire(v: Verdict) -> tuple:
-    return (v.checkpoint_id, v.seq, v.md_rank, v.md_size, v.md_send, v.shared, v.leased, v.load, v.error)
+    """A verdict as a plain tuple (``md_from`` only when set: a restart's verdict stays as small)."""
+    w = (v.checkpoint_id, v.seq, v.md_rank, v.md_size, v.md_send, v.shared, v.leased, v.load, v.error)
+    return (*w, v.md_from) if v.md_from else w
 
 
 def verdict_from_wire(w: tuple) -> Verdict:
@@ -230,6 +246,9 @@ def decide(
     some node, or that a shared tier holds committed. When the load needs a shared tier (a file
     no node holds, or no node holding the metadata), the coordinator takes the job's lease on
     it (``take_leases``); a deletion under way there makes it fall back to the next candidate.
+    Taking the first lease reads the metadata there whole (:attr:`Decision.metadata`) when the
+    coordinator's node lacks it or few ranks do; the verdict then names that copy as the one to
+    share with those ranks (``md_rank`` 0, ``md_from``).
     Never raises for a missing checkpoint: the verdict's ``error`` says why, for every rank
     (naming the first missing file when ``names`` has the checkpoint's :func:`data_files`)."""
     for r, v in enumerate(views):
@@ -284,23 +303,47 @@ def decide(
         send = ranges_of(lacking) if md_rank >= 0 and (not on or len(lacking) <= PEER_METADATA_MAX) else ()
         held: list[leases.Lease] = []
         leased: list[str] = []
+        raw: bytes | None = None
+        raw_from = md_from = ""
         needs_shared = not covered or (bool(lacking) and not send)
+        others = [r for r in lacking if r != 0]
+        # The coordinator's lease reads the metadata (a GET instead of a HEAD) when the copy is
+        # of use: the coordinator's own node lacks it, or it goes point to point to a few ranks.
+        wanted = 0 in lacking or 0 < len(others) <= PEER_METADATA_MAX
         if needs_shared and take_leases:
             for tier in shared_tiers:
                 if tier.name not in on:
                     continue
+                size = shared[tier.name][cid][1]
+                read = wanted and raw is None and 0 < size <= MAX_METADATA_BYTES
                 try:
-                    held.append(leases.acquire(tier, cid, purpose="load"))
-                    leased.append(tier.name)
+                    lease = leases.acquire(tier, cid, purpose="load", read_metadata=size if read else 0)
                 except CheckpointNotFound as e:  # deleted meanwhile, or a deletion under way
                     log.warning("%s", e)
+                    continue
+                body = lease.metadata
+                header = read_header(body) if body is not None else None
+                if body is not None and (header is None or header.seq != seq):
+                    log.warning("checkpoint %s on %s: its metadata changed since it was listed", cid, tier.url)
+                    lease.release()
+                    continue
+                held.append(lease)
+                leased.append(tier.name)
+                if body is not None:
+                    raw, raw_from = body, tier.name
             if not leased:
                 why.append(f"{cid}: being deleted from {', '.join(on)}")
                 continue
-        if md_rank < 0:
+        if raw is not None and 0 < len(others) <= PEER_METADATA_MAX and len(others) * len(raw) <= PEER_METADATA_BYTES:
+            # The coordinator holds the shared tier's own copy (with its index of encoded files):
+            # it goes to the few ranks lacking one, point to point.
+            md_rank, md_size, md_from, send = 0, len(raw), raw_from, ranges_of(others)
+        elif md_rank < 0:
             md_size = shared[(leased or on)[0]][cid][1]
-        verdict = Verdict(cid, seq, md_rank, md_size, send, tuple(on), tuple(leased), uuid.uuid4().hex[:16])
-        return Decision(verdict, holders, held)
+        verdict = Verdict(
+            cid, seq, md_rank, md_size, send, tuple(on), tuple(leased), uuid.uuid4().hex[:16], md_from=md_from
+        )
+        return Decision(verdict, holders, held, (raw_from, raw) if raw is not None else None)
     nodes = sorted({v.root for v in views})
     return Decision(
         Verdict(
@@ -313,11 +356,15 @@ def decide(
     )
 
 
-def metadata_source(verdict: Verdict, rank: int, mine: bool) -> str:
+def metadata_source(verdict: Verdict, rank: int, mine: bool, held: bool = False) -> str:
     """Phase 4, every rank: where its metadata comes from: ``"local"`` (its node holds the
-    checkpoint: ``mine``), ``"peer"`` (sent by ``verdict.md_rank``) or ``"shared"`` (one GET)."""
+    checkpoint: ``mine``), ``"lease"`` (the coordinator read it taking the job's lease:
+    ``held``, :attr:`Decision.metadata`), ``"peer"`` (sent by ``verdict.md_rank``) or
+    ``"shared"`` (one GET)."""
     if mine:
         return "local"
+    if held:
+        return "lease"
     if in_ranges(rank, verdict.md_send):
         return "peer"
     return "shared"

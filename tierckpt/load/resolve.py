@@ -125,21 +125,32 @@ class MetadataResolution:
         v = self._agree(group)
         cid = v.checkpoint_id
         mine = cid in self._docs and self._docs[cid][1].manifest.seq == v.seq
+        held = self._decision.metadata if self._decision is not None else None  # the coordinator's lease read it
         if v.md_send:
             group.transport()  # every rank, at the same point
-        if mine and group.rank == v.md_rank and v.md_send:
-            group.send_bytes(self._docs[cid][0], agreement.expand(v.md_send))
-        source = agreement.metadata_source(v, group.rank, mine)
+        if group.rank == v.md_rank and v.md_send:
+            if v.md_from:
+                assert held is not None and held[0] == v.md_from, "the coordinator sends the copy its lease read"
+                group.send_bytes(held[1], agreement.expand(v.md_send))
+            elif mine:
+                group.send_bytes(self._docs[cid][0], agreement.expand(v.md_send))
+        source = agreement.metadata_source(v, group.rank, mine, held is not None)
         if source == "local":
             raw, doc = self._docs[cid]
         else:
+            from_tier = ""
             if source == "peer":
                 raw, where = group.recv_bytes(v.md_rank, v.md_size), f"metadata of {cid} from rank {v.md_rank}"
+                if v.md_from:  # the shared tier's own copy, read by the coordinator
+                    from_tier, where = v.md_from, f"{where} (read from {v.md_from})"
+            elif source == "lease" and held is not None:
+                from_tier, raw = held
+                where = f"metadata of {cid} on {from_tier}"
             else:
                 from_tier, raw = agreement.read_shared_metadata(self.tiers, v)
                 where = f"metadata of {cid} on {from_tier}"
             doc = parse_checkpoint_doc(raw, where, cid)
-            if source != "peer":
+            if from_tier:
                 self._shared_doc = (from_tier, doc)  # its index of encoded files: not read again
             if doc.manifest.seq != v.seq:
                 raise CorruptCheckpoint(f"{where}: commit seq {doc.manifest.seq}, the job agreed on {v.seq}")

@@ -249,13 +249,19 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: Any = None) -> 
         for r in range(world):
             job.s3.who = r
             mine = cid in docs[r] and docs[r][cid][1].manifest.seq == v.seq
-            src = agreement.metadata_source(v, r, mine)
+            held = decision.metadata if r == 0 else None  # the coordinator's lease read it
+            src = agreement.metadata_source(v, r, mine, held is not None)
+            from_s3 = src not in ("local", "peer") or bool(v.md_from)  # S3's own copy, with its index
             if src == "local":
                 raw, doc = docs[r][cid]
             elif src == "peer":
                 p2p_bytes[r] += v.md_size
-                raw = docs[v.md_rank][cid][0]
+                sent = decision.metadata[1] if v.md_from and decision.metadata else docs[v.md_rank][cid][0]
+                raw = job.metadata[cid] if sent == job.metadata[cid] else sent
                 doc = catalog.parse_checkpoint_doc(raw, "peer", cid)
+            elif src == "lease" and held is not None:
+                raw = job.metadata[cid] if held[1] == job.metadata[cid] else held[1]
+                doc = catalog.parse_checkpoint_doc(raw, "s3", cid)
             else:
                 _tier, raw = agreement.read_shared_metadata([job.s3], v)
                 doc = catalog.parse_checkpoint_doc(job.metadata[cid] if raw == job.metadata[cid] else raw, "s3", cid)
@@ -266,7 +272,7 @@ def simulate_load(job: SimJob, scenario: str = "restart", wants: Any = None) -> 
                 for lease in lease_list:
                     lease.release()
             # as TieredReader.set_up_storage_reader: the index of encoded files comes with metadata read from S3
-            tiers += [decoding(job.s3, cid, doc if src not in ("local", "peer") else None)] if "s3" in v.shared else []
+            tiers += [decoding(job.s3, cid, doc if from_s3 else None)] if "s3" in v.shared else []
             holding.append(tiers)
         assert man is not None
         doc_items = _items(docs, v, job)
