@@ -321,8 +321,13 @@ def check_in_cases(args: dict, rank: int, world: int) -> dict:
     from torch.distributed import distributed_c10d as c10d
 
     from tierckpt.save import writer
-    from tierckpt.save.checkin import prefix_of
+    from tierckpt.save.checkin import Group, check_in, prefix_of
+    from tierckpt.testing.counting import install
 
+    counters = install()
+    with counters.phase("check_in"):  # the check-in alone, as every save does it: its store operations
+        check_in("probe-1", Group("default", world, rank, 0), 60)
+    out: dict = {"ops": counters.dump()["check_in"]["store"]}
     logged: list[str] = []
 
     class Keep(logging.Handler):
@@ -332,7 +337,6 @@ def check_in_cases(args: dict, rank: int, world: int) -> dict:
 
     logging.getLogger("tierckpt").addHandler(Keep())
     w = TieredWriter(cfg_of(args))
-    out: dict = {}
     if rank == 1:
         time.sleep(args["slow"])
     t0 = time.monotonic()
@@ -365,7 +369,7 @@ def check_in_cases(args: dict, rank: int, world: int) -> dict:
     names = [f"in{r}" for r in range(world)] + ["v", "read"]
     out["left"] = [
         f"{cid}/{n}"
-        for cid in ("step-1", "step-2", "step-3")
+        for cid in ("probe-1", "step-1", "step-2", "step-3")
         for n in names
         if store.check([f"{prefix_of('default', cid)}/{n}"])
     ]

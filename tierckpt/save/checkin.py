@@ -16,17 +16,22 @@ every rank names them without talking to the others:
    DCP's gather, so before any rank can start another save (a retry under the same id finds no
    stale verdict).
 
-Store operations per save: a rank other than the coordinator 5 to 7 (set, the wait for ``v``:
-check and get when ``v`` is already there, check, wait, check and get when not, delete, add) and
-the last reader 2 more; the coordinator 4 (two deletes of what an abnormal earlier attempt under
-this id may have left, the wait, the verdict). No collective.
+Store operations per save: a rank other than the coordinator 5 when ``v`` is already there (set,
+check, get, delete, add), else 7 (a check that finds nothing and the store's ``wait`` before the
+check and get), and the verdict's last reader 2 more; the coordinator 4 (two deletes of what an
+abnormal earlier attempt under this id may have left, the wait, the verdict): about 7 per rank,
+whatever the number of ranks (``tests/test_checkin.py`` pins them). No collective.
 
 Skipped (no wait, nothing on the store) when the save is not distributed, its group has one rank,
 ``dcp.save`` got no ``checkpoint_id`` (the ranks could not name the save's keys alike: the
 coordinator picks the id later), or DCP's wrapper of the process group is not found on the stack
 (the group's size is not known before DCP's gather: a guess could wait for ranks outside it).
 A rank whose planner raised before ``prepare_local_plan`` never checks in: the others name it after
-the commit timeout, and DCP's gather that follows carries its error too.
+the commit timeout, and DCP's gather that follows carries its error too. Ranks that passed different
+checkpoint ids wait under different keys: the coordinator names the ranks whose id differs from its
+own as missing (DCP calls no ``prepare_global_plan``, which would have said the ids differ). In both
+cases the error comes after the timeout, where DCP's own gather alone raised it at once; so does
+gloo's error on a rank that died.
 """
 
 from __future__ import annotations
