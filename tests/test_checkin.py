@@ -37,10 +37,11 @@ def test_check_in_waits_for_the_slow_names_the_missing_and_leaves_nothing(tmp_pa
                 assert f"no report from rank {SKIPPER} within 6 s" in fails[str(q)], (r, q, fails)
         if r != SKIPPER:  # and logged it
             assert any(f"no report from rank {SKIPPER} within 6 s" in t for t in out["logged"]), (r, out)
-    # the check-in's store operations (polls that found nothing apart): the coordinator 4 (two deletes,
-    # one wait for every key, the verdict); every other rank 5 to 7, the verdict's last reader 2 more
+    # the check-in's store operations (checks that found nothing included): the coordinator 5 (two
+    # deletes, its id, one wait for every key, the verdict); every other rank 5 to 7, the verdict's
+    # last reader 2 more
     ops = [sum(n for op, n in out["ops"].items() if op != "check_miss") for out in res]  # misses included
-    assert ops[0] == 4 and res[0]["ops"]["wait"] == 1, res[0]["ops"]
+    assert ops[0] == 5 and res[0]["ops"]["wait"] == 1, res[0]["ops"]
     assert all(5 <= n <= 9 for n in ops[1:]) and sum(ops[1:]) <= 7 * (WORLD - 1) + 2, [out["ops"] for out in res]
     assert sum(out["ops"].get("delete_key", 0) for out in res) == 2 + (WORLD - 1) + 2, [out["ops"] for out in res]
     assert res[0]["slow_s"] >= 2, res[0]  # rank 0 waited for rank 1, 3 s late, and saved

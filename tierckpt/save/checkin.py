@@ -7,7 +7,7 @@ Run at the end of ``TieredWriter.prepare_local_plan`` (:func:`check_in`). The ke
 under ``tierckpt/checkin/<h>/``, ``h`` a hash of the process group's name and the checkpoint id, so
 every rank names them without talking to the others:
 
-1. Every rank but the coordinator sets ``in<r>``.
+1. The coordinator sets the group's ``coord`` key to its id; every other rank sets ``in<r>``.
 2. The coordinator waits for every ``in<r>`` in one store ``wait`` (bounded by the commit timeout),
    then publishes the verdict ``v``: ``OK``, or ``E`` with the ranks whose key is missing (found by
    bisecting the keys with ``check``: O(m log N) calls for m missing ranks, on the coordinator only).
@@ -16,22 +16,25 @@ every rank names them without talking to the others:
    DCP's gather, so before any rank can start another save (a retry under the same id finds no
    stale verdict).
 
+A rank still waiting after a second reads ``coord`` (then after 2, 4 ... 30 s): if the coordinator
+checks in for another id than this rank's (and than this rank's previous one), the ranks passed
+different ids; this rank then takes part in the coordinator's check-in instead, and DCP's gather
+that follows carries the coordinator's "ranks passed different checkpoint ids" to every rank.
+
 Store operations per save: a rank other than the coordinator 5 when ``v`` is already there (set,
 check, get, delete, add), else 7 (a check that finds nothing and the store's ``wait`` before the
-check and get), and the verdict's last reader 2 more; the coordinator 4 (two deletes of what an
-abnormal earlier attempt under this id may have left, the wait, the verdict): about 7 per rank,
-whatever the number of ranks (``tests/test_checkin.py`` pins them). No collective.
+check and get), and the verdict's last reader 2 more; the coordinator 5 (two deletes of what an
+abnormal earlier attempt under this id may have left, its id, the wait, the verdict): about 7 per
+rank, whatever the number of ranks (``tests/test_checkin.py`` pins them); a rank waiting longer
+than a second 4 more per slice. Keys left in the store: the group's ``coord``. No collective.
 
 Skipped (no wait, nothing on the store) when the save is not distributed, its group has one rank,
 ``dcp.save`` got no ``checkpoint_id`` (the ranks could not name the save's keys alike: the
 coordinator picks the id later), or DCP's wrapper of the process group is not found on the stack
 (the group's size is not known before DCP's gather: a guess could wait for ranks outside it).
 A rank whose planner raised before ``prepare_local_plan`` never checks in: the others name it after
-the commit timeout, and DCP's gather that follows carries its error too. Ranks that passed different
-checkpoint ids wait under different keys: the coordinator names the ranks whose id differs from its
-own as missing (DCP calls no ``prepare_global_plan``, which would have said the ids differ). In both
-cases the error comes after the timeout, where DCP's own gather alone raised it at once; so does
-gloo's error on a rank that died.
+the commit timeout, and DCP's gather that follows carries its error too, where DCP's own gather
+alone raised it at once. So does gloo's error on a rank that died.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chain.commit import StoreChannel, name_ranks
-from ..errors import CheckInError, CommitError
+from ..errors import CheckInError
 
 __all__ = ["GRACE", "Group", "dcp_group", "check_in", "prefix_of", "absent"]
 
@@ -146,6 +149,14 @@ def prefix_of(group_name: str, cid: str) -> str:
     return "tierckpt/checkin/" + hashlib.sha256(f"{group_name}\0{cid}".encode()).hexdigest()[:16]
 
 
+def _coord_key(group_name: str) -> str:
+    """Where the coordinator of the group named ``group_name`` says which id it checks in for."""
+    return "tierckpt/checkin/" + hashlib.sha256(group_name.encode()).hexdigest()[:16] + "/coord"
+
+
+_prev: dict[str, str] = {}  # group name -> the id of this process's previous check-in in it
+
+
 def check_in(cid: str, group: Group, timeout: float) -> None:
     """Every rank of ``group``, in ``prepare_local_plan`` of the save of ``cid``: return once every
     rank of the group has checked in; raise :class:`CheckInError` naming the ranks that did not
@@ -153,14 +164,14 @@ def check_in(cid: str, group: Group, timeout: float) -> None:
     error that names none). See the module docstring for the protocol."""
     if group.world < 2:
         return
-    prefix = prefix_of(group.name, cid)
+    prev, _prev[group.name] = _prev.get(group.name), cid
     what = f"checkpoint {cid}: planning"
-    c, me = group.coordinator, group.rank
+    me = group.rank
     try:
-        if me == c:
-            _coordinate(prefix, group, timeout, what)
+        if me == group.coordinator:
+            _coordinate(cid, group, timeout, what)
         else:
-            _attend(prefix, group, timeout, what)
+            _attend(cid, prev, group, timeout, what)
     except CheckInError as e:
         log.error("rank %d: %s", me, e)
         raise
@@ -173,44 +184,79 @@ def check_in(cid: str, group: Group, timeout: float) -> None:
         raise err from e
 
 
-def _coordinate(prefix: str, group: Group, timeout: float, what: str) -> None:
+def _coordinate(cid: str, group: Group, timeout: float, what: str) -> None:
     store = _store()
-    ch = StoreChannel(store)
+    prefix = prefix_of(group.name, cid)
     # What an attempt under this id that went wrong may have left (no reader of this one can be
     # counted yet: the verdict comes next).
     _delete(store, f"{prefix}/v")
     _delete(store, f"{prefix}/read")
+    store.set(_coord_key(group.name), cid.encode())
     others = [r for r in range(group.world) if r != group.coordinator]
     keys = [f"{prefix}/in{r}" for r in others]
     missing: list[int] = []
     if not _wait_all(store, keys, timeout):
         missing = [others[i] for i in absent(store, keys)]
     if not missing:
-        ch.publish(f"{prefix}/v", b"OK")
+        store.set(f"{prefix}/v", b"OK")
         return
     msg = (
         f"{what}: no report from {name_ranks(missing)} within {timeout:.0f} s "
         "(dead, hung, or failed before its planning; every other rank reported)"
     )
-    ch.publish(f"{prefix}/v", b"E" + json.dumps({"missing": missing, "error": msg}).encode())
+    store.set(f"{prefix}/v", b"E" + json.dumps({"missing": missing, "error": msg}).encode())
     raise CheckInError(msg)
 
 
-def _attend(prefix: str, group: Group, timeout: float, what: str) -> None:
-    store = _store()
+def _verdict(store: Any, cid: str, prev: str | None, group: Group, deadline: float) -> tuple[str, bytes | None]:
+    """Check in and wait for the coordinator's verdict (None: none by ``deadline``); the prefix
+    of the check-in taken part in. Waits in slices of 1, 2, 4 ... 30 s; after each, if the
+    coordinator checks in for another id than this rank's (nor the one before), this rank takes
+    part in that check-in instead: the ranks passed different ids, which the coordinator's
+    ``prepare_global_plan`` then says, after DCP's gather (so no rank waits out the timeout)."""
     ch = StoreChannel(store)
-    mine = f"{prefix}/in{group.rank}"
-    ch.publish(mine, b"1")
+    prefix = prefix_of(group.name, cid)
+    store.set(f"{prefix}/in{group.rank}", b"1")
+    step, quick, switched = 1.0, False, False
+    while True:
+        v = ch.try_get(f"{prefix}/v")
+        if v is not None:
+            return prefix, v
+        if quick:
+            time.sleep(0.05)  # a store whose wait returned at once without the key: do not spin
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return prefix, None
+        t0 = time.monotonic()
+        try:
+            store.wait([f"{prefix}/v"], datetime.timedelta(seconds=min(step, left)))
+            quick = time.monotonic() - t0 < 0.01
+            continue
+        except Exception:  # noqa: BLE001 - the slice ran out (a store gone: the next read tells)
+            quick = False
+        step = min(2 * step, 30.0)
+        raw = None if switched else ch.try_get(_coord_key(group.name))
+        other = raw.decode(errors="replace") if raw is not None else None
+        if other is not None and other != cid and other != prev:
+            switched = True
+            log.debug(
+                "rank %d checks in for %r, the coordinator for %r: taking part in its check-in", group.rank, cid, other
+            )
+            _delete(store, f"{prefix}/in{group.rank}")
+            prefix = prefix_of(group.name, other)
+            store.set(f"{prefix}/in{group.rank}", b"1")
+
+
+def _attend(cid: str, prev: str | None, group: Group, timeout: float, what: str) -> None:
+    store = _store()
     limit = timeout + GRACE
-    try:
-        v = ch.wait_get(f"{prefix}/v", limit, what)
-    except CommitError:
-        _delete(store, mine)
+    prefix, v = _verdict(store, cid, prev, group, time.monotonic() + limit)
+    _delete(store, f"{prefix}/in{group.rank}")
+    if v is None:
         raise CheckInError(
             f"{what}: no verdict on the check-in from the coordinator (rank {group.coordinator}: dead or hung?) "
             f"within {limit:.0f} s"
-        ) from None
-    _delete(store, mine)
+        )
     missing: list[int] = []
     error = ""
     if v != b"OK":
@@ -218,7 +264,7 @@ def _attend(prefix: str, group: Group, timeout: float, what: str) -> None:
         missing, error = [int(r) for r in d["missing"]], str(d["error"])
         if group.rank in missing:  # this rank came after the coordinator gave up: it is no reader
             raise CheckInError(f"{error} (rank {group.rank} checked in after the coordinator gave up on it)")
-    if ch.add(f"{prefix}/read", 1) >= group.world - 1 - len(missing):
+    if store.add(f"{prefix}/read", 1) >= group.world - 1 - len(missing):
         _delete(store, f"{prefix}/v")
         _delete(store, f"{prefix}/read")
     if error:
