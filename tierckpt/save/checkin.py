@@ -88,10 +88,17 @@ def dcp_group(depth: int = 16) -> Group | None:
                 if not w.use_dist:
                     return None
                 g = w.group
-                gname = "default" if g is None else str(getattr(g, "group_name", "") or id(g))
+                gname = "default" if g is None else str(getattr(g, "group_name", "") or _ranks_of(g))
                 return Group(gname, int(w.get_world_size()), int(w.rank), int(w.coordinator_rank))
         f = f.f_back
     return None
+
+
+def _ranks_of(g: Any) -> str:
+    """A name every rank gives the group ``g`` alike: its global ranks."""
+    import torch.distributed as dist
+
+    return "ranks:" + ",".join(map(str, dist.get_process_group_ranks(g)))
 
 
 def _store() -> Any:
