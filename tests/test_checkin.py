@@ -68,3 +68,10 @@ def test_absent_bisects():
     s = _Store(set(keys))
     assert absent(s, keys) == [] and s.calls == 1
     assert absent(_Store(set()), keys[:3]) == [0, 1, 2]
+
+
+def test_no_group_outside_dcp_save():
+    """Called outside ``dcp.save`` (no DCP wrapper of a process group on the stack): no check-in."""
+    from tierckpt.save.checkin import dcp_group
+
+    assert dcp_group() is None
