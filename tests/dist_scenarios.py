@@ -234,7 +234,8 @@ def _die_at(victim: int, rank: int, phase: str) -> None:
     def dead(*_a, **_k):
         os._exit(9)
 
-    if phase == "plan":  # inside dcp.save, before this rank's plan reaches the coordinator
+    if phase == "plan":  # inside dcp.save, on entering prepare_local_plan: before it checks in
+        # (its check-in is the last thing prepare_local_plan does), so before its plan reaches the coordinator
         writer.TieredWriter.prepare_local_plan = dead
     elif phase == "commit":  # right after this rank reported its file durable, before the outcome
         report = commit.Round.report
@@ -309,4 +310,70 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
         }
 
 
-SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase]})
+def check_in_cases(args: dict, rank: int, world: int) -> dict:
+    """The save's check-in (tierckpt.save.checkin), on real ranks: ``step-1`` with rank 1 entering
+    ``dcp.save`` ``args['slow']`` seconds late; ``step-2`` with rank ``args['skipper']``'s planning
+    raising before it checks in (every rank reports the error it got and what it logged); ``step-2``
+    again (a retry under the same id); ``step-3``. Reports which check-in keys the store still holds."""
+    import logging
+    import time
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from tierckpt.save import writer
+    from tierckpt.save.checkin import Group, check_in, prefix_of
+    from tierckpt.testing.counting import install
+
+    counters = install()
+    with counters.phase("check_in"):  # the check-in alone, as every save does it: its store operations
+        check_in("probe-1", Group("default", world, rank, 0), 60)
+    out: dict = {"ops": counters.dump()["check_in"]["store"]}
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                logged.append(record.getMessage())
+
+    logging.getLogger("tierckpt").addHandler(Keep())
+    w = TieredWriter(cfg_of(args))
+    if rank == 1:
+        time.sleep(args["slow"])
+    t0 = time.monotonic()
+    dcp.save(_small_state(rank, 1), checkpoint_id="step-1", storage_writer=w)
+    out["slow_s"] = time.monotonic() - t0
+    w.wait()
+    orig = writer.TieredWriter.prepare_local_plan
+    if rank == args["skipper"]:
+
+        def broken(self, plan):
+            raise RuntimeError(f"planning broke on rank {rank}")
+
+        writer.TieredWriter.prepare_local_plan = broken  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        dcp.save(_small_state(rank, 2), checkpoint_id="step-2", storage_writer=w)
+        out["error"] = None
+    except BaseException as e:  # noqa: BLE001 - the error is the result
+        out["error"] = _err(e)
+        fails = getattr(e, "failures", None) or {}  # DCP's CheckpointException: each rank's error
+        out["failures"] = {str(r): str(v[0] if isinstance(v, tuple) else v)[:400] for r, v in fails.items()}
+    out["failed_s"] = time.monotonic() - t0
+    out["logged"] = list(logged)
+    writer.TieredWriter.prepare_local_plan = orig  # type: ignore[method-assign]
+    dcp.save(_small_state(rank, 2), checkpoint_id="step-2", storage_writer=w)
+    dcp.save(_small_state(rank, 3), checkpoint_id="step-3", storage_writer=w)
+    w.wait()
+    w.close()
+    store = c10d._get_default_store()
+    names = [f"in{r}" for r in range(world)] + ["v", "read"]
+    out["left"] = [
+        f"{cid}/{n}"
+        for cid in ("probe-1", "step-1", "step-2", "step-3")
+        for n in names
+        if store.check([f"{prefix_of('default', cid)}/{n}"])
+    ]
+    return out
+
+
+SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase, check_in_cases]})

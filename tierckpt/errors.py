@@ -19,6 +19,7 @@ __all__ = [
     "CaptureError",
     "TornCaptureError",
     "CommitError",
+    "CheckInError",
     "ReplicationError",
     "TierError",
     "TierUnavailable",
@@ -66,6 +67,12 @@ class TornCaptureError(CaptureError):
 class CommitError(SaveError):
     """A checkpoint could not be committed on a tier: a rank failed, died or timed out in the commit
     protocol, its data file vanished before the commit, or the metadata could not be written."""
+
+
+class CheckInError(SaveError):
+    """A rank of a ``dcp.save`` did not reach its planning within ``[job] commit_timeout`` (dead,
+    hung, or failed before it): the message names it. Raised on every other rank before DCP gathers
+    the plans (and logged: DCP's gather that follows fails on a dead rank with an error naming none)."""
 
 
 class ReplicationError(SaveError):

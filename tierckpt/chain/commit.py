@@ -184,8 +184,11 @@ class StoreChannel(Channel):
                 self._store.wait([key], datetime.timedelta(seconds=left if cancelled is _never else min(1.0, left)))
             except Exception:  # noqa: BLE001 - the slice ran out (DistStoreError); a dead store fails try_get
                 pass
-            if time.monotonic() - t0 < 0.01 and self.try_get(key) is None:
-                time.sleep(0.05)  # a store whose wait returns at once: do not spin
+            if time.monotonic() - t0 < 0.01:  # set right away, or a store whose wait returns at once
+                v = self.try_get(key)
+                if v is not None:
+                    return v
+                time.sleep(0.05)  # do not spin
 
 
 _local_channel = LocalChannel()

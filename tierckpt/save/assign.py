@@ -32,6 +32,7 @@ from ..chain.engine import Engine
 from ..errors import CommitConflict, TierckptError
 from ..format.layout import rank_file, step_of
 from ..tiers.base import Tier
+from .checkin import check_in, dcp_group
 from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session
 
 __all__ = ["SaveCtx", "SavePlanning", "global_rank"]
@@ -92,7 +93,10 @@ class SavePlanning:
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Every rank: add this rank's root and requested id to its plan and, once a plan channel
         exists, publish them on the store too (DCP's plan caching may hand the coordinator a
-        cached plan without them). At most one store write; no collective."""
+        cached plan without them): at most one store write. Then, for a distributed save with a
+        checkpoint id, check in (:mod:`tierckpt.save.checkin`): wait, up to ``[job]
+        commit_timeout``, until every rank of the group has, or raise
+        :class:`~tierckpt.errors.CheckInError` naming those that did not. No collective."""
         ctx = self._ctx()
         # The id given to reset() is used by this save only: a later save without checkpoint_id
         # must get a fresh id, never the previous one.
@@ -104,6 +108,11 @@ class SavePlanning:
         info = ctx.info = LocalInfo(self._root, requested, committed, seq, global_rank())
         if channel is not None and self._distributed and not ctx.is_coordinator:
             default_channel(True).publish(info_key(channel, ctx.rank), info.encode())
+        if self._distributed and requested is not None:
+            # Last, right before DCP's gather of the plans: a rank dead or hung in planning is named.
+            group = dcp_group()
+            if group is not None:
+                check_in(requested, group, self.engine.cfg.job.commit_timeout)
         return dataclasses.replace(plan, storage_data=info)
 
     def _infos(self, plans: list[SavePlan], ctx: SaveCtx) -> list[LocalInfo]:
