@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierckpt.codec import add_stored, frame_size, strip_stored
-from tierckpt.codec.frames import decode_into, encode, segments_of
+from tierckpt.codec.frames import decode_into, encode, encode_into, segments_of, stored_bound
 from tierckpt.codec.hop import Previous, copy_encoded, width_runs
 from tierckpt.codec.view import decoding
 from tierckpt.errors import CorruptCheckpoint
@@ -96,6 +96,30 @@ def test_planes_of_bf16_weights_compress_and_random_bytes_stay_raw() -> None:
     # as 4-byte elements: the top plane is coded without a sample first, and kept raw all the same
     s4 = encode(noise, [(len(noise), 4)])
     assert s4[0] == 0 and len(s4) == len(noise) + 1
+
+
+def test_encode_into_a_reused_buffer_writes_what_encode_returns() -> None:
+    """The hop codes each frame into a buffer it reuses (no copy out): whatever the buffer held
+    before, the frame is the same bytes as :func:`encode` returns, coded or kept raw."""
+    noise = np.random.default_rng(1).integers(0, 256, 300_001, dtype=np.uint8)
+    mixed = np.concatenate(
+        [_bytes(_tensor(torch.bfloat16, 100_000)), noise[:77], _bytes(_tensor(torch.float32, 50_000))]
+    )
+    cases = [
+        (mixed, [(200_000, 2), (77, 1), (200_000, 4)]),
+        (noise, [(len(noise), 4)]),  # not smaller: kept raw
+        (noise[:40], [(1, 2)] * 40),  # a header longer than the frame: kept raw
+    ]
+    dst = np.full(stored_bound(len(mixed), cases[0][1]) + 10, 0xAB, np.uint8)
+    for data, segs in cases:
+        n = encode_into(data, segs, 1, dst)
+        assert bytes(dst[:n]) == encode(data, segs)
+        out = bytearray(len(data))
+        decode_into(memoryview(dst)[:n], memoryview(out), "test")
+        assert bytes(out) == data.tobytes()
+        dst[:] = 0xCD  # garbage for the next frame
+    with pytest.raises(ValueError, match="room"):
+        encode_into(mixed, cases[0][1], 1, bytearray(len(mixed)))
 
 
 def test_literal_only_coder_and_its_fallback_write_frames_one_reader_decodes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import CorruptCheckpoint
 from .planes import merge, scratch, split
 
-__all__ = ["PROBE", "decode_into", "encode", "segments_of"]
+__all__ = ["PROBE", "decode_into", "encode", "encode_into", "segments_of", "stored_bound"]
 
 PROBE = 64 << 10
 """Bytes of a plane coded first: a plane whose sample shrinks by less than 2% is kept raw."""
@@ -224,21 +224,50 @@ def _code(
     return 0, count
 
 
+def _head(segs: list[tuple[int, int]], nstream: int) -> int:
+    return 1 + 4 + _SEG.size * len(segs) + 1 + _STREAM.size * nstream
+
+
+def stored_bound(n: int, segs: list[tuple[int, int]]) -> int:
+    """The room :func:`encode_into` needs for a frame of ``n`` logical bytes cut into ``segs``
+    (the frame is built in place, its header before its planes); the stored frame itself is at
+    most ``n + 1`` bytes."""
+    return n + max(1, _head(segs, sum(w for w, _, _ in _plan(segs))))
+
+
 def encode(data: memoryview | bytes | bytearray | np.ndarray, segs: list[tuple[int, int]], level: int = 1) -> bytes:
     """The stored form of one frame: ``data`` (its logical bytes) cut into ``segs`` ((length,
-    width), summing to ``len(data)``), coded as the module docstring says."""
+    width), summing to ``len(data)``), coded as the module docstring says. A copy of what
+    :func:`encode_into` builds in this thread's scratch (callers that can reuse a buffer of
+    their own, as the hop does, call :func:`encode_into` and skip the copy)."""
+    n = data.nbytes if isinstance(data, np.ndarray) else memoryview(data).nbytes
+    out = scratch("frame", stored_bound(n, segs))
+    return out[: encode_into(data, segs, level, out)].tobytes()
+
+
+def encode_into(
+    data: memoryview | bytes | bytearray | np.ndarray,
+    segs: list[tuple[int, int]],
+    level: int,
+    dst: np.ndarray | bytearray | memoryview,
+) -> int:
+    """Code one frame as :func:`encode` does, into ``dst`` (writable, at least
+    :func:`stored_bound` bytes, not overlapping ``data``); returns the stored size: the frame is
+    ``dst[:size]``, the rest of ``dst`` is undefined."""
     a = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
     if sum(n for n, _ in segs) != len(a):
         raise ValueError(f"segments cover {sum(n for n, _ in segs)} bytes of a {len(a)}-byte frame")
+    out = dst if isinstance(dst, np.ndarray) else np.frombuffer(dst, dtype=np.uint8)
     plan = _plan(segs)
     nstream = sum(w for w, _, _ in plan)
-    head = 1 + 4 + _SEG.size * len(segs) + 1 + _STREAM.size * nstream
+    head = _head(segs, nstream)
+    if len(out) < len(a) + max(1, head):
+        raise ValueError(f"{len(out)} bytes of room for a frame of {len(a)} bytes, {len(a) + max(1, head)} needed")
     if nstream > 255 or head >= len(a):
-        return b"\x00" + a.tobytes()
-    # The coded form is built in this thread's scratch: each group is split into planes right
-    # where its streams go, a raw plane stays where it is (or moves down past the coded planes
-    # before it), a coded one is written over its own plane; the result is copied out once.
-    out = scratch("frame", head + len(a) + 1)
+        return _raw(a, out)
+    # The coded form is built in place: each group is split into planes right where its streams
+    # go, a raw plane stays where it is (or moves down past the coded planes before it), a coded
+    # one is written over its own plane.
     kinds: list[tuple[int, int]] = []
     at = head
     for w, pieces, count in plan:
@@ -249,8 +278,8 @@ def encode(data: memoryview | bytes | bytearray | np.ndarray, segs: list[tuple[i
             kinds.append((kind, size))
             at += size
     if at >= 1 + len(a):
-        return b"\x00" + a.tobytes()
-    hv = out[:head].data  # a writable memoryview of the scratch
+        return _raw(a, out)
+    hv = out[:head].data  # a writable memoryview of the frame's header
     hv[0] = 1
     _U32.pack_into(hv, 1, len(segs))
     p = 5
@@ -262,7 +291,13 @@ def encode(data: memoryview | bytes | bytearray | np.ndarray, segs: list[tuple[i
     for kind, size in kinds:
         _STREAM.pack_into(hv, p, kind, size)
         p += _STREAM.size
-    return out[:at].tobytes()
+    return at
+
+
+def _raw(a: np.ndarray, out: np.ndarray) -> int:
+    out[0] = 0
+    out[1 : 1 + len(a)] = a
+    return 1 + len(a)
 
 
 def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None:
