@@ -139,12 +139,83 @@ def test_literal_only_coder_and_its_fallback_write_frames_one_reader_decodes(mon
         if fallback:
             monkeypatch.setattr(frames, "_entropy_coder", lambda: None)
         stored = encode(data, segs)
-        assert stored[0] == 1
+        assert stored[0] in (1, 2)  # coded (2: the fp32 group's low planes paired, see below)
         out = bytearray(len(data))
         decode_into(stored, memoryview(out), "test")
         assert bytes(out) == data.tobytes()
         sizes.append(len(stored))
     assert 0.9 < sizes[0] / sizes[1] < 1.1
+
+
+def _v1_frame(x: np.ndarray) -> bytes:
+    """A version-1 frame of fp32 elements ``x``, built from the format's description (as every
+    release before version 2 wrote it): planes 0-2 raw, plane 3 a zstd frame."""
+    import struct
+
+    import zstandard
+
+    u = x.view("<u4")
+    planes = [((u >> (8 * j)) & 0xFF).astype(np.uint8).tobytes() for j in range(4)]
+    top = zstandard.ZstdCompressor(level=1).compress(planes[3])
+    head = b"\x01" + struct.pack("<I", 1) + struct.pack("<IB", x.nbytes, 4) + bytes([4])
+    head += b"".join(struct.pack("<BI", 0, len(u)) for _ in range(3)) + struct.pack("<BI", 1, len(top))
+    return head + b"".join(planes[:3]) + top
+
+
+def test_fp32_frames_pair_raw_low_planes_in_version_2_and_version_1_still_decodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Width-4 groups whose planes 0 and 1 are kept raw are written as one run of 16-bit halves
+    (frame version 2: the same stored bytes, one stream head fewer); frames of version 1 (older
+    checkpoints) decode as before; low planes that compress keep version 1."""
+    from tierckpt.codec import frames
+
+    x = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(3)) * 0.02).numpy()
+    v2 = encode(x.view(np.uint8), [(x.nbytes, 4)])
+    with monkeypatch.context() as m:
+        m.setattr(frames, "_low_samples", lambda *a: None)  # no pairing: the version-1 encoder
+        v1 = encode(x.view(np.uint8), [(x.nbytes, 4)])
+    assert v1[0] == 1 and v2[0] == 2 and len(v2) == len(v1) - 5
+    for stored in (_v1_frame(x), v1, v2):
+        out = bytearray(x.nbytes)
+        decode_into(stored, memoryview(out), "test")
+        assert bytes(out) == x.tobytes()
+    # mixed widths, the fp32 group in two pieces (its sample gathered across them)
+    parts = [_bytes(_tensor(torch.float32, 200_000, seed=4)), _bytes(_tensor(torch.bfloat16, 5000)), x.view(np.uint8)]
+    data = np.concatenate(parts)
+    segs = [(len(parts[0]), 4), (len(parts[1]), 2), (len(parts[2]), 4)]
+    stored = encode(data, segs)
+    assert stored[0] == 2
+    out = bytearray(len(data))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == data.tobytes()
+    # small integers: the low planes compress, the frame keeps version 1
+    ints = _bytes(torch.randint(0, 300, (1 << 18,), generator=torch.Generator().manual_seed(5), dtype=torch.int32))
+    stored = encode(ints, [(len(ints), 4)])
+    assert stored[0] == 1 and len(stored) < len(ints) / 2
+    out = bytearray(len(ints))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == ints.tobytes()
+
+
+@pytest.mark.parametrize(
+    "damage", ["kind 2 in version 1", "kind 2 as plane 2", "kind 2 of a wrong size", "one head short"]
+)
+def test_malformed_version_2_frames_are_refused(damage: str) -> None:
+    x = (torch.randn(1 << 18) * 0.02).numpy()
+    f = bytearray(encode(x.view(np.uint8), [(x.nbytes, 4)]))
+    assert f[0] == 2
+    heads = 1 + 4 + 5 + 1  # version, nseg, one segment, nstream; then 3 stream heads
+    if damage == "kind 2 in version 1":
+        f[0] = 1
+    elif damage == "kind 2 as plane 2":
+        f[heads + 5] = 2
+    elif damage == "kind 2 of a wrong size":
+        f[heads + 1 : heads + 5] = (2 * len(x) - 1).to_bytes(4, "little")
+    else:
+        f[heads - 1] = 2
+    with pytest.raises(CorruptCheckpoint, match="frame"):
+        decode_into(bytes(f), memoryview(bytearray(x.nbytes)), "test frame")
 
 
 def test_segments_of_cuts_runs_at_frame_bounds() -> None:
