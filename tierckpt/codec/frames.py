@@ -56,8 +56,8 @@ KEEP = 0.95
 """A plane is coded only when its sample's coded size is at most this fraction of the sample.
 Coding a plane costs about 1.2 ms of CPU per MB here (literal-only); a plane that would shrink
 by a few percent is not worth it (torchtitan's ``exp_avg_sq``, second plane: samples 2.2-3.4%
-smaller, whole planes 1.1-1.5%; coding them halved that category's compression speed for 0.2%
-of its ratio). 0.98 before."""
+smaller, whole planes 1.1-1.5%; coding them cost that category a fifth of its compression
+speed for 0.2% of its ratio). 0.98 before."""
 PLANE_PARAMS = {"window_log": 17, "hash_log": 6, "chain_log": 6, "search_log": 1, "min_match": 7, "target_length": 0}
 """zstd parameters (strategy "fast") for byte planes of wider elements at ``compression_level``
 <= 1 when the literal-only coder (:func:`_entropy_coder`) is not available: a 64-entry match
