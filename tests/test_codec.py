@@ -198,6 +198,25 @@ def test_fp32_frames_pair_raw_low_planes_in_version_2_and_version_1_still_decode
     assert bytes(out) == ints.tobytes()
 
 
+@pytest.mark.parametrize("count", [4 * (64 << 10) - 1, 4 * (64 << 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64, torch.int32])
+def test_width_4_groups_at_the_sampling_bound_and_at_odd_offsets_round_trip(count: int, dtype: torch.dtype) -> None:
+    """Groups just under and at the sampled size (paired or not), in two pieces that start at
+    offsets no multiple of 4 (a 3-byte segment of width 1 before each): bit-exact either way."""
+    n = count if not dtype.is_complex else count // 2  # complex64: two 4-byte components each
+    half = _bytes(_tensor(dtype, n // 2, seed=6))
+    rest = _bytes(_tensor(dtype, n - n // 2, seed=7))
+    odd = np.frombuffer(b"abc", np.uint8)
+    data = np.concatenate([odd, half, odd, rest])
+    segs = [(3, 1), (len(half), 4), (3, 1), (len(rest), 4)]
+    stored = encode(data, segs)
+    elements = (len(half) + len(rest)) // 4
+    assert stored[0] == (2 if elements >= 4 * (64 << 10) and dtype != torch.int32 else 1)
+    out = bytearray(len(data))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == data.tobytes()
+
+
 @pytest.mark.parametrize(
     "damage", ["kind 2 in version 1", "kind 2 as plane 2", "kind 2 of a wrong size", "one head short"]
 )
