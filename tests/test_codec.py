@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierckpt.codec import add_stored, frame_size, strip_stored
-from tierckpt.codec.frames import decode_into, encode, segments_of
+from tierckpt.codec.frames import decode_into, encode, encode_into, segments_of, stored_bound
 from tierckpt.codec.hop import Previous, copy_encoded, width_runs
 from tierckpt.codec.view import decoding
 from tierckpt.errors import CorruptCheckpoint
@@ -98,6 +98,30 @@ def test_planes_of_bf16_weights_compress_and_random_bytes_stay_raw() -> None:
     assert s4[0] == 0 and len(s4) == len(noise) + 1
 
 
+def test_encode_into_a_reused_buffer_writes_what_encode_returns() -> None:
+    """The hop codes each frame into a buffer it reuses (no copy out): whatever the buffer held
+    before, the frame is the same bytes as :func:`encode` returns, coded or kept raw."""
+    noise = np.random.default_rng(1).integers(0, 256, 300_001, dtype=np.uint8)
+    mixed = np.concatenate(
+        [_bytes(_tensor(torch.bfloat16, 100_000)), noise[:77], _bytes(_tensor(torch.float32, 50_000))]
+    )
+    cases = [
+        (mixed, [(200_000, 2), (77, 1), (200_000, 4)]),
+        (noise, [(len(noise), 4)]),  # not smaller: kept raw
+        (noise[:40], [(1, 2)] * 40),  # a header longer than the frame: kept raw
+    ]
+    dst = np.full(stored_bound(len(mixed), cases[0][1]) + 10, 0xAB, np.uint8)
+    for data, segs in cases:
+        n = encode_into(data, segs, 1, dst)
+        assert bytes(dst[:n]) == encode(data, segs)
+        out = bytearray(len(data))
+        decode_into(memoryview(dst)[:n], memoryview(out), "test")
+        assert bytes(out) == data.tobytes()
+        dst[:] = 0xCD  # garbage for the next frame
+    with pytest.raises(ValueError, match="room"):
+        encode_into(mixed, cases[0][1], 1, bytearray(len(mixed)))
+
+
 def test_literal_only_coder_and_its_fallback_write_frames_one_reader_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Byte planes are coded literal-only where the zstd module takes the parameter (the package's
     dependency brings one); frames coded without it (older checkpoints, or the fallback to
@@ -115,12 +139,102 @@ def test_literal_only_coder_and_its_fallback_write_frames_one_reader_decodes(mon
         if fallback:
             monkeypatch.setattr(frames, "_entropy_coder", lambda: None)
         stored = encode(data, segs)
-        assert stored[0] == 1
+        assert stored[0] in (1, 2)  # coded (2: the fp32 group's low planes paired, see below)
         out = bytearray(len(data))
         decode_into(stored, memoryview(out), "test")
         assert bytes(out) == data.tobytes()
         sizes.append(len(stored))
     assert 0.9 < sizes[0] / sizes[1] < 1.1
+
+
+def _v1_frame(x: np.ndarray) -> bytes:
+    """A version-1 frame of fp32 elements ``x``, built from the format's description (as every
+    release before version 2 wrote it): planes 0-2 raw, plane 3 a zstd frame."""
+    import struct
+
+    import zstandard
+
+    u = x.view("<u4")
+    planes = [((u >> (8 * j)) & 0xFF).astype(np.uint8).tobytes() for j in range(4)]
+    top = zstandard.ZstdCompressor(level=1).compress(planes[3])
+    head = b"\x01" + struct.pack("<I", 1) + struct.pack("<IB", x.nbytes, 4) + bytes([4])
+    head += b"".join(struct.pack("<BI", 0, len(u)) for _ in range(3)) + struct.pack("<BI", 1, len(top))
+    return head + b"".join(planes[:3]) + top
+
+
+def test_fp32_frames_pair_raw_low_planes_in_version_2_and_version_1_still_decodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Width-4 groups whose planes 0 and 1 are kept raw are written as one run of 16-bit halves
+    (frame version 2: the same stored bytes, one stream head fewer); frames of version 1 (older
+    checkpoints) decode as before; low planes that compress keep version 1."""
+    from tierckpt.codec import frames
+
+    x = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(3)) * 0.02).numpy()
+    v2 = encode(x.view(np.uint8), [(x.nbytes, 4)])
+    with monkeypatch.context() as m:
+        m.setattr(frames, "_low_samples", lambda *a: None)  # no pairing: the version-1 encoder
+        v1 = encode(x.view(np.uint8), [(x.nbytes, 4)])
+    assert v1[0] == 1 and v2[0] == 2 and len(v2) == len(v1) - 5
+    for stored in (_v1_frame(x), v1, v2):
+        out = bytearray(x.nbytes)
+        decode_into(stored, memoryview(out), "test")
+        assert bytes(out) == x.tobytes()
+    # mixed widths, the fp32 group in two pieces (its sample gathered across them)
+    parts = [_bytes(_tensor(torch.float32, 200_000, seed=4)), _bytes(_tensor(torch.bfloat16, 5000)), x.view(np.uint8)]
+    data = np.concatenate(parts)
+    segs = [(len(parts[0]), 4), (len(parts[1]), 2), (len(parts[2]), 4)]
+    stored = encode(data, segs)
+    assert stored[0] == 2
+    out = bytearray(len(data))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == data.tobytes()
+    # small integers: the low planes compress, the frame keeps version 1
+    ints = _bytes(torch.randint(0, 300, (1 << 18,), generator=torch.Generator().manual_seed(5), dtype=torch.int32))
+    stored = encode(ints, [(len(ints), 4)])
+    assert stored[0] == 1 and len(stored) < len(ints) / 2
+    out = bytearray(len(ints))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == ints.tobytes()
+
+
+@pytest.mark.parametrize("count", [4 * (64 << 10) - 1, 4 * (64 << 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64, torch.int32])
+def test_width_4_groups_at_the_sampling_bound_and_at_odd_offsets_round_trip(count: int, dtype: torch.dtype) -> None:
+    """Groups just under and at the sampled size (paired or not), in two pieces that start at
+    offsets no multiple of 4 (a 3-byte segment of width 1 before each): bit-exact either way."""
+    n = count if not dtype.is_complex else count // 2  # complex64: two 4-byte components each
+    half = _bytes(_tensor(dtype, n // 2, seed=6))
+    rest = _bytes(_tensor(dtype, n - n // 2, seed=7))
+    odd = np.frombuffer(b"abc", np.uint8)
+    data = np.concatenate([odd, half, odd, rest])
+    segs = [(3, 1), (len(half), 4), (3, 1), (len(rest), 4)]
+    stored = encode(data, segs)
+    elements = (len(half) + len(rest)) // 4
+    assert stored[0] == (2 if elements >= 4 * (64 << 10) and dtype != torch.int32 else 1)
+    out = bytearray(len(data))
+    decode_into(stored, memoryview(out), "test")
+    assert bytes(out) == data.tobytes()
+
+
+@pytest.mark.parametrize(
+    "damage", ["kind 2 in version 1", "kind 2 as plane 2", "kind 2 of a wrong size", "one head short"]
+)
+def test_malformed_version_2_frames_are_refused(damage: str) -> None:
+    x = (torch.randn(1 << 18) * 0.02).numpy()
+    f = bytearray(encode(x.view(np.uint8), [(x.nbytes, 4)]))
+    assert f[0] == 2
+    heads = 1 + 4 + 5 + 1  # version, nseg, one segment, nstream; then 3 stream heads
+    if damage == "kind 2 in version 1":
+        f[0] = 1
+    elif damage == "kind 2 as plane 2":
+        f[heads + 5] = 2
+    elif damage == "kind 2 of a wrong size":
+        f[heads + 1 : heads + 5] = (2 * len(x) - 1).to_bytes(4, "little")
+    else:
+        f[heads - 1] = 2
+    with pytest.raises(CorruptCheckpoint, match="frame"):
+        decode_into(bytes(f), memoryview(bytearray(x.nbytes)), "test frame")
 
 
 def test_segments_of_cuts_runs_at_frame_bounds() -> None:

@@ -14,8 +14,8 @@ has an :attr:`~tierckpt.tiers.base.Tier.encoding`:
    ahead of the stream, or stored as they are (``"none"``);
 4. frames go to ``dst.open_stream(key)`` in order; its close makes the object visible.
 
-Memory: ``2 * threads + 3`` logical frames (read buffers reused round robin) and at most
-``2 * threads + 2`` coded frames per copy. Any failure aborts the
+Memory: ``2 * threads + 3`` logical frames (read buffers reused round robin) and as many
+coded frames (output buffers reused the same way: frames are coded in place, not copied out). Any failure aborts the
 stream: nothing is visible under the key. Returns the :class:`~tierckpt.codec.index.StoredFile`
 that the hop records in ``dst``'s metadata, and the figures of the copy.
 """
@@ -34,7 +34,7 @@ from ..background import lower_priority
 from ..format.jsonvalues import DTYPE_SIZES
 from ..format.stored import StoredFile, frame_hash
 from ..tiers.base import Encoding, Tier
-from .frames import encode, segments_of
+from .frames import encode_into, segments_of, stored_bound
 
 __all__ = ["Previous", "CopyFigures", "copy_encoded", "width_runs", "codec_threads"]
 
@@ -126,6 +126,9 @@ def copy_encoded(
     # only after frame i left ``pending`` (at most ``ahead - 1`` frames wait there), so its coding
     # has finished. Fresh memory per frame would be first-touched each time.
     ring = [bytearray(min(frame, size)) for _ in range(min(n, ahead + 1))]
+    # Coded frames, in buffers reused the same way: frame i's is appended to the stream (which
+    # copies or writes it before returning) before frame i + len(ring) is submitted.
+    outs: list[bytearray] = [bytearray() for _ in ring] if zstd else []
     sizes: list[int] = [0] * n
     hashes: list[bytes] = [b""] * n
     stream = dst.open_stream(key, size)
@@ -133,9 +136,12 @@ def copy_encoded(
     pending: deque[tuple[str, int, Any]] = deque()
     run: list[int] = []  # [start, end) of a run of copied bytes in prev's object
 
-    def coded(data: memoryview, segs: list[tuple[int, int]]) -> bytes:
+    def coded(data: memoryview, segs: list[tuple[int, int]], slot: int) -> memoryview:
         t0 = time.thread_time()
-        out = encode(data, segs, level)
+        need = stored_bound(len(data), segs)
+        if len(outs[slot]) < need:
+            outs[slot] = bytearray(need)
+        out = memoryview(outs[slot])[: encode_into(data, segs, level, outs[slot])]
         with cpu_lock:
             figs.compress_cpu_s += time.thread_time() - t0
         return out
@@ -155,7 +161,7 @@ def copy_encoded(
         flush_run()
         data = what.result() if isinstance(what, Future) else what
         sizes[i] = len(data)
-        stream.append(memoryview(data))
+        stream.append(data)
 
     def flush_run() -> None:
         if run:
@@ -179,9 +185,9 @@ def copy_encoded(
                 pending.append(("copy", i, (o[i], o[i + 1])))
             elif zstd:
                 assert pool is not None
-                pending.append(("data", i, pool.submit(coded, buf, segments_of(a, b, runs))))
-            else:
-                pending.append(("data", i, bytes(buf)))
+                pending.append(("data", i, pool.submit(coded, buf, segments_of(a, b, runs), i % len(ring))))
+            else:  # the read buffer itself: reused only after this frame was appended
+                pending.append(("data", i, buf))
             while len(pending) >= ahead:
                 emit_one()
         while pending:

@@ -37,11 +37,22 @@ def scratch(name: str, count: int, dtype: np.dtype | type = np.uint8) -> np.ndar
     return b[:count]
 
 
-def split(group: np.ndarray, w: int, dst: np.ndarray | None = None) -> np.ndarray:
+def split(group: np.ndarray, w: int, dst: np.ndarray | None = None, pair: bool = False) -> np.ndarray:
     """The ``(w, count)`` byte planes of ``group`` (contiguous ``uint8``, ``count * w`` bytes),
     written into ``dst`` (``count * w`` bytes, not overlapping ``group``) or, without it, into
-    this thread's scratch (see the module docstring)."""
+    this thread's scratch (see the module docstring). ``pair`` (width 4 only): planes 0 and 1
+    are written as one run of the elements' low 16-bit halves (little endian, ``2 * count``
+    bytes), then planes 2 and 3: one pass fewer, for low planes kept raw anyway."""
     count = len(group) // w
+    if pair:
+        if w != 4:
+            raise ValueError(f"paired low planes need 4-byte elements, not {w}")
+        out = (scratch("planes", w * count) if dst is None else dst[: w * count]).reshape(w, count)
+        x = group.view(_WORD[4])
+        np.copyto(out[:2].reshape(-1).view(_WORD[2]), x, casting="unsafe")  # the low halves
+        np.right_shift(x, 16, out=out[2], casting="unsafe")
+        np.right_shift(x, 24, out=out[3], casting="unsafe")
+        return out
     if w == 1 and dst is None:
         return group.reshape(1, count)
     out = (scratch("planes", w * count) if dst is None else dst[: w * count]).reshape(w, count)
@@ -64,8 +75,17 @@ def split(group: np.ndarray, w: int, dst: np.ndarray | None = None) -> np.ndarra
 
 def merge(planes: list[np.ndarray], w: int, dst: np.ndarray) -> None:
     """Write the elements whose byte planes are ``planes`` (``w`` arrays of ``count`` bytes) into
-    ``dst`` (contiguous ``uint8``, ``count * w`` bytes): the inverse of :func:`split`."""
+    ``dst`` (contiguous ``uint8``, ``count * w`` bytes): the inverse of :func:`split`. Width 4
+    also takes three arrays: the low 16-bit halves (``2 * count`` bytes), planes 2 and 3 (the
+    inverse of ``split(..., pair=True)``)."""
     count = len(dst) // w
+    if w == 4 and len(planes) == 3:
+        o = dst.view(_WORD[4])
+        np.left_shift(planes[2], 8, out=o, dtype=o.dtype)  # widening and shift in one pass
+        np.bitwise_or(o, planes[1], out=o)
+        np.left_shift(o, 16, out=o)
+        np.bitwise_or(o, planes[0].view(_WORD[2]), out=o)
+        return
     if w == 1:
         dst[:] = planes[0]
         return
