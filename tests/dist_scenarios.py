@@ -254,21 +254,11 @@ def _die_at(victim: int, rank: int, phase: str) -> None:
         peers.PeerGroup.exchange = dead
 
 
-def die_in_phase(args: dict, rank: int, world: int) -> dict:
-    """Commit ``step-1``; then rank ``victim`` dies in ``phase`` and the other ranks report the
-    error they got (and the tierckpt errors they logged). Phases of ``step-2``'s save: ``plan``
-    (in DCP's planning), ``save`` (right after ``dcp.save`` returns: its file is being written),
-    ``commit`` (right after its report), ``hop`` (copying to the second tier), ``peer`` (the peer
-    copies). Phases of a load of ``step-1``: ``load`` (instead of entering ``dcp.load``),
-    ``exchange`` (serving files to the ranks of node ``args['wiped']``, whose disk is wiped first)."""
+def _error_log() -> list[str]:
+    """The messages of ERROR records logged by tierckpt from now on in this process (a list the
+    scenario returns: what a rank logged besides what it raised)."""
     import logging
-    import shutil
-    import time
 
-    import torch.distributed as dist
-
-    cfg = cfg_of(args)
-    victim, phase = args["victim"], args["phase"]
     logged: list[str] = []
 
     class Keep(logging.Handler):
@@ -277,6 +267,24 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
                 logged.append(record.getMessage())
 
     logging.getLogger("tierckpt").addHandler(Keep())
+    return logged
+
+
+def die_in_phase(args: dict, rank: int, world: int) -> dict:
+    """Commit ``step-1``; then rank ``victim`` dies in ``phase`` and the other ranks report the
+    error they got (and the tierckpt errors they logged). Phases of ``step-2``'s save: ``plan``
+    (in DCP's planning), ``save`` (right after ``dcp.save`` returns: its file is being written),
+    ``commit`` (right after its report), ``hop`` (copying to the second tier), ``peer`` (the peer
+    copies). Phases of a load of ``step-1``: ``load`` (instead of entering ``dcp.load``),
+    ``exchange`` (serving files to the ranks of node ``args['wiped']``, whose disk is wiped first)."""
+    import shutil
+    import time
+
+    import torch.distributed as dist
+
+    cfg = cfg_of(args)
+    victim, phase = args["victim"], args["phase"]
+    logged = _error_log()
     w = TieredWriter(cfg)
     dcp.save(_small_state(rank, 1), checkpoint_id="step-1", storage_writer=w)
     w.wait()
@@ -315,7 +323,6 @@ def check_in_cases(args: dict, rank: int, world: int) -> dict:
     ``dcp.save`` ``args['slow']`` seconds late; ``step-2`` with rank ``args['skipper']``'s planning
     raising before it checks in (every rank reports the error it got and what it logged); ``step-2``
     again (a retry under the same id); ``step-3``. Reports which check-in keys the store still holds."""
-    import logging
     import time
 
     from torch.distributed import distributed_c10d as c10d
@@ -328,14 +335,7 @@ def check_in_cases(args: dict, rank: int, world: int) -> dict:
     with counters.phase("check_in"):  # the check-in alone, as every save does it: its store operations
         check_in("probe-1", Group("default", world, rank, 0), 60)
     out: dict = {"ops": counters.dump()["check_in"]["store"]}
-    logged: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.ERROR:
-                logged.append(record.getMessage())
-
-    logging.getLogger("tierckpt").addHandler(Keep())
+    logged = _error_log()
     w = TieredWriter(cfg_of(args))
     if rank == 1:
         time.sleep(args["slow"])
