@@ -15,7 +15,7 @@ torchtitan's debugmodel after 60 steps, a fine-tune with 90% of the parameters f
    (one thread) with and without ``_extensions=[ZStandard()]``; its ratio, and its speed as
    logical bytes per CPU second added by the extension.
 3. **Promotion through a throttled endpoint.** SeaweedFS behind :class:`benchlib.throttle.Throttle`
-   at each of ``--throttle-mbs`` (250 MB/s: a node's share of the network), a ~270 MB state (four GPT
+   (in a child process, :func:`benchlib.throttle.spawn`: not on the client's GIL) at each of ``--throttle-mbs`` (250 MB/s: a node's share of the network), a ~270 MB state (four GPT
    states), ``[s3] compression`` "none" vs "zstd" (``copy_unchanged`` off), interleaved repeats:
    ``promote_s`` from ``writer.history``. Target: faster by >= 0.9x the compression ratio.
 4. **Frozen fine-tune.** Three checkpoints of the 90%-frozen fine-tune promoted to SeaweedFS with
@@ -292,7 +292,7 @@ def _promote(cfg, state: dict, cid: str) -> Any:
 
 def _throttled(ctx, cache: Path, rate_mbs: float) -> list[dict]:
     from benchlib.s3 import start_s3_server
-    from benchlib.throttle import Throttle
+    from benchlib.throttle import spawn
     from tools.s3servers import make_bucket
 
     base = gpt_state(cache)
@@ -303,11 +303,11 @@ def _throttled(ctx, cache: Path, rate_mbs: float) -> list[dict]:
                 v.view(-1)[i::97] = v.view(-1)[i::97] * 1.0001
     url, stop, note = start_s3_server("seaweedfs", ctx.work / f"weed-throttle-{rate_mbs:.0f}")
     port = int(url.rsplit(":", 1)[1])
-    th = Throttle(port, rate_mbs * MB)
+    th_port, th_stop = spawn(port, rate_mbs * MB)
     rows = []
     try:
         make_bucket(url, "compress")
-        ep = f"http://127.0.0.1:{th.port}"
+        ep = f"http://127.0.0.1:{th_port}"
         times: dict[str, list[float]] = {"none": [], "zstd": []}
         stats: dict[str, Any] = {}
         for rep in range(1 if ctx.quick else ctx.repeats):
@@ -336,7 +336,7 @@ def _throttled(ctx, cache: Path, rate_mbs: float) -> list[dict]:
             )
         )
     finally:
-        th.stop()
+        th_stop()
         stop()
     return rows
 

@@ -6,15 +6,22 @@ is relayed to ``127.0.0.1:upstream_port`` byte for byte. Client-to-server bytes 
 connections together pass a token bucket of ``rate`` bytes/s (bursts of at most 64 KiB);
 replies are not limited (the uploads are what a promotion waits for). ``stop()`` closes
 everything.
+
+:func:`spawn` runs the relay in a child process of its own (``python throttle.py PORT RATE``), as
+a network would be: outside the client. In the client's process its Python threads would take
+the client's GIL and CPU for every byte relayed, which a real network never does.
 """
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 
-__all__ = ["Throttle"]
+__all__ = ["Throttle", "spawn"]
 
 _CHUNK = 64 << 10
 
@@ -91,3 +98,36 @@ class Throttle:
                 s.close()
             except OSError:
                 pass
+
+
+def spawn(upstream_port: int, rate: float) -> tuple[int, Callable[[], None]]:
+    """A :class:`Throttle` in a child process: (its port, a function that stops it). The child
+    exits when its stdin closes (the parent stopped it, or died)."""
+    p = subprocess.Popen(
+        [sys.executable, __file__, str(upstream_port), repr(rate)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stdin is not None
+    line = p.stdout.readline()
+    if not line.strip().isdigit():
+        p.kill()
+        raise RuntimeError(f"throttle relay did not start (got {line!r}, exit {p.poll()})")
+
+    def stop() -> None:
+        assert p.stdin is not None
+        p.stdin.close()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+    return int(line), stop
+
+
+if __name__ == "__main__":
+    th = Throttle(int(sys.argv[1]), float(sys.argv[2]))
+    print(th.port, flush=True)
+    sys.stdin.read()  # until the parent closes it
+    th.stop()
