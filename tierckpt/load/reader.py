@@ -37,10 +37,9 @@ from ..catalog import lease as leases
 from ..catalog.checkpoints import checkpoint_id_of
 from ..catalog.listing import read_checkpoint_metadata
 from ..chain import peers
-from ..chain.commit import default_channel
 from ..codec.view import decoding
 from ..config import TierConfig, load_config
-from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from ..errors import CheckInError, CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from ..format.layout import check_checkpoint_id, data_key, is_valid_checkpoint_id
 from ..format.layout import padded as _padded
 from ..format.metadata import ItemRecord, item_intact
@@ -278,6 +277,7 @@ class TieredReader(MetadataResolution, StorageReader):
         serve = [Request(storage[i], staged[i], f"item {i.fqn!r} for other nodes") for i in unique]
         self.fill = None
         ok, error = False, None
+        late: CheckInError | None = None
         try:
             engine = (
                 Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
@@ -308,12 +308,16 @@ class TieredReader(MetadataResolution, StorageReader):
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            if self.fill is not None:
-                self.fill.finish(ok)
-            self._reads_done()
-            self.release()
-            loading.end(self)
-            telemetry.loaded(self, t_load, error, items)
+            try:
+                if self.fill is not None:
+                    self.fill.finish(ok)
+                late = self._done_reading(ok)
+            finally:
+                self.release()
+                loading.end(self)
+                telemetry.loaded(self, t_load, error or (f"{type(late).__name__}: {late}" if late else None), items)
+        if late is not None:
+            raise late
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
                 for ri, t in zip(it.reads, it.targets):
@@ -325,40 +329,6 @@ class TieredReader(MetadataResolution, StorageReader):
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
-
-    def _reads_done(self) -> None:
-        """End of ``read_data``, every rank: when the coordinator holds the job's leases on shared
-        tiers, count this rank done on the store; the coordinator waits (up to ``[job]
-        commit_timeout``: DCP's own collective after ``read_data`` waits for every rank anyway)
-        until every rank is, then :meth:`release` gives the leases up."""
-        v = self._verdict
-        if v is None or not v.leased or self._peers is None:
-            return
-        ch = default_channel(True)
-        key = agreement.done_key(v)
-        try:
-            ch.add(key, 1)
-            if self._decision is None:
-                return
-            deadline = time.monotonic() + self.cfg.job.commit_timeout
-            delay = 0.002
-            while (n := ch.add(key, 0)) < self._peers.world:
-                if time.monotonic() > deadline:
-                    log.error(
-                        "checkpoint %s: %d of %d ranks finished reading within %.0f s; releasing the job's "
-                        "leases on %s",
-                        v.checkpoint_id,
-                        n,
-                        self._peers.world,
-                        self.cfg.job.commit_timeout,
-                        ", ".join(v.leased),
-                    )
-                    return
-                time.sleep(delay)
-                delay = min(delay * 1.5, 0.05)
-            ch.delete(key)
-        except Exception as e:  # noqa: BLE001 - a store gone: the leases expire on their own
-            log.warning("checkpoint %s: cannot count the ranks done reading: %s", v.checkpoint_id, e)
 
     def _plan_fill(
         self, engine: Readback | None, requests: list[Request], received: list[ItemRecord]
