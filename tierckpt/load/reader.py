@@ -237,44 +237,54 @@ class TieredReader(MetadataResolution, StorageReader):
         assert self.metadata is not None and self.resolved_id is not None
         t_load = time.perf_counter()
         self._passed = set()  # objects of this load that passed the weights_only check (deliver)
-        storage: dict[MetadataIndex, ItemRecord] = self.metadata.storage_data
-        groups: dict[MetadataIndex, Item] = {}
-        for ri in plan.items:
-            rec = storage.get(ri.storage_index)
-            if rec is None:
-                raise CorruptCheckpoint(f"checkpoint {self.resolved_id}: no stored item for {ri.storage_index.fqn!r}")
-            g = groups.get(ri.storage_index)
-            if g is None:
-                g = groups[ri.storage_index] = Item(ri.storage_index, rec, [])
-            g.reads.append(ri)
-        items = list(groups.values())
-        route = plan.storage_data if isinstance(plan.storage_data, dict) else {}
-        recv_from = {int(p): idx for p, idx in route.get("recv", [])}
-        send_to = {int(p): idx for p, idx in route.get("send", [])}
-        incoming = {i for idx in recv_from.values() for i in idx}
-        outgoing = {i for idx in send_to.values() for i in idx}  # read once, for the peers and for this rank
-        requests: list[Request] = []
-        for it in items:  # resolve destinations on the calling thread
-            if it.rec.is_tensor:
-                it.targets = [planner.resolve_tensor(ri) for ri in it.reads]
-                if len(it.reads) == 1 and is_whole(it.reads[0], it.rec) and direct_ok(it.targets[0], it.rec):
-                    it.direct = it.targets[0]
-            if it.index in incoming or it.index in outgoing:
-                continue
-            what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
-            requests.append(
-                Request(
-                    it.rec,
-                    buffer_for(it),
-                    what,
-                    done=functools.partial(_done, it, self.allow_pickle, self.resolved_id, self._passed),
+        try:
+            storage: dict[MetadataIndex, ItemRecord] = self.metadata.storage_data
+            groups: dict[MetadataIndex, Item] = {}
+            for ri in plan.items:
+                rec = storage.get(ri.storage_index)
+                if rec is None:
+                    raise CorruptCheckpoint(
+                        f"checkpoint {self.resolved_id}: no stored item for {ri.storage_index.fqn!r}"
+                    )
+                g = groups.get(ri.storage_index)
+                if g is None:
+                    g = groups[ri.storage_index] = Item(ri.storage_index, rec, [])
+                g.reads.append(ri)
+            items = list(groups.values())
+            route = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+            recv_from = {int(p): idx for p, idx in route.get("recv", [])}
+            send_to = {int(p): idx for p, idx in route.get("send", [])}
+            incoming = {i for idx in recv_from.values() for i in idx}
+            outgoing = {i for idx in send_to.values() for i in idx}  # read once, for the peers and for this rank
+            requests: list[Request] = []
+            for it in items:  # resolve destinations on the calling thread
+                if it.rec.is_tensor:
+                    it.targets = [planner.resolve_tensor(ri) for ri in it.reads]
+                    if len(it.reads) == 1 and is_whole(it.reads[0], it.rec) and direct_ok(it.targets[0], it.rec):
+                        it.direct = it.targets[0]
+                if it.index in incoming or it.index in outgoing:
+                    continue
+                what = f"item {it.index.fqn!r} (offset {list(it.index.offset or [])})"
+                requests.append(
+                    Request(
+                        it.rec,
+                        buffer_for(it),
+                        what,
+                        done=functools.partial(_done, it, self.allow_pickle, self.resolved_id, self._passed),
+                    )
                 )
-            )
-        # each item served to other nodes is read (and verified) once, whatever the number of peers,
-        # in the same read as this rank's own items (one request per run of a file)
-        unique = sorted(outgoing, key=lambda i: (storage[i].file, storage[i].pos))
-        staged = {i: memoryview(bytearray(storage[i].length)) for i in unique}
-        serve = [Request(storage[i], staged[i], f"item {i.fqn!r} for other nodes") for i in unique]
+            # each item served to other nodes is read (and verified) once, whatever the number of peers,
+            # in the same read as this rank's own items (one request per run of a file)
+            unique = sorted(outgoing, key=lambda i: (storage[i].file, storage[i].pos))
+            staged = {i: memoryview(bytearray(storage[i].length)) for i in unique}
+            serve = [Request(storage[i], staged[i], f"item {i.fqn!r} for other nodes") for i in unique]
+        except BaseException:
+            # Check in all the same (as after a failed read): the other ranks then get this error from
+            # DCP's gather at once instead of naming this rank after the timeout.
+            self._done_reading(False)
+            self.release()
+            loading.end(self)
+            raise
         self.fill = None
         ok, error = False, None
         late: CheckInError | None = None
