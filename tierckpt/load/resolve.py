@@ -5,8 +5,11 @@ valid and whose data a tier can serve (:func:`tierckpt.catalog.listing.find_late
 distributed job with a node-local first tier the answer is the job's, not one node's: the ranks
 agree on it (:mod:`tierckpt.load.agreement`: each rank's view to the coordinator, its verdict to
 every rank, over the reader's own peer group -- never the training process group) and share the
-metadata of the agreed checkpoint, read once where it is held. :class:`MetadataResolution` is a
-base of :class:`~tierckpt.load.reader.TieredReader`; it runs on the thread calling ``dcp.load``.
+metadata of the agreed checkpoint, read once where it is held. Inside ``dcp.load`` every rank checks
+in (:mod:`tierckpt.chain.checkin`) right before the agreement, and again at the end of
+``read_data`` (:meth:`MetadataResolution._done_reading`, which then releases the job's leases), so
+a rank that died is named by every other. :class:`MetadataResolution` is a base of
+:class:`~tierckpt.load.reader.TieredReader`; it runs on the thread calling ``dcp.load``.
 """
 
 from __future__ import annotations
