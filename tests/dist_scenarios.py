@@ -319,7 +319,7 @@ def die_in_phase(args: dict, rank: int, world: int) -> dict:
 
 
 def check_in_cases(args: dict, rank: int, world: int) -> dict:
-    """The save's check-in (tierckpt.save.checkin), on real ranks: ``step-1`` with rank 1 entering
+    """The save's check-in (tierckpt.chain.checkin), on real ranks: ``step-1`` with rank 1 entering
     ``dcp.save`` ``args['slow']`` seconds late; ``step-2`` with rank ``args['skipper']``'s planning
     raising before it checks in (every rank reports the error it got and what it logged); ``step-2``
     again (a retry under the same id); ``step-3``. Reports which check-in keys the store still holds."""
@@ -327,8 +327,8 @@ def check_in_cases(args: dict, rank: int, world: int) -> dict:
 
     from torch.distributed import distributed_c10d as c10d
 
+    from tierckpt.chain.checkin import Group, check_in, prefix_of
     from tierckpt.save import writer
-    from tierckpt.save.checkin import Group, check_in, prefix_of
     from tierckpt.testing.counting import install
 
     counters = install()

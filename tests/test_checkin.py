@@ -1,4 +1,4 @@
-"""The save's check-in (tierckpt.save.checkin) on real gloo ranks: a rank slower by seconds still
+"""The save's check-in (tierckpt.chain.checkin) on real gloo ranks: a rank slower by seconds still
 saves; a live rank that never checks in is named by every other rank within the commit timeout and
 the save fails on every rank with its error; a retry under the same id saves; nothing is left on
 the store. (A rank that dies in planning: tests/test_many_ranks.py.)"""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from distrun import run_world
 
-from tierckpt.save.checkin import absent
+from tierckpt.chain.checkin import absent
 
 WORLD = 4
 SKIPPER = 2
@@ -72,6 +72,6 @@ def test_absent_bisects():
 
 def test_no_group_outside_dcp_save():
     """Called outside ``dcp.save`` (no DCP wrapper of a process group on the stack): no check-in."""
-    from tierckpt.save.checkin import dcp_group
+    from tierckpt.chain.checkin import dcp_group
 
     assert dcp_group() is None

@@ -3,7 +3,7 @@
 What it does: :class:`~tierckpt.save.writer.TieredWriter` turns DCP's save calls into one rank's
 job for the engine (:mod:`tierckpt.chain.engine`); around it, the plan channel that fills in what
 DCP's plan caching leaves out (:mod:`.planchannel`), the check-in that names a rank missing from a
-save's planning (:mod:`.checkin`), the plan cache persisted across restarts
+save's planning (:mod:`tierckpt.chain.checkin`), the plan cache persisted across restarts
 (:mod:`.plancache`), ``dcp.async_save`` tickets (:mod:`.asyncsave`), holding a save's capture
 until ``dcp.save`` is done with the CPU (:mod:`.hold`), and draining saves on SIGTERM
 (:mod:`.preempt`). Runs on the thread calling ``dcp.save``, on every rank; the collectives are

@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from ..capture.ranksave import RankAssign, RankSave
 from ..catalog.listing import is_committed
+from ..chain.checkin import check_in, dcp_group
 from ..chain.commit import default_channel
 from ..chain.engine import Engine
 from ..errors import CommitConflict, TierckptError
 from ..format.layout import rank_file, step_of
 from ..tiers.base import Tier
-from .checkin import check_in, dcp_group
 from .planchannel import LocalInfo, PlanAssign, assign_key, info_key, multi_get, session
 
 __all__ = ["SaveCtx", "SavePlanning", "global_rank"]
@@ -94,7 +94,7 @@ class SavePlanning:
         """Every rank: add this rank's root and requested id to its plan and, once a plan channel
         exists, publish them on the store too (DCP's plan caching may hand the coordinator a
         cached plan without them): at most one store write. Then, for a distributed save with a
-        checkpoint id, check in (:mod:`tierckpt.save.checkin`): wait, up to ``[job]
+        checkpoint id, check in (:mod:`tierckpt.chain.checkin`): wait, up to ``[job]
         commit_timeout``, until every rank of the group has, or raise
         :class:`~tierckpt.errors.CheckInError` naming those that did not. No collective."""
         ctx = self._ctx()

@@ -1,11 +1,19 @@
-"""The save's check-in: before DCP gathers the plans of a ``dcp.save``, every rank of its group
-announces itself on the job's store, so that a rank that died or hung in planning is named by
-every other rank within ``[job] commit_timeout`` (instead of DCP's gather failing with gloo's
-``Connection closed by peer [address]``, which names no rank).
+"""Check-ins: before a collective of DCP, every rank of its group announces itself on the job's
+store, so that a rank that died or hung before it is named by every other rank within ``[job]
+commit_timeout`` (instead of DCP's collective failing with gloo's ``Connection closed by peer
+[address]``, which names no rank). Three points use it (:func:`check_in`, each with ids of its
+own, so their keys never meet):
 
-Run at the end of ``TieredWriter.prepare_local_plan`` (:func:`check_in`). The keys of one save live
-under ``tierckpt/checkin/<h>/``, ``h`` a hash of the process group's name and the checkpoint id, so
-every rank names them without talking to the others:
+* a save, before DCP gathers the plans (``tierckpt.save.assign``: the checkpoint id);
+* a distributed load, before the ranks' agreement on the checkpoint, the load's first collective
+  (``tierckpt.load.resolve``: ``load:`` and the requested id, in the ``load/`` namespace);
+* a distributed load, at the end of ``read_data``, before DCP's gather of the reads
+  (``tierckpt.load.reader``: ``read:`` and the agreement's token for this load): a rank that died
+  while reading or serving files to other nodes is named.
+
+The save's check-in runs at the end of ``TieredWriter.prepare_local_plan``. The keys of one check-in
+live under ``tierckpt/checkin/<h>/``, ``h`` a hash of the group's name (``load/<name>`` for a
+load's) and the id, so every rank names them without talking to the others:
 
 1. The coordinator sets the group's ``coord`` key to its id; every other rank sets ``in<r>``.
 2. The coordinator waits for every ``in<r>`` in one store ``wait`` (bounded by the commit timeout),
@@ -13,7 +21,7 @@ every rank names them without talking to the others:
    bisecting the keys with ``check``: O(m log N) calls for m missing ranks, on the coordinator only).
 3. Every other rank waits for ``v`` (the commit timeout plus :data:`GRACE`), deletes its ``in<r>``
    and counts itself under ``read``; the last reader deletes ``v`` and ``read``, before it reaches
-   DCP's gather, so before any rank can start another save (a retry under the same id finds no
+   DCP's collective, so before any rank can start another save (a retry under the same id finds no
    stale verdict).
 
 A rank still waiting after a second reads ``coord`` (then after 2, 4 ... 30 s): if the coordinator
@@ -21,8 +29,8 @@ checks in for another id than this rank's (and than this rank's previous one), t
 different ids; this rank then takes part in the coordinator's check-in instead, and DCP's gather
 that follows carries the coordinator's "ranks passed different checkpoint ids" to every rank.
 
-Store operations per save: a rank other than the coordinator 5 when ``v`` is already there (set,
-check, get, delete, add), else 7 (a check that finds nothing and the store's ``wait`` before the
+Store operations per check-in (a save has one, a distributed load two): a rank other than the
+coordinator 5 when ``v`` is already there (set, check, get, delete, add), else 7 (a check that finds nothing and the store's ``wait`` before the
 check and get), and the verdict's last reader 2 more; the coordinator 5 (two deletes of what an
 abnormal earlier attempt under this id may have left, its id, the wait, the verdict): about 7 per
 rank, whatever the number of ranks (``tests/test_checkin.py`` pins them); a rank waiting longer
@@ -32,6 +40,8 @@ Skipped (no wait, nothing on the store) when the save is not distributed, its gr
 ``dcp.save`` got no ``checkpoint_id`` (the ranks could not name the save's keys alike: the
 coordinator picks the id later), or DCP's wrapper of the process group is not found on the stack
 (the group's size is not known before DCP's gather: a guess could wait for ranks outside it).
+A load's are skipped likewise: not distributed (no agreement: the first tier is shared, or one
+rank), or no DCP wrapper on the stack (``resolve()`` called outside ``dcp.load``).
 A rank whose planner raised before ``prepare_local_plan`` never checks in: the others name it after
 the commit timeout, and DCP's gather that follows carries its error too, where DCP's own gather
 alone raised it at once. So does gloo's error on a rank that died.
@@ -49,8 +59,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from ..chain.commit import StoreChannel, name_ranks
 from ..errors import CheckInError
+from .commit import StoreChannel, name_ranks
 
 __all__ = ["GRACE", "Group", "dcp_group", "check_in", "prefix_of", "absent"]
 
@@ -63,7 +73,7 @@ waits the commit timeout from its own arrival, which may be later)."""
 
 @dataclass(frozen=True)
 class Group:
-    """The process group of the ``dcp.save`` in progress, as DCP's wrapper of it has it."""
+    """The process group of the ``dcp.save`` (or ``dcp.load``) in progress, as DCP's wrapper of it has it."""
 
     name: str
     world: int
@@ -72,8 +82,8 @@ class Group:
 
 
 def dcp_group(depth: int = 16) -> Group | None:
-    """The group of the ``dcp.save`` calling this (DCP's ``_DistWrapper`` on the calling stack), or
-    None where it is not found or not distributed."""
+    """The group of the ``dcp.save`` or ``dcp.load`` calling this (DCP's ``_DistWrapper`` on the
+    calling stack), or None where it is not found or not distributed."""
     try:
         from torch.distributed.checkpoint.utils import _DistWrapper
     except ImportError:
@@ -152,7 +162,7 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> bool:
 
 
 def prefix_of(group_name: str, cid: str) -> str:
-    """The store prefix of the check-in of the save of ``cid`` by the group named ``group_name``."""
+    """The store prefix of the check-in under id ``cid`` by the group named ``group_name``."""
     return "tierckpt/checkin/" + hashlib.sha256(f"{group_name}\0{cid}".encode()).hexdigest()[:16]
 
 
@@ -164,19 +174,21 @@ def _coord_key(group_name: str) -> str:
 _prev: dict[str, str] = {}  # group name -> the id of this process's previous check-in in it
 
 
-def check_in(cid: str, group: Group, timeout: float) -> None:
-    """Every rank of ``group``, in ``prepare_local_plan`` of the save of ``cid``: return once every
-    rank of the group has checked in; raise :class:`CheckInError` naming the ranks that did not
-    within ``timeout`` seconds (logged too: DCP's gather that follows fails on a dead rank with an
-    error that names none). See the module docstring for the protocol."""
+def check_in(cid: str, group: Group, timeout: float, what: str = "", before: str = "its planning") -> None:
+    """Every rank of ``group``, at its check-in under id ``cid``: return once every rank of the
+    group has checked in; raise :class:`CheckInError` naming the ranks that did not within
+    ``timeout`` seconds (logged too: DCP's collective that follows fails on a dead rank with an
+    error that names none). The errors start with ``what`` (default ``checkpoint <cid>:
+    planning``, the save's) and say the missing ranks died, hung or failed ``before`` (what comes
+    before the check-in). See the module docstring for the protocol."""
     if group.world < 2:
         return
     prev, _prev[group.name] = _prev.get(group.name), cid
-    what = f"checkpoint {cid}: planning"
+    what = what or f"checkpoint {cid}: planning"
     me = group.rank
     try:
         if me == group.coordinator:
-            _coordinate(cid, group, timeout, what)
+            _coordinate(cid, group, timeout, what, before)
         else:
             _attend(cid, prev, group, timeout, what)
     except CheckInError as e:
@@ -191,7 +203,7 @@ def check_in(cid: str, group: Group, timeout: float) -> None:
         raise err from e
 
 
-def _coordinate(cid: str, group: Group, timeout: float, what: str) -> None:
+def _coordinate(cid: str, group: Group, timeout: float, what: str, before: str) -> None:
     store = _store()
     prefix = prefix_of(group.name, cid)
     # What an attempt under this id that went wrong may have left (no reader of this one can be
@@ -209,7 +221,7 @@ def _coordinate(cid: str, group: Group, timeout: float, what: str) -> None:
         return
     msg = (
         f"{what}: no report from {name_ranks(missing)} within {timeout:.0f} s "
-        "(dead, hung, or failed before its planning; every other rank reported)"
+        f"(dead, hung, or failed before {before}; every other rank reported)"
     )
     store.set(f"{prefix}/v", b"E" + json.dumps({"missing": missing, "error": msg}).encode())
     raise CheckInError(msg)
