@@ -1,6 +1,6 @@
 """The save's check-in (tierckpt.chain.checkin) on real gloo ranks: a rank slower by seconds still
 saves; a live rank that never checks in is named by every other rank within the commit timeout and
-the save fails on every rank with its error; a retry under the same id saves; nothing is left on
+the save fails on every rank with its own error; a retry under the same id saves; nothing is left on
 the store. (A rank that dies in planning: tests/test_many_ranks.py.)"""
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ def test_check_in_waits_for_the_slow_names_the_missing_and_leaves_nothing(tmp_pa
     )
     for r, out in enumerate(res):
         assert out["left"] == [], (r, out)  # every save's check-in keys were deleted
-        # DCP's gather carried every rank's error to every rank: the skipper's own, and the others'
-        # check-in error naming it (the coordinator's, and each other rank's from its verdict)
+        # DCP's gather carried the skipper's error to every rank (the others' check-in only logs:
+        # it never fails a save by itself, a rank only late would still save)
         fails = out["failures"]
-        assert sorted(fails) == [str(q) for q in range(WORLD)], (r, out)
+        assert sorted(fails) == [str(SKIPPER)], (r, out)
         assert f"planning broke on rank {SKIPPER}" in fails[str(SKIPPER)], (r, out)
-        for q in range(WORLD):
-            if q != SKIPPER:
-                assert f"no report from rank {SKIPPER} within 6 s" in fails[str(q)], (r, q, fails)
-        if r != SKIPPER:  # and logged it
+        if r != SKIPPER:  # every other rank logged who was missing
             assert any(f"no report from rank {SKIPPER} within 6 s" in t for t in out["logged"]), (r, out)
     # the check-in's store operations (checks that found nothing included): the coordinator 5 (two
     # deletes, its id, one wait for every key, the verdict); every other rank 5 to 7, the verdict's

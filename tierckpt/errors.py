@@ -70,9 +70,10 @@ class CommitError(SaveError):
 
 
 class CheckInError(SaveError):
-    """A rank of a ``dcp.save`` did not reach its planning within ``[job] commit_timeout`` (dead,
-    hung, or failed before it): the message names it. Raised on every other rank before DCP gathers
-    the plans (and logged: DCP's gather that follows fails on a dead rank with an error naming none)."""
+    """A rank of a ``dcp.save`` or ``dcp.load`` did not reach a check-in within ``[job]
+    commit_timeout`` (dead, hung, or failed before it): the message names it. Logged at ERROR on
+    every other rank, never raised (:mod:`tierckpt.chain.checkin`): DCP's collective that follows
+    fails on a dead rank with an error naming none, and succeeds when the rank was only late."""
 
 
 class ReplicationError(SaveError):

@@ -174,11 +174,16 @@ def _coord_key(group_name: str) -> str:
 _prev: dict[str, str] = {}  # group name -> the id of this process's previous check-in in it
 
 
-def check_in(cid: str, group: Group, timeout: float, what: str = "", before: str = "its planning") -> None:
+def check_in(
+    cid: str, group: Group, timeout: float, what: str = "", before: str = "its planning"
+) -> CheckInError | None:
     """Every rank of ``group``, at its check-in under id ``cid``: return once every rank of the
-    group has checked in; raise :class:`CheckInError` naming the ranks that did not within
-    ``timeout`` seconds (logged too: DCP's collective that follows fails on a dead rank with an
-    error that names none). The errors start with ``what`` (default ``checkpoint <cid>:
+    group has checked in, or ``timeout`` seconds have passed: then return (never raise) a
+    :class:`CheckInError` naming the ranks that did not, logged at ERROR level on this rank. The
+    caller goes on into DCP's collective all the same: a rank that was only late (slower than the
+    timeout, not dead) then still takes part and the save or load succeeds as it would have
+    without the check-in; a dead rank makes that collective fail with gloo's error, which names
+    none, after every rank logged who is missing. The errors start with ``what`` (default ``checkpoint <cid>:
     planning``, the save's) and say the missing ranks died, hung or failed ``before`` (what comes
     before the check-in). See the module docstring for the protocol."""
     if group.world < 2:
@@ -193,14 +198,15 @@ def check_in(cid: str, group: Group, timeout: float, what: str = "", before: str
             _attend(cid, prev, group, timeout, what)
     except CheckInError as e:
         log.error("rank %d: %s", me, e)
-        raise
+        return e
     except Exception as e:  # noqa: BLE001 - the store failed under us
         err = CheckInError(
             f"{what}: the job's store failed on rank {me} ({type(e).__name__}: {str(e)[:200]}); "
             "was it hosted by a rank that died (torchrun's agent keeps it outside the ranks)?"
         )
         log.error("rank %d: %s", me, err)
-        raise err from e
+        return err
+    return None
 
 
 def _coordinate(cid: str, group: Group, timeout: float, what: str, before: str) -> None:

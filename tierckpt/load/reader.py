@@ -39,7 +39,7 @@ from ..catalog.listing import read_checkpoint_metadata
 from ..chain import peers
 from ..codec.view import decoding
 from ..config import TierConfig, load_config
-from ..errors import CheckInError, CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from ..format.layout import check_checkpoint_id, data_key, is_valid_checkpoint_id
 from ..format.layout import padded as _padded
 from ..format.metadata import ItemRecord, item_intact
@@ -287,7 +287,6 @@ class TieredReader(MetadataResolution, StorageReader):
             raise
         self.fill = None
         ok, error = False, None
-        late: CheckInError | None = None
         try:
             engine = (
                 Readback(self.resolved_id, self._holding, self.chunk_size, threads=self.threads)
@@ -321,13 +320,11 @@ class TieredReader(MetadataResolution, StorageReader):
             try:
                 if self.fill is not None:
                     self.fill.finish(ok)
-                late = self._done_reading(ok)
+                self._done_reading(ok)
             finally:
                 self.release()
                 loading.end(self)
-                telemetry.loaded(self, t_load, error or (f"{type(late).__name__}: {late}" if late else None), items)
-        if late is not None:
-            raise late
+                telemetry.loaded(self, t_load, error, items)
         for it in items:  # deliver on the calling thread
             if it.rec.is_tensor:
                 for ri, t in zip(it.reads, it.targets):

@@ -26,7 +26,7 @@ from ..chain import peers
 from ..chain.checkin import Group, check_in, dcp_group
 from ..chain.commit import default_channel
 from ..config import TierConfig
-from ..errors import CheckInError, CheckpointNotFound, CorruptCheckpoint
+from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..tiers.base import Tier
 from . import agreement
 
@@ -115,9 +115,10 @@ class MetadataResolution:
     def _check_in(self, group: peers.PeerGroup, cid: str, what: str, before: str) -> bool:
         """Every rank of a distributed load, inside ``dcp.load``: a check-in of the agreement's
         group (the default group, coordinator rank 0) under ``cid``, in the ``load/`` namespace
-        (:mod:`tierckpt.chain.checkin`): wait up to ``[job] commit_timeout`` for every rank, or
-        raise :class:`~tierckpt.errors.CheckInError` naming those missing. Skipped (False) outside
-        ``dcp.load`` (no DCP wrapper on the stack: ``resolve()`` called on its own)."""
+        (:mod:`tierckpt.chain.checkin`): wait up to ``[job] commit_timeout`` for every rank, else
+        log an error naming those missing and go on (never raises: a late rank still loads).
+        Skipped (False) outside ``dcp.load`` (no DCP wrapper on the stack: ``resolve()`` called
+        on its own)."""
         if dcp_group() is None:
             return False
         check_in(cid, Group("load/default", group.world, group.rank, 0), self.cfg.job.commit_timeout, what, before)
@@ -207,27 +208,23 @@ class MetadataResolution:
             f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers)
         )
 
-    def _done_reading(self, ok: bool) -> CheckInError | None:
+    def _done_reading(self, ok: bool) -> None:
         """End of ``read_data``, every rank of a distributed load (``ok``: its reads succeeded, else
         an error is on its way out): the "done reading" check-in (:mod:`tierckpt.chain.checkin`),
         before DCP's gather of the reads, so a rank that died while reading or serving files to
-        other nodes is named by every other rank within ``[job] commit_timeout``; its error is
-        returned (to raise once the reader is cleaned up) when ``ok``, else only logged (the
-        read's own error goes on). Once it ran, every rank is done reading or named: the
+        other nodes is named by every other rank within ``[job] commit_timeout`` (an error logged on
+        every rank; never raised: a rank only late still loads, a dead one makes DCP's gather that
+        follows fail). ``ok`` is not used: a rank whose reads failed checks in all the same. Once it ran, every rank is done reading or named: the
         coordinator gives up the job's leases without counting the ranks done
         (:meth:`_reads_done`, the fallback where the check-in is skipped)."""
         v = self._verdict
         if v is None or not v.load or self._peers is None:
-            return None
-        try:
-            if self._check_in(
-                self._peers, f"read:{v.load}", f"checkpoint {v.checkpoint_id}: reading", "the end of its reads"
-            ):
-                return None
-        except CheckInError as e:  # logged by check_in
-            return e if ok else None
+            return
+        if self._check_in(
+            self._peers, f"read:{v.load}", f"checkpoint {v.checkpoint_id}: reading", "the end of its reads"
+        ):
+            return  # a missing rank was logged by check_in; DCP's gather that follows raises
         self._reads_done()
-        return None
 
     def _reads_done(self) -> None:
         """End of ``read_data``, every rank: when the coordinator holds the job's leases on shared

@@ -95,8 +95,9 @@ class SavePlanning:
         exists, publish them on the store too (DCP's plan caching may hand the coordinator a
         cached plan without them): at most one store write. Then, for a distributed save with a
         checkpoint id, check in (:mod:`tierckpt.chain.checkin`): wait, up to ``[job]
-        commit_timeout``, until every rank of the group has, or raise
-        :class:`~tierckpt.errors.CheckInError` naming those that did not. No collective."""
+        commit_timeout``, until every rank of the group has, else log an error naming those that
+        did not and go on into DCP's gather (which then fails if one died, and succeeds if it was
+        only late). No collective."""
         ctx = self._ctx()
         # The id given to reset() is used by this save only: a later save without checkpoint_id
         # must get a fresh id, never the previous one.
