@@ -187,7 +187,7 @@ def check_in(
     planning``, the save's) and say the missing ranks died, hung or failed ``before`` (what comes
     before the check-in). See the module docstring for the protocol."""
     if group.world < 2:
-        return
+        return None
     prev, _prev[group.name] = _prev.get(group.name), cid
     what = what or f"checkpoint {cid}: planning"
     me = group.rank
