@@ -74,14 +74,12 @@ def test_a_dead_rank_is_named_by_every_other(tmp_path, phase, victim):
     for r, out in enumerate(res):
         if r != victim:
             assert out["error"], (r, out)  # every other rank got an error: none hangs
-    if phase in ("plan", "save", "commit"):  # our own waits: every rank names the dead one
-        # (plan: the save's check-in, before DCP's gather of the plans; the victim dies on entering
-        # prepare_local_plan, before it checks in. DCP's gather then raises gloo's error, which names
-        # no rank: each rank logged the check-in's error first. Rank 0, the coordinator: the others
-        # get no verdict from it within the timeout + 30 s, and name it)
-        assert len(namers) == WORLD - 1, res
-    elif phase == "load":  # DCP's own collective raises gloo's error; ours (naming the rank) is logged first,
-        assert namers, res  # except by a rank whose collective broke before the dead one's absence settled
+    # Our own waits: every rank names the dead one. (plan: the save's check-in, before DCP's gather
+    # of the plans; the victim dies on entering prepare_local_plan, before it checks in. DCP's gather
+    # then raises gloo's error, which names no rank: each rank logged the check-in's error first.
+    # Rank 0, the coordinator: the others get no verdict from it within the timeout + 30 s, and name
+    # it. load: the load's check-in, before the agreement's first collective, likewise.)
+    assert len(namers) == WORLD - 1, res
     if phase != "load":  # nothing half-written became visible
         assert _committed(tmp_path, "step-2") == [] and len(_committed(tmp_path, "step-1")) == WORLD // 2
 
@@ -115,7 +113,8 @@ def test_a_rank_dying_in_the_peer_copies_is_named(tmp_path):
 
 def test_a_rank_dying_while_serving_a_lost_node_is_named(tmp_path):
     """Node n3 (ranks 6, 7) lost its disk; its files come from their copies on n4 (ranks 8, 9).
-    Rank 8 dies in that exchange: rank 6, which waited for its bytes, names it."""
+    Rank 8 dies in that exchange: rank 6, which waited for its bytes, names it, and so does every
+    other rank (the "done reading" check-in at the end of read_data, before DCP's gather)."""
     from tierckpt.testing import can_hide_paths, hide_paths
 
     if not can_hide_paths():
@@ -136,3 +135,5 @@ def test_a_rank_dying_while_serving_a_lost_node_is_named(tmp_path):
         if r != 8:
             assert out["error"], (r, out)  # none hangs
     assert _named_in(res[6], 8), res[6]
+    namers = [r for r, out in enumerate(res) if r != 8 and _named_in(out, 8)]
+    assert len(namers) == WORLD - 1, res

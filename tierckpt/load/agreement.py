@@ -27,8 +27,9 @@ same functions for thousands of simulated ranks:
    on the coordinator from its lease's read, from the rank that holds it (point to point: the
    coordinator's shared copy, else a node's) when no shared tier has it or at most
    :data:`PEER_METADATA_MAX` ranks lack it, else with one GET from the shared tier.
-5. When every rank has read (a store counter, :func:`done_key`), the coordinator releases the
-   job's leases.
+5. When every rank has read (the reader's "done reading" check-in, :mod:`tierckpt.chain.checkin`;
+   outside ``dcp.load`` a store counter, :func:`done_key`), the coordinator releases the job's
+   leases.
 
 So a restart whose files are all on local disks sends the bucket one LIST plus one small GET
 per committed checkpoint there, for the whole job; a load from S3 sends the ranged GETs of the

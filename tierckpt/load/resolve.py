@@ -5,13 +5,17 @@ valid and whose data a tier can serve (:func:`tierckpt.catalog.listing.find_late
 distributed job with a node-local first tier the answer is the job's, not one node's: the ranks
 agree on it (:mod:`tierckpt.load.agreement`: each rank's view to the coordinator, its verdict to
 every rank, over the reader's own peer group -- never the training process group) and share the
-metadata of the agreed checkpoint, read once where it is held. :class:`MetadataResolution` is a
-base of :class:`~tierckpt.load.reader.TieredReader`; it runs on the thread calling ``dcp.load``.
+metadata of the agreed checkpoint, read once where it is held. Inside ``dcp.load`` every rank checks
+in (:mod:`tierckpt.chain.checkin`) right before the agreement, and again at the end of
+``read_data`` (:meth:`MetadataResolution._done_reading`, which then releases the job's leases), so
+a rank that died is named by every other. :class:`MetadataResolution` is a base of
+:class:`~tierckpt.load.reader.TieredReader`; it runs on the thread calling ``dcp.load``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -19,6 +23,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import loading
 from ..catalog.listing import find_latest, parse_checkpoint_doc, read_checkpoint_metadata
 from ..chain import peers
+from ..chain.checkin import Group, check_in, dcp_group
+from ..chain.commit import default_channel
 from ..config import TierConfig
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..tiers.base import Tier
@@ -80,6 +86,11 @@ class MetadataResolution:
                 view, self._docs = agreement.local_view(self.tiers[0], self.checkpoint_id)
             except Exception as e:  # noqa: BLE001 - still take part in the exchange; the error travels
                 view = agreement.NodeView(self.tiers[0].root_id(), error=f"{type(e).__name__}: {e}")
+            # Right before the agreement's first collective: a rank that never entered dcp.load (or
+            # died before here) is named by every other rank, not only by those whose gather broke.
+            self._check_in(
+                group, f"load:{self.checkpoint_id}", f"checkpoint {self.checkpoint_id}: loading", "its dcp.load"
+            )
             wires = group.collective(
                 "agreeing on the checkpoint to load (gathering what each node holds)",
                 lambda: group.gather_to(agreement.view_to_wire(view)),
@@ -100,6 +111,18 @@ class MetadataResolution:
         if self._verdict.error:
             raise CheckpointNotFound(self._verdict.error)
         return self._verdict
+
+    def _check_in(self, group: peers.PeerGroup, cid: str, what: str, before: str) -> bool:
+        """Every rank of a distributed load, inside ``dcp.load``: a check-in of the agreement's
+        group (the default group, coordinator rank 0) under ``cid``, in the ``load/`` namespace
+        (:mod:`tierckpt.chain.checkin`): wait up to ``[job] commit_timeout`` for every rank, else
+        log an error naming those missing and go on (never raises: a late rank still loads).
+        Skipped (False) outside ``dcp.load`` (no DCP wrapper on the stack: ``resolve()`` called
+        on its own)."""
+        if dcp_group() is None:
+            return False
+        check_in(cid, Group("load/default", group.world, group.rank, 0), self.cfg.job.commit_timeout, what, before)
+        return True
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Every rank (``dcp.load``). With a node-local first tier in a distributed job, the ranks
@@ -184,3 +207,55 @@ class MetadataResolution:
         raise CheckpointNotFound(
             f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers)
         )
+
+    def _done_reading(self, ok: bool) -> None:
+        """End of ``read_data``, every rank of a distributed load (``ok``: its reads succeeded, else
+        an error is on its way out): the "done reading" check-in (:mod:`tierckpt.chain.checkin`),
+        before DCP's gather of the reads, so a rank that died while reading or serving files to
+        other nodes is named by every other rank within ``[job] commit_timeout`` (an error logged on
+        every rank; never raised: a rank only late still loads, a dead one makes DCP's gather that
+        follows fail). ``ok`` is not used: a rank whose reads failed checks in all the same. Once it ran, every rank is done reading or named: the
+        coordinator gives up the job's leases without counting the ranks done
+        (:meth:`_reads_done`, the fallback where the check-in is skipped)."""
+        v = self._verdict
+        if v is None or not v.load or self._peers is None:
+            return
+        if self._check_in(
+            self._peers, f"read:{v.load}", f"checkpoint {v.checkpoint_id}: reading", "the end of its reads"
+        ):
+            return  # a missing rank was logged by check_in; DCP's gather that follows raises
+        self._reads_done()
+
+    def _reads_done(self) -> None:
+        """End of ``read_data``, every rank: when the coordinator holds the job's leases on shared
+        tiers, count this rank done on the store; the coordinator waits (up to ``[job]
+        commit_timeout``: DCP's own collective after ``read_data`` waits for every rank anyway)
+        until every rank is, then :meth:`release` gives the leases up."""
+        v = self._verdict
+        if v is None or not v.leased or self._peers is None:
+            return
+        ch = default_channel(True)
+        key = agreement.done_key(v)
+        try:
+            ch.add(key, 1)
+            if self._decision is None:
+                return
+            deadline = time.monotonic() + self.cfg.job.commit_timeout
+            delay = 0.002
+            while (n := ch.add(key, 0)) < self._peers.world:
+                if time.monotonic() > deadline:
+                    log.error(
+                        "checkpoint %s: %d of %d ranks finished reading within %.0f s; releasing the job's "
+                        "leases on %s",
+                        v.checkpoint_id,
+                        n,
+                        self._peers.world,
+                        self.cfg.job.commit_timeout,
+                        ", ".join(v.leased),
+                    )
+                    return
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.05)
+            ch.delete(key)
+        except Exception as e:  # noqa: BLE001 - a store gone: the leases expire on their own
+            log.warning("checkpoint %s: cannot count the ranks done reading: %s", v.checkpoint_id, e)
