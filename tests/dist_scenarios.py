@@ -376,4 +376,47 @@ def check_in_cases(args: dict, rank: int, world: int) -> dict:
     return out
 
 
-SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase, check_in_cases]})
+def store_threads(args: dict, rank: int, world: int) -> dict:
+    """A thread blocked in the job's store ``wait`` does not hold up another thread's operations:
+    the main thread waits for a key that this rank's background thread sets, then the other way
+    round (on one shared TCPStore client, each ``set`` would queue behind the ``wait`` until it timed
+    out). Each wait is bounded by ``args["timeout"]``; the result says which ones timed out."""
+    import datetime
+    import threading
+    import time
+
+    from tierckpt.chain.jobstore import JobStore, thread_client
+
+    store, timeout = JobStore(), datetime.timedelta(seconds=args["timeout"])
+    out: dict = {"timed_out": []}
+
+    def wait(key: str) -> None:
+        try:
+            store.wait([key], timeout)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out["timed_out"].append(f"{key}: {e}"[:200])
+
+    clients: list = []
+
+    def background(set_first: bool) -> None:
+        clients.extend([thread_client(), thread_client()])
+        if set_first:
+            store.set(f"t/{rank}/main", b"1")  # the main thread is waiting for it
+        else:
+            wait(f"t/{rank}/bg")
+
+    t = threading.Thread(target=background, args=(True,))
+    t.start()
+    wait(f"t/{rank}/main")
+    t.join()
+    t = threading.Thread(target=background, args=(False,))
+    t.start()
+    time.sleep(0.5)  # let it block in its wait first
+    store.set(f"t/{rank}/bg", b"1")
+    t.join()
+    main = thread_client()
+    out["own_clients"] = clients[0] is clients[1] and clients[0] is not main and clients[2] is not clients[0]
+    return out
+
+
+SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase, check_in_cases, store_threads]})

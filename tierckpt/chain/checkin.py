@@ -61,6 +61,7 @@ from typing import Any
 
 from ..errors import CheckInError
 from .commit import StoreChannel, name_ranks
+from .jobstore import JobStore
 
 __all__ = ["GRACE", "Group", "dcp_group", "check_in", "prefix_of", "absent"]
 
@@ -112,9 +113,7 @@ def _ranks_of(g: Any) -> str:
 
 
 def _store() -> Any:
-    from torch.distributed import distributed_c10d as c10d
-
-    return c10d._get_default_store()
+    return JobStore()
 
 
 def absent(store: Any, keys: list[str]) -> list[int]:

@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from ..errors import CommitConflict, CommitError, TierckptError
+from .jobstore import JobStore
 
 __all__ = [
     "Channel",
@@ -195,13 +196,13 @@ _local_channel = LocalChannel()
 
 
 def default_channel(distributed: bool) -> Channel:
-    """The default process group's store when distributed, else the process-local channel."""
+    """The default process group's store when distributed (through each calling thread's own
+    client: :mod:`tierckpt.chain.jobstore`), else the process-local channel."""
     if distributed:
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
 
         if dist.is_available() and dist.is_initialized():
-            return StoreChannel(c10d._get_default_store())
+            return StoreChannel(JobStore())
     return _local_channel
 
 

@@ -59,9 +59,9 @@ class Hold:
             try:
                 from datetime import timedelta
 
-                from torch.distributed import distributed_c10d as c10d
+                from ..chain.jobstore import JobStore
 
-                store = c10d._get_default_store()
+                store = JobStore()
                 if not self.coordinator:
                     store.set(self._key(self.rank), "1")
                 elif not self.urgent:

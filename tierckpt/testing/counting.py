@@ -400,9 +400,11 @@ class _CountingStore:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
+        c = self._c
+        if name == "clone":  # a thread's own client (tierckpt.chain.jobstore) counts as well
+            return lambda: _CountingStore(attr(), c)
         if name not in STORE_OPS:
             return attr
-        c = self._c
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             res = attr(*args, **kwargs)

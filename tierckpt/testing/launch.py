@@ -163,8 +163,10 @@ def _fork_context() -> Any:
 def _run_script(cmd: list[str], env: dict[str, str], log: str) -> None:
     """In a rank forked from the fork server: what ``python SCRIPT ARGS...`` would do, with ``env``
     as the whole environment and stdout and stderr going (unbuffered) to ``log``."""
+    import faulthandler
     import io
     import runpy
+    import signal
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -174,6 +176,7 @@ def _run_script(cmd: list[str], env: dict[str, str], log: str) -> None:
     sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True)
     os.environ.clear()
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # _Forked.stop: stacks of a hung rank
     if env.get("OMP_NUM_THREADS", "").isdigit():
         import torch
 
@@ -197,8 +200,23 @@ class _Forked:
 
     def stop(self) -> None:
         if self.p.exitcode is None:
+            _dump_stacks(self.p.pid)
             self.p.kill()
             self.p.join()
+
+
+def _dump_stacks(pid: int | None) -> None:
+    """Ask a rank that ran past its timeout to write every thread's Python stack to its log
+    (faulthandler on SIGUSR1, registered by :func:`_run_script`), so a hang says where it is."""
+    import signal
+
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return
+    time.sleep(1.0)
 
 
 class _Exec:
