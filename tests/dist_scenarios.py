@@ -385,6 +385,7 @@ def store_threads(args: dict, rank: int, world: int) -> dict:
     import threading
     import time
 
+    from tierckpt.chain import jobstore
     from tierckpt.chain.jobstore import JobStore, thread_client
 
     store, timeout = JobStore(), datetime.timedelta(seconds=args["timeout"])
@@ -405,15 +406,19 @@ def store_threads(args: dict, rank: int, world: int) -> dict:
         else:
             wait(f"t/{rank}/bg")
 
-    t = threading.Thread(target=background, args=(True,))
-    t.start()
+    first = threading.Thread(target=background, args=(True,))
+    first.start()
     wait(f"t/{rank}/main")
-    t.join()
+    first.join()
+    # an ended thread's client is not freed by that thread as it ends (see jobstore: freed by the
+    # next thread that makes a client, never during interpreter shutdown by a dying thread)
+    out["kept_after_end"] = first in jobstore._clients
     t = threading.Thread(target=background, args=(False,))
     t.start()
     time.sleep(0.5)  # let it block in its wait first
     store.set(f"t/{rank}/bg", b"1")
     t.join()
+    out["freed_later"] = first not in jobstore._clients
     main = thread_client()
     out["own_clients"] = clients[0] is clients[1] and clients[0] is not main and clients[2] is not clients[0]
     return out

@@ -11,7 +11,7 @@ deadlock until the first timeout (``[job] commit_timeout``).
 
 So every thread other than the main one reaches the store through a client of its own, made by
 ``Store.clone()`` (the use torch documents for it: one clone per thread) the first time the
-thread needs one, and closed when the thread ends. The main thread keeps the default client: a
+thread needs one, and closed after the thread ends. The main thread keeps the default client: a
 job has one extra connection to the store per rank and tierckpt thread that uses it. A store
 that cannot be cloned (``FileStore``, ``HashStore``: no blocking client to share) is used as is.
 """
@@ -19,11 +19,19 @@ that cannot be cloned (``FileStore``, ``HashStore``: no blocking client to share
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 __all__ = ["JobStore", "thread_client"]
 
-_tls = threading.local()
+# thread -> (a weak reference to the default group the client was made for, the client). Module
+# level, not thread-local: a client must never be freed by its thread as that thread ends. Freeing
+# a store (or a process group) releases the GIL in torch's destructor; a thread that ends while the
+# interpreter shuts down cannot take the GIL back and exits through C++ frames that forbid it, and
+# the process aborts ("terminate called without an active exception"). Clients of ended threads
+# are freed by the next thread that makes one, or by the main thread at exit.
+_clients: dict[threading.Thread, tuple[weakref.ref, Any]] = {}
+_lock = threading.Lock()
 
 
 def thread_client() -> Any:
@@ -34,17 +42,24 @@ def thread_client() -> Any:
     from torch.distributed import distributed_c10d as c10d
 
     base: Any = c10d._get_default_store()  # (torch's stubs lack Store.clone)
-    if threading.current_thread() is threading.main_thread():
+    me = threading.current_thread()
+    if me is threading.main_thread():
         return base
     group = c10d._get_default_group()
-    held = getattr(_tls, "held", None)
-    if held is None or held[0] is not group:
-        try:
-            client = base.clone()
-        except Exception:  # noqa: BLE001 - a store without clone (FileStore, HashStore): no client to share
-            client = base
-        _tls.held = held = (group, client)
-    return held[1]
+    with _lock:
+        held = _clients.get(me)
+    if held is not None and held[0]() is group:
+        return held[1]
+    try:
+        client = base.clone()
+    except Exception:  # noqa: BLE001 - a store without clone (FileStore, HashStore): no client to share
+        client = base
+    with _lock:
+        ended = [t for t in _clients if not t.is_alive()]
+        freed = [_clients.pop(t) for t in ended]  # freed below, by this live thread
+        _clients[me] = (weakref.ref(group), client)
+    del freed
+    return client
 
 
 class JobStore:
