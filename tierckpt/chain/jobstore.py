@@ -37,19 +37,19 @@ _lock = threading.Lock()
 def thread_client() -> Any:
     """The calling thread's client of the job's store (the default group's; raises as
     ``torch.distributed`` does when none is initialized). The main thread gets the default store
-    itself; another thread a clone of it, kept for the thread's life (renewed if the default group
+    itself; another thread a clone of it, made once and kept past the thread's end (renewed if the default group
     is replaced, as by ``destroy_process_group`` then ``init_process_group``)."""
     from torch.distributed import distributed_c10d as c10d
 
-    base: Any = c10d._get_default_store()  # (torch's stubs lack Store.clone)
     me = threading.current_thread()
     if me is threading.main_thread():
-        return base
+        return c10d._get_default_store()
     group = c10d._get_default_group()
     with _lock:
         held = _clients.get(me)
     if held is not None and held[0]() is group:
         return held[1]
+    base: Any = c10d._get_default_store()  # (torch's stubs lack Store.clone)
     try:
         client = base.clone()
     except Exception:  # noqa: BLE001 - a store without clone (FileStore, HashStore): no client to share

@@ -281,7 +281,7 @@ class TieredReader(MetadataResolution, StorageReader):
         except BaseException:
             # Check in all the same (as after a failed read): the other ranks then get this error from
             # DCP's gather at once instead of naming this rank after the timeout.
-            self._done_reading(False)
+            self._done_reading()
             self.release()
             loading.end(self)
             raise
@@ -320,7 +320,7 @@ class TieredReader(MetadataResolution, StorageReader):
             try:
                 if self.fill is not None:
                     self.fill.finish(ok)
-                self._done_reading(ok)
+                self._done_reading()
             finally:
                 self.release()
                 loading.end(self)

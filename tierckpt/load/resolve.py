@@ -208,13 +208,13 @@ class MetadataResolution:
             f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in self.tiers)
         )
 
-    def _done_reading(self, ok: bool) -> None:
-        """End of ``read_data``, every rank of a distributed load (``ok``: its reads succeeded, else
-        an error is on its way out): the "done reading" check-in (:mod:`tierckpt.chain.checkin`),
+    def _done_reading(self) -> None:
+        """End of ``read_data``, every rank of a distributed load, whether its reads succeeded or
+        not: the "done reading" check-in (:mod:`tierckpt.chain.checkin`),
         before DCP's gather of the reads, so a rank that died while reading or serving files to
         other nodes is named by every other rank within ``[job] commit_timeout`` (an error logged on
         every rank; never raised: a rank only late still loads, a dead one makes DCP's gather that
-        follows fail). ``ok`` is not used: a rank whose reads failed checks in all the same. Once it ran, every rank is done reading or named: the
+        follows fail). Once it ran, every rank is done reading or named: the
         coordinator gives up the job's leases without counting the ranks done
         (:meth:`_reads_done`, the fallback where the check-in is skipped)."""
         v = self._verdict
