@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--_consolidate-child", dest="cons_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.s3_data:
-        import benchlib.s3
+        import benchlib.s3clients
 
-        benchlib.s3.S3_DATA = Path(args.s3_data)
+        benchlib.s3clients.S3_DATA = Path(args.s3_data)
 
     if args.cons_child:
         print(json.dumps(consolidate_child(json.loads(args.cons_child))))

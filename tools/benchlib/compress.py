@@ -291,7 +291,7 @@ def _promote(cfg, state: dict, cid: str) -> Any:
 
 
 def _throttled(ctx, cache: Path, rate_mbs: float) -> list[dict]:
-    from benchlib.s3 import start_s3_server
+    from benchlib.s3clients import start_s3_server
     from benchlib.throttle import spawn
     from tools.s3servers import make_bucket
 
@@ -342,7 +342,7 @@ def _throttled(ctx, cache: Path, rate_mbs: float) -> list[dict]:
 
 
 def _frozen(ctx, cache: Path) -> list[dict]:
-    from benchlib.s3 import start_s3_server
+    from benchlib.s3clients import start_s3_server
     from tools.s3servers import make_bucket
 
     states = frozen_states(cache)

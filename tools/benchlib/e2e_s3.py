@@ -23,7 +23,7 @@ from benchlib.lazy import train_state
 def e2e_s3_rows(ctx: Ctx, server: str) -> tuple[list[dict], list[str]]:
     """The rows and notes of the S3-hop comparison (see the module docstring)."""
     from benchlib.e2e import TinyGPT
-    from benchlib.s3 import start_s3_server
+    from benchlib.s3clients import start_s3_server
     from tierckpt import TieredWriter
     from tierckpt.config import config_from_dict
     from tools.s3servers import make_bucket

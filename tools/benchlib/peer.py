@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.common import Ctx, GiB, MiB, log, med, row
-from benchlib.s3 import S3_BUCKET, S3_CONC, S3_PART, start_s3_server
+from benchlib.s3clients import S3_BUCKET, S3_CONC, S3_PART, start_s3_server
 from benchlib.timeline import write_timeline
 from tierckpt.catalog.listing import committed_in_order
 from tierckpt.config import config_from_dict

@@ -33,7 +33,7 @@ from benchlib.common import (
     tensor_bytes,
     zero_state,
 )
-from benchlib.s3 import S3_CONC, S3_PART, list_objects, raw_download, s3_tier_cfg, start_s3_server
+from benchlib.s3clients import S3_CONC, S3_PART, list_objects, raw_download, s3_tier_cfg, start_s3_server
 from tierckpt import LocalConfig, TierConfig, TieredReader, TieredWriter
 
 REPO = Path(__file__).resolve().parent.parent.parent

@@ -354,7 +354,7 @@ def simulated(n: int) -> dict:
 def section_scale(ctx: Ctx) -> dict:
     import dataclasses
 
-    from benchlib.s3 import S3_BUCKET, start_s3_server
+    from benchlib.s3clients import S3_BUCKET, start_s3_server
     from tierckpt.config import S3Config
 
     ranks = [int(x) for x in str(ctx.args.scale_ranks).split(",") if x.strip()]
