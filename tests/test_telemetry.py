@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierckpt import TieredReader, TieredWriter
+from tierckpt import TieredReader, TieredWriter, telemetry
 from tierckpt.config import Config, ConfigError, HostConfig, JobConfig, LocalConfig, config_from_dict
 from tierckpt.telemetry.history import HISTORY_DIR, history_key, read_history
 from tierckpt.telemetry.lag import LagTracker
@@ -106,6 +106,7 @@ def test_otel_spans_and_metrics_of_a_save_and_a_load(tmp_path, moto_endpoint, s3
     w.wait()
     nbytes = w.stats.bytes
 
+    assert telemetry.drain(30)  # spans are exported on the telemetry thread, after the commit
     saved = spans.get_finished_spans()
     roots = [s for s in saved if s.name == "tierckpt.save"]
     assert len(roots) == 1
@@ -144,6 +145,7 @@ def test_otel_spans_and_metrics_of_a_save_and_a_load(tmp_path, moto_endpoint, s3
     assert torch.equal(out["a"], sd["a"])
     assert r.fill is not None
     r.fill.wait()
+    assert telemetry.drain(30)
     loaded = spans.get_finished_spans()
     load = [s for s in loaded if s.name == "tierckpt.load"]
     fill = [s for s in loaded if s.name == "tierckpt.fill"]
@@ -276,14 +278,22 @@ def test_history_writes_at_most_every_interval_and_loses_nothing(tmp_path, monke
         "stats": {},
         "phases": [{"name": "capture", "start": 1.0, "end": 2.0}],
     }
-    log.append(rec)
-    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1"]  # the first record is written at once
-    log.append(dict(rec, id="step-2"))
-    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1"]  # the next one waits for the interval
+    # append keeps the record in memory and says when the file is due (the hub then has the
+    # telemetry thread write it): the first record at once, later ones once the interval is over
+    assert log.append(rec)
+    assert read_history([tier]) == []  # append itself does no I/O
+    log.write()
+    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1"]
+    assert not log.append(dict(rec, id="step-2"))  # the next one waits for the interval
     log._last_write -= 0.3  # the interval is over (as if 0.3 s had passed)
-    log.append(dict(rec, id="step-3"))  # ... and the next save writes both
-    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1", "step-2", "step-3"]
+    assert log.append(dict(rec, id="step-3"))  # ... and the next save's write writes both
+    assert not log.append(dict(rec, id="step-3b"))  # a write is asked for already
+    log.cancel()  # the telemetry queue was full: the write will not run, the next append asks again
+    log._last_write -= 0.3
+    assert log.append(dict(rec, id="step-3c"))
+    log.write()
+    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1", "step-2", "step-3", "step-3b", "step-3c"]
     log.append(dict(rec, id="step-4"))
     log.flush()  # the engine's close writes at once
-    assert [r.checkpoint_id for r in read_history([tier])] == ["step-1", "step-2", "step-3", "step-4"]
+    assert [r.checkpoint_id for r in read_history([tier])][-2:] == ["step-3c", "step-4"]
     assert history.HistoryLog(tier, 3, "n0", keep=2)._read_own()[0].global_rank == 3

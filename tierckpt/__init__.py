@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     )
     from .errors import (
         CaptureError,
+        CheckpointBeingDeleted,
         CheckpointNotFound,
         ChecksumMismatch,
         CommitConflict,
@@ -74,6 +75,7 @@ _LAZY: dict[str, str] = {
     "TierckptError": ".errors",
     "ConfigError": ".errors",
     "CheckpointNotFound": ".errors",
+    "CheckpointBeingDeleted": ".errors",
     "CorruptCheckpoint": ".errors",
     "ChecksumMismatch": ".errors",
     "CommitConflict": ".errors",

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFound",
     "CorruptCheckpoint",
     "ChecksumMismatch",
+    "CheckpointBeingDeleted",
     "CommitConflict",
     "SaveError",
     "CaptureError",
@@ -46,6 +47,18 @@ class CorruptCheckpoint(TierckptError, ValueError):
 
 class ChecksumMismatch(CorruptCheckpoint):
     """Bytes read back do not match the CRC32C written with them."""
+
+
+class CheckpointBeingDeleted(CheckpointNotFound, CorruptCheckpoint):
+    """The checkpoint cannot be loaded (read, fetched) from a tier: a deletion of it (retention or
+    ``gc``, in any process) left a live tombstone there, either because it runs now or because it
+    crashed and its tombstone has not expired yet (``_leases/ID/tomb-*.json``,
+    :mod:`tierckpt.catalog.lease`). The message names the checkpoint, the tier, who deletes it and
+    when the tombstone expires. ``latest`` skips such a checkpoint.
+
+    A :class:`CheckpointNotFound` (it is going away) and a :class:`CorruptCheckpoint`, so that a
+    resume loop that falls back to the next older checkpoint on ``CorruptCheckpoint``
+    (docs/operations.md, "A bad newest checkpoint") falls back from it too."""
 
 
 class CommitConflict(TierckptError, FileExistsError):

@@ -23,6 +23,7 @@ This module imports neither torch nor the tiers at import time (only when called
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,10 @@ class Checkpoint:
     committed copy, fastest first. ``committed``: the commit time recorded in its metadata (Unix
     seconds), ``None`` when no tier's metadata header is readable (such a checkpoint is never
     ``latest``). ``peer_copies``: the peer hop committed copies of it on other nodes.
+    ``deleting``: the tiers (sections) where a deletion of it holds a live tombstone, with who
+    deletes it and when the tombstone expires (``{"s3": "gc by host:123, tombstone since ...,
+    expires in 588 s"}``): a deletion running, or one that crashed (the tombstone expires after
+    10 minutes). Its copies there cannot be loaded and ``latest`` skips them.
     """
 
     id: str
@@ -49,6 +54,7 @@ class Checkpoint:
     committed: float | None
     peer_copies: bool = False
     order: tuple = field(default=(), repr=False, compare=False)  # commit order (seq, time, step)
+    deleting: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 def checkpoint_id_of(checkpoint_id: str | os.PathLike) -> str:
@@ -88,6 +94,10 @@ def latest(cfg: Config | str | os.PathLike | None = None, *, before: str | None 
     nodes' directories readable here count too (:func:`tierckpt.nodes.find_latest_here`), as in
     a distributed ``dcp.load``.
 
+    A checkpoint whose every copy is under a live tombstone (a deletion running, or a crashed
+    ``gc`` whose tombstone has not expired: it cannot be loaded) is skipped: the next older one
+    is named (:attr:`Checkpoint.deleting` tells why).
+
     ``before``: the next candidate after that checkpoint (one that failed to load): the newest
     committed before it, in commit order, by the same rules; ``None`` when there is none. Raises
     :class:`~tierckpt.errors.CheckpointNotFound` when ``before`` itself is committed on no tier
@@ -117,7 +127,9 @@ def latest(cfg: Config | str | os.PathLike | None = None, *, before: str | None 
 def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Checkpoint]:
     """Every checkpoint committed on some tier, oldest commit first (the committed rows of
     ``tierckpt-restore list``, in its order); checkpoints whose headers no tier can read come
-    first (by id). Partial (uncommitted) checkpoints are left out."""
+    first (by id). Partial (uncommitted) checkpoints are left out. Besides one listing per tier and
+    one small read per checkpoint, one listing of each tier's leases (and a read per tombstone)
+    fills :attr:`Checkpoint.deleting`."""
     from ..format.layout import PEERS
     from .listing import list_checkpoints as list_tier
 
@@ -125,13 +137,17 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
     try:
         found: dict[str, dict[str, Any]] = {}
         for tier in tiers:
+            tombs = _tombs_of(tier)
             for c in list_tier(tier):
                 if not c.committed:
                     continue
                 e = found.setdefault(
-                    c.checkpoint_id, {"step": c.step, "tiers": [], "times": [], "orders": [], "peer": False}
+                    c.checkpoint_id,
+                    {"step": c.step, "tiers": [], "times": [], "orders": [], "peer": False, "deleting": {}},
                 )
                 e["tiers"].append(tier.name)
+                if c.checkpoint_id in tombs:
+                    e["deleting"][tier.name] = tombs[c.checkpoint_id].deleting()
                 if c.header is not None:
                     e["times"].append(c.header.committed)
                     e["orders"].append(c.header.order_key())
@@ -147,8 +163,22 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
             committed=max(e["times"]) if e["times"] else None,
             peer_copies=e["peer"],
             order=max(e["orders"]) if e["orders"] else (),
+            deleting=e["deleting"],
         )
         for cid, e in found.items()
     ]
     # restore.catalog.list_all's order: unordered committed first, then by commit order.
     return sorted(out, key=lambda c: (1, c.order, c.id) if c.order else (0, (), c.id))
+
+
+def _tombs_of(tier: Any) -> dict[str, Any]:
+    """The live tombstones on ``tier`` per checkpoint id, or none when its leases cannot be listed
+    (logged: a read-only key may not list them)."""
+    from ..errors import TierckptError
+    from .lease import live_tombs
+
+    try:
+        return live_tombs(tier)
+    except (TierckptError, OSError) as e:
+        logging.getLogger("tierckpt.catalog").warning("cannot list the tombstones on %s: %s", tier.url, e)
+        return {}

@@ -16,6 +16,14 @@ it listed the checkpoint's objects:
 4. delete the metadata (the checkpoint stops being committed), then the listed data objects,
    then the tombstone.
 
+A deletion that dies between 2 and 4 (a crashed or killed ``gc`` on another host) leaves its
+tombstone: the checkpoint stays committed but cannot be loaded from that tier until the
+tombstone expires (:data:`TOMB_TTL`; at once when the deleter ran on this host and is gone).
+``latest`` skips such a copy (:func:`live_tomb`), a reader gets
+:class:`~tierckpt.errors.CheckpointBeingDeleted` (also a ``CorruptCheckpoint``: a resume loop
+falls back to the next older checkpoint), and ``tierckpt.list_checkpoints`` shows it
+(``Checkpoint.deleting``).
+
 A reader does the mirror image: write its lease, then check for a live tombstone, then that the
 checkpoint is still committed (a HEAD of its metadata, or a GET of the whole metadata when the
 reader needs it anyway: ``acquire(read_metadata=size)``, which a load's coordinator uses). Both
@@ -55,7 +63,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..errors import CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, TierckptError
+from ..errors import CheckpointBeingDeleted, CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, TierckptError
 from ..format.layout import check_checkpoint_id, metadata_key
 from ..tiers.base import Tier
 
@@ -68,6 +76,8 @@ __all__ = [
     "acquire",
     "acquire_for_write",
     "guarded_delete",
+    "live_tomb",
+    "live_tombs",
     "CheckpointBeingDeleted",
 ]
 
@@ -82,10 +92,6 @@ TOMB_WAIT = 60.0  # how long a writer waits at most for a deletion of the same i
 _MAX_LEASE_BYTES = 4096
 
 
-class CheckpointBeingDeleted(CheckpointNotFound):
-    """A reader found a live deletion of the checkpoint it wanted (retention or gc elsewhere)."""
-
-
 @dataclass(frozen=True)
 class LeaseInfo:
     """One lease or tombstone as found on a tier."""
@@ -96,6 +102,7 @@ class LeaseInfo:
     owner: str
     purpose: str
     expires: float
+    written: float = 0.0  # the object's time on the tier (its last write), 0 when unknown
 
     def live(self, now: float | None = None) -> bool:
         """Not expired, and (when its holder ran on this host) its holder process still runs."""
@@ -113,6 +120,13 @@ class LeaseInfo:
 
     def describe(self) -> str:
         return f"{self.purpose or self.kind} by {self.owner}"
+
+    def deleting(self, now: float | None = None) -> str:
+        """A tombstone, for people: who deletes, since when, and when the tombstone expires
+        (``gc by host:123, tombstone since 2024-06-01 12:00:03, expires in 588 s``)."""
+        now = time.time() if now is None else now
+        since = f", tombstone since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.written))}"
+        return f"{self.describe()}{since if self.written else ''}, expires in {max(0.0, self.expires - now):.0f} s"
 
 
 def _owner() -> str:
@@ -148,7 +162,9 @@ def _parse(tier: Tier, key: str, size: int, mtime: float) -> LeaseInfo | None:
             return None  # released while we listed
         except (TierckptError, ValueError, OSError) as e:
             log.debug("unreadable lease %s on %s: %s", key, tier.url, e)
-    return LeaseInfo(key=key, checkpoint_id=cid, kind=kind, owner=owner, purpose=purpose, expires=expires)
+    return LeaseInfo(
+        key=key, checkpoint_id=cid, kind=kind, owner=owner, purpose=purpose, expires=expires, written=mtime
+    )
 
 
 def list_leases(tier: Tier, checkpoint_id: str | None = None) -> list[LeaseInfo]:
@@ -184,15 +200,49 @@ def live_leases(
 def _live_tombs(tier: Tier, checkpoint_id: str, exclude: str = "") -> list[LeaseInfo]:
     """Live tombstones of ``checkpoint_id``: one listing, and a read of each tombstone only (not of
     every lease: many ranks may hold one)."""
+    return [li for li in _tombs(tier, f"{LEASE_PREFIX}/{check_checkpoint_id(checkpoint_id)}/") if li.key != exclude]
+
+
+def _tombs(tier: Tier, prefix: str) -> list[LeaseInfo]:
     now = time.time()
     out = []
-    for info in list(tier.list(f"{LEASE_PREFIX}/{check_checkpoint_id(checkpoint_id)}/")):
-        if info.key == exclude or not info.key.rsplit("/", 1)[-1].startswith("tomb-"):
+    for info in list(tier.list(prefix)):
+        if not info.key.rsplit("/", 1)[-1].startswith("tomb-"):
             continue
         li = _parse(tier, info.key, info.size, info.mtime)
         if li is not None and li.kind == "tomb" and li.live(now):
             out.append(li)
     return out
+
+
+def live_tomb(tier: Tier, checkpoint_id: str) -> LeaseInfo | None:
+    """A live tombstone of ``checkpoint_id`` on ``tier``, or None: a deletion runs there, or one
+    crashed and its tombstone has not expired (:data:`TOMB_TTL` after it was written; at once
+    when its process ran on this host and is gone). Such a copy cannot be loaded: ``latest``
+    skips it. One listing of the checkpoint's leases, one read per tombstone; the tier's errors
+    propagate."""
+    tombs = _live_tombs(tier, checkpoint_id)
+    return tombs[0] if tombs else None
+
+
+def live_tombs(tier: Tier) -> dict[str, LeaseInfo]:
+    """The live tombstones on ``tier`` per checkpoint id (one per id): one listing of
+    :data:`LEASE_PREFIX`, one read per tombstone (``tierckpt.list_checkpoints``)."""
+    out: dict[str, LeaseInfo] = {}
+    for li in _tombs(tier, f"{LEASE_PREFIX}/"):
+        out.setdefault(li.checkpoint_id, li)
+    return out
+
+
+_PAST = {"load": "loaded", "fetch": "fetched", "verify": "verified"}
+
+
+def being_deleted(tier: Tier, checkpoint_id: str, tomb: LeaseInfo, purpose: str = "load") -> CheckpointBeingDeleted:
+    """The error for a reader (``purpose``: ``load``, ``fetch``, ...) that found ``tomb``."""
+    verb = _PAST.get(purpose) or (f"used ({purpose})" if purpose else "used")
+    return CheckpointBeingDeleted(
+        f"checkpoint {checkpoint_id} cannot be {verb} from {tier.url}: it is being deleted ({tomb.deleting()})"
+    )
 
 
 def _forget(tier: Tier, key: str) -> None:
@@ -268,7 +318,8 @@ def acquire(
 ) -> Lease:
     """Take a lease on ``checkpoint_id`` on ``tier``: write it, then make sure no deletion is under way.
 
-    Raises :class:`CheckpointBeingDeleted` if a live tombstone exists (the lease is released),
+    Raises :class:`~tierckpt.errors.CheckpointBeingDeleted` if a live tombstone exists (the lease
+    is released; the message says who deletes it and when the tombstone expires),
     and :class:`CheckpointNotFound` if ``require_committed`` and the checkpoint is not (or no
     longer) committed there. Fetches into a tier pass ``require_committed=False``; saves and
     hops use :func:`acquire_for_write` (which waits for a deletion of the same id instead).
@@ -295,10 +346,7 @@ def acquire(
     try:
         tombs = _live_tombs(tier, checkpoint_id) if check_tombs else []
         if tombs:
-            raise CheckpointBeingDeleted(
-                f"checkpoint {checkpoint_id} is being deleted on {tier.url} "
-                f"({tombs[0].describe()}): it cannot be {purpose or 'used'}"
-            )
+            raise being_deleted(tier, checkpoint_id, tombs[0], purpose)
         if require_committed and read_metadata > 0:
             lease.metadata = _read_whole(tier, checkpoint_id, read_metadata)
         elif require_committed and not tier.exists(metadata_key(checkpoint_id)):
@@ -362,8 +410,8 @@ def acquire_for_write(tier: Tier, checkpoint_id: str, *, purpose: str, wait: flo
                 return lease
             if time.monotonic() >= deadline:
                 raise CheckpointBeingDeleted(
-                    f"checkpoint {checkpoint_id} is being deleted on {tier.url} ({tombs[0].describe()}) and the "
-                    f"deletion did not finish within {wait:.0f} s: it cannot be {purpose or 'written'}"
+                    f"checkpoint {checkpoint_id} is being deleted on {tier.url} ({tombs[0].deleting()}) and the "
+                    f"deletion did not finish within {wait:.0f} s: {purpose or 'a write'} cannot go ahead"
                 )
             if not said:
                 said = True

@@ -12,7 +12,8 @@ A committed checkpoint whose header cannot be read is *unordered*: it is never `
 retention never deletes it (it is logged); ``tierckpt-restore list`` shows it.
 
 ``latest`` over several tiers (:func:`find_latest`) is the newest checkpoint whose metadata is
-valid on some tier and that the tier can serve (its data files are there); anything newer that
+valid on some tier and that the tier can serve (its data files are there, and no deletion of it
+holds a live tombstone there: :func:`tierckpt.catalog.lease.live_tomb`); anything newer that
 fails these checks is skipped with a log line naming it and why.
 """
 
@@ -27,6 +28,7 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from ..format.layout import MAX_METADATA_BYTES, METADATA, check_checkpoint_id, metadata_key, split_key, step_of
 from ..format.metadata import HEADER_MAX, CheckpointDoc, CheckpointManifest, CommitHeader, parse_metadata, read_header
 from ..tiers.base import ObjectInfo, Tier
+from .lease import live_tomb
 
 __all__ = [
     "CheckpointInfo",
@@ -44,6 +46,7 @@ __all__ = [
     "commit_header",
     "max_seq",
     "servable",
+    "deletion_under_way",
 ]
 
 log = logging.getLogger("tierckpt.catalog")
@@ -319,7 +322,9 @@ def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
     """The newest committed checkpoint over ``tiers`` that is valid and servable.
 
     Ordered by commit header (seq, commit time, step); the first candidate whose metadata parses
-    on some tier and whose files that tier can serve wins. ``below``: only candidates committed
+    on some tier, whose files that tier can serve and that is under no live tombstone there (a
+    deletion running, or a crashed one whose tombstone has not expired: one listing of its
+    leases per tier holding the winner) wins. ``below``: only candidates committed
     before that order key (:func:`order_of`: the next candidate after a checkpoint that failed).
     Unreachable tiers are logged and skipped; when nothing qualifies, the first unreachable
     tier's error is raised, else :class:`CheckpointNotFound` naming the tiers.
@@ -345,11 +350,11 @@ def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
                 log.error("skipping %s on %s for 'latest': %s", cid, tier.url, e)
                 continue
             man = doc.manifest
-            why = servable(tier, info, man)
+            why = servable(tier, info, man) or deletion_under_way(tier, cid)
             if why is not None:
                 log.error("skipping %s on %s for 'latest': %s", cid, tier.url, why)
                 continue
-            ok = [t for t, i in holding if t is tier or servable(t, i, man) is None]
+            ok = [t for t, i in holding if t is tier or (servable(t, i, man) is None and deletion_under_way(t, cid) is None)]
             for err in unreachable:
                 log.warning("a tier was unreachable while resolving latest: %s", err)
             return Latest(
@@ -366,6 +371,18 @@ def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
         raise unreachable[0]  # nothing found where we could look: the outage is the answer
     older = " older than the one given" if below is not None else ""
     raise CheckpointNotFound(f"no committed checkpoint{older} on any tier: " + ", ".join(t.url for t in tiers))
+
+
+def deletion_under_way(tier: Tier, checkpoint_id: str) -> str | None:
+    """Why ``tier``'s copy of ``checkpoint_id`` cannot be loaded now: a live tombstone (a deletion
+    runs, or one crashed and its tombstone has not expired); None when there is none, or when the
+    tier cannot list its leases (the load's own lease then looks again)."""
+    try:
+        tomb = live_tomb(tier, checkpoint_id)
+    except (TierckptError, OSError) as e:
+        log.debug("cannot look for tombstones of %s on %s: %s", checkpoint_id, tier.url, e)
+        return None
+    return None if tomb is None else f"it is being deleted there ({tomb.deleting()})"
 
 
 def order_of(tiers: list[Tier], checkpoint_id: str) -> tuple:

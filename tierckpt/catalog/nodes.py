@@ -21,7 +21,14 @@ from ..format.layout import PEERS, is_data_file
 from ..format.metadata import CheckpointDoc, CheckpointManifest
 from ..tiers import is_node_name, make_node_tiers
 from ..tiers.base import Tier
-from .listing import CheckpointInfo, Latest, committed_in_order, find_latest, read_checkpoint_doc
+from .listing import (
+    CheckpointInfo,
+    Latest,
+    committed_in_order,
+    deletion_under_way,
+    find_latest,
+    read_checkpoint_doc,
+)
 
 __all__ = ["PEER_CANDIDATES", "PeerNode", "find_latest_here", "node_files", "open_peer_nodes"]
 
@@ -169,6 +176,10 @@ def find_latest_here(
         for label, tier, listed in holders:
             info = next((c for c in listed if c.checkpoint_id == cid), None)
             if info is None:
+                continue
+            gone = deletion_under_way(tier, cid)
+            if gone is not None:
+                log.error("skipping %s on %s for 'latest': %s", cid, tier.url, gone)
                 continue
             if doc is None:
                 try:

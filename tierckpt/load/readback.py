@@ -39,7 +39,7 @@ from typing import Any
 
 from ..catalog import lease as leases
 from ..codec.view import decoding
-from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from ..errors import CheckpointBeingDeleted, CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from ..format.layout import data_key, metadata_key, padded, rank_of_file
 from ..format.metadata import ItemRecord, item_intact
 from ..tiers.base import Tier
@@ -101,11 +101,12 @@ def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier
     :func:`~tierckpt.codec.view.decoding` view, which reads logical bytes) and the leases (release
     them when the read is done).
     A tier that cannot be reached is skipped with a warning. Raises :class:`CheckpointNotFound`
-    (naming the tiers, and a deletion under way if that is why) when no tier holds a copy.
+    (naming the tiers) when no tier holds a copy, :class:`CheckpointBeingDeleted` when a deletion
+    under way (or a crashed one's tombstone) is why.
     """
     holding: list[Tier] = []
     held: list[leases.Lease] = []
-    gone: list[str] = []
+    gone: list[CheckpointNotFound] = []
     for tier in tiers:
         try:
             if not tier.exists(metadata_key(checkpoint_id)):
@@ -113,15 +114,18 @@ def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier
             held.append(leases.acquire(tier, checkpoint_id, purpose=purpose))
             holding.append(decoding(tier, checkpoint_id))
         except CheckpointNotFound as e:  # deleted meanwhile, or a deletion under way
-            gone.append(str(e))
+            gone.append(e)
             log.warning("%s", e)
         except TierckptError as e:
             log.warning("tier %s unreachable while reading %s: %s", tier.url, checkpoint_id, e)
     if not holding:
+        why = f" ({'; '.join(map(str, gone))})" if gone else ""
+        if any(isinstance(e, CheckpointBeingDeleted) for e in gone):  # also a CorruptCheckpoint: resume from an older one
+            raise CheckpointBeingDeleted("; ".join(map(str, gone)))
         raise CheckpointNotFound(
             f"checkpoint {checkpoint_id} is not committed on any tier reachable from here: "
             + ", ".join(t.url for t in tiers)
-            + (f" ({'; '.join(gone)})" if gone else "")
+            + why
         )
     return holding, held
 

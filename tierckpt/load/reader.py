@@ -39,7 +39,7 @@ from ..catalog.listing import read_checkpoint_metadata
 from ..chain import peers
 from ..codec.view import decoding
 from ..config import TierConfig, load_config
-from ..errors import CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
+from ..errors import CheckpointBeingDeleted, CheckpointNotFound, ChecksumMismatch, CorruptCheckpoint, TierckptError
 from ..format.layout import check_checkpoint_id, data_key, is_valid_checkpoint_id
 from ..format.layout import padded as _padded
 from ..format.metadata import ItemRecord, item_intact
@@ -165,6 +165,8 @@ class TieredReader(MetadataResolution, StorageReader):
         # away until read_data is done.
         try:
             self._holding, self._leases = hold(self.tiers, self.resolved_id, "load")
+        except CheckpointBeingDeleted:
+            raise  # its message names the checkpoint, the tiers and the deletion
         except CheckpointNotFound as e:
             raise CheckpointNotFound(
                 f"checkpoint {self.resolved_id}: no tier reachable from this rank holds a committed copy ({e})"

@@ -4,8 +4,9 @@
 first tier when listing it is cheap (a local disk; with a node-local ``[local] path`` each node
 holds its own ranks' files). ``_`` + a name that is no shard: never listed as a checkpoint, never
 touched by retention or gc. A job whose first tier is an object store keeps no history. The
-commit protocol is unchanged: the file is written *after* a checkpoint settled (committed on
-every tier, or failed), on the engine thread that settled it, before ``writer.wait()`` returns.
+commit protocol is unchanged: the record is kept when a checkpoint settles (committed on every
+tier, or failed), in memory, on the engine thread that settled it; the file is written by the
+telemetry thread (:mod:`tierckpt.telemetry.worker`), never on a checkpoint's path.
 
 **What.** The newest ``[job] history`` records (default 64, so the file stays under ~100 KB),
 one per checkpoint, oldest first::
@@ -18,7 +19,8 @@ one per checkpoint, oldest first::
 Times are wall-clock seconds (``time.time``) of the writing process. The file is replaced
 atomically (a temp file renamed, no fsync), at most every :data:`WRITE_INTERVAL` seconds: records
 of saves in between are written with the next save after that, or at the engine's ``close`` (at
-exit). A crash may lose those records, never a checkpoint.
+exit). A crash may lose those records, never a checkpoint; so may a telemetry thread stuck in
+an OpenTelemetry exporter (the records are then written at ``close``).
 A process appends to the records found in the file when it first writes (a restarted job
 continues its history). Writing never fails a checkpoint: an error is logged once per process.
 
@@ -136,55 +138,73 @@ class CheckpointRun:
 class HistoryLog:
     """One process's history file on one tier (see the module docstring). Thread-safe.
 
-    Each record is encoded once, when appended; a write joins the encoded records. The file is
-    written at most once per :data:`WRITE_INTERVAL` seconds: a record appended sooner after the
-    last write is written with the first record appended after the interval, or by :meth:`flush`
-    (the engine's ``close``, at exit), so a job saving every few hundred milliseconds does not pay
-    a file write per save (and no thread waits to write it)."""
+    :meth:`append` (the engine thread settling a save) only encodes the record and keeps it in
+    memory: no I/O, no lock held across I/O, so a slow disk never holds up a commit. It says when
+    the file is due to be written (not written for :data:`WRITE_INTERVAL` seconds, and no write
+    asked for yet); the caller then asks the telemetry thread for :meth:`write`
+    (:mod:`tierckpt.telemetry.worker`), or calls :meth:`cancel` when it could not. The first write
+    reads the records already in the file (a restarted job continues its history). Records
+    appended sooner after a write are written with the next write, or by :meth:`flush` (the
+    engine's ``close``, at exit), so a job saving every few hundred milliseconds does not pay a
+    file write per save."""
 
     def __init__(self, tier: Tier, global_rank: int, node: str, keep: int) -> None:
         self.tier = tier
         self.global_rank = global_rank
         self.node = node
         self.keep = keep
-        self._records: list[bytes] | None = None  # encoded; read from the file on the first append
-        self._lock = threading.Lock()
+        self._records: list[bytes] | None = None  # encoded; read from the file on the first write
+        self._new: list[bytes] = []  # appended since the last write
+        self._lock = threading.Lock()  # _new, _asked, _last_write: held for list operations only
+        self._io = threading.Lock()  # _records and the file: held by the one writing it
         self._warned = False
-        self._dirty = False
+        self._asked = False  # a write was asked for and has not run yet
         self._last_write = -WRITE_INTERVAL
 
-    def append(self, record: dict) -> None:
-        """Add one checkpoint's record; write the file unless it was written less than
-        :data:`WRITE_INTERVAL` seconds ago."""
+    def append(self, record: dict) -> bool:
+        """Keep one checkpoint's record (in memory). Returns True when the caller should have
+        :meth:`write` run (off its thread), or call :meth:`cancel`."""
+        enc = _encode(record)
         with self._lock:
-            try:
-                if self._records is None:
-                    self._records = [_encode(r.to_json()) for r in self._read_own()]
-                self._records.append(_encode(record))
-                del self._records[: -self.keep]
-            except (TierckptError, OSError, ValueError) as e:
-                self._failed(e)
+            self._new.append(enc)
+            del self._new[: -self.keep]
+            if self._asked or time.monotonic() - self._last_write < WRITE_INTERVAL:
+                return False
+            self._asked = True
+            return True
+
+    def cancel(self) -> None:
+        """The write :meth:`append` asked for will not run (the telemetry queue was full): the
+        next append asks again."""
+        with self._lock:
+            self._asked = False
+
+    def write(self) -> None:
+        """Write the file with every record kept (the telemetry thread; at close, :meth:`flush`)."""
+        with self._io:
+            with self._lock:
+                self._asked = False
+                self._last_write = time.monotonic()
+                new, self._new = self._new, []
+            if self._records is None:
+                self._records = [_encode(r.to_json()) for r in self._read_own()]
+            if not new:
                 return
-            self._dirty = True
-            if time.monotonic() - self._last_write >= WRITE_INTERVAL:
-                self._write()
+            self._records += new
+            del self._records[: -self.keep]
+            head = _encode({"format": FORMAT, "global_rank": self.global_rank, "node": self.node})
+            body = head[:-1] + b',"records":[' + b",".join(self._records) + b"]}"
+            try:
+                self.tier.put_volatile(history_key(self.global_rank), body)
+            except (TierckptError, OSError) as e:
+                self._failed(e)
 
     def flush(self) -> None:
         """Write the records not written yet (if any)."""
         with self._lock:
-            if self._dirty:
-                self._write()
-
-    def _write(self) -> None:
-        assert self._records is not None
-        self._dirty = False
-        self._last_write = time.monotonic()
-        head = _encode({"format": FORMAT, "global_rank": self.global_rank, "node": self.node})
-        body = head[:-1] + b',"records":[' + b",".join(self._records) + b"]}"
-        try:
-            self.tier.put_volatile(history_key(self.global_rank), body)
-        except (TierckptError, OSError) as e:
-            self._failed(e)
+            pending = bool(self._new)
+        if pending:
+            self.write()
 
     def _failed(self, e: BaseException) -> None:
         if not self._warned:

@@ -1,15 +1,22 @@
 """One engine's telemetry: the history file and, with ``[job] telemetry = "otel"``, the export.
 
-Called by the engine (:mod:`tierckpt.engine`) at two points of each save's life, never per chunk:
+Called by the engine (:mod:`tierckpt.engine`) at two points of each save's life, never per chunk,
+and at close. None of them does I/O or calls an exporter on the caller's thread: what may block
+(the history file write, spans and metrics through the application's providers) is handed to the
+telemetry thread (:mod:`tierckpt.telemetry.worker`: one bounded queue per process; a full queue
+drops the record and counts it), so a slow or stuck exporter never holds up a commit, a
+``writer.wait()`` or a SIGTERM drain.
 
 * :meth:`EngineTelemetry.submitted` (training thread, ``Engine.submit``): with OpenTelemetry on,
-  hooks the save's :class:`~tierckpt.telemetry.phases.PhaseLog` to the lag gauges; otherwise
-  nothing.
+  hooks the save's :class:`~tierckpt.telemetry.phases.PhaseLog` to the lag gauges (in-memory
+  bookkeeping under a short lock, run where the phase ends: no I/O, no application code);
+  otherwise nothing.
 * :meth:`EngineTelemetry.settled` (the engine thread that settles the save, before
-  ``writer.wait()`` returns): appends the save's record to this rank's history file
-  (:mod:`tierckpt.telemetry.history`; written within seconds) and, with OpenTelemetry on, emits
-  its spans and metrics.
-* :meth:`EngineTelemetry.close` (``Engine.close``, at exit): writes what the history holds.
+  ``writer.wait()`` returns): keeps the save's record for this rank's history file
+  (:mod:`tierckpt.telemetry.history`; written by the telemetry thread within seconds) and, with
+  OpenTelemetry on, posts its spans and metrics.
+* :meth:`EngineTelemetry.close` (``Engine.close``, at exit): waits for the telemetry thread at most
+  :data:`~tierckpt.telemetry.worker.CLOSE_WAIT` seconds, then writes what the history holds.
 
 Neither ever raises into the engine: failures are logged (once).
 """
@@ -26,6 +33,7 @@ from ..config.values import node_name
 from ..errors import ConfigError
 from ..tiers.base import Tier
 from .history import HistoryLog
+from .worker import CLOSE_WAIT, telemetry_queue
 
 __all__ = ["EngineTelemetry", "flush_history"]
 
@@ -45,9 +53,11 @@ def _history_log(tier: Tier, global_rank: int, keep: int) -> HistoryLog:
         return h
 
 
-def flush_history() -> None:
+def flush_history(timeout: float = CLOSE_WAIT) -> None:
     """Write every history record of this process not written yet (tools that draw the timeline of
-    saves they just made; engines do it when they close)."""
+    saves they just made; engines do it when they close), after waiting at most ``timeout`` seconds
+    for the telemetry thread."""
+    telemetry_queue().drain(timeout)
     with _logs_lock:
         logs = list(_logs.values())
     for h in logs:
@@ -91,23 +101,31 @@ class EngineTelemetry:
             job.stats.phases.listener = self._gauges.listener(self._first().name, job.id, job.assign.step)
 
     def settled(self, job: Any) -> None:
-        """The save is committed on every tier, or failed (an engine thread)."""
+        """The save is committed on every tier, or failed (an engine thread). Never blocks: the
+        record is kept in memory and the work handed to the telemetry thread."""
         try:
             if self.keep:
                 tier = self._first()
                 if tier.cheap_listing:
                     h = _history_log(tier, _global_rank(job.assign.rank), self.keep)
                     self._logs.add(h)
-                    h.append(record_of(job))
+                    if h.append(record_of(job)) and not telemetry_queue().post(f"history of {job.id}", h.write):
+                        h.cancel()
             if self._otel is not None:
-                self._otel.save(job.stats, job.assign.step, job.assign.world)
+                telemetry_queue().post(
+                    f"spans of {job.id}", self._otel.save, job.stats, job.assign.step, job.assign.world
+                )
         except Exception as e:  # noqa: BLE001 - telemetry never fails a checkpoint
             if not self._warned:
                 self._warned = True
                 log.warning("checkpoint %s: telemetry failed (the checkpoint is not affected): %s", job.id, e)
 
     def close(self) -> None:
-        """``Engine.close``: write the history records not written yet."""
+        """``Engine.close``: wait for the telemetry thread (at most
+        :data:`~tierckpt.telemetry.worker.CLOSE_WAIT` seconds), then write the history records not
+        written yet (on the closing thread: they never depend on an exporter)."""
+        if self._otel is not None or self._logs:
+            telemetry_queue().drain(CLOSE_WAIT)
         for h in list(self._logs):
             h.flush()
 

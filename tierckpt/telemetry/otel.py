@@ -30,11 +30,15 @@ the hot path:
 ``tierckpt.queue.depth``       gauge        checkpoints in flight per ``tierckpt.stage`` = capture | flush | commit | replication
 ``tierckpt.tier.lag.steps``    gauge        steps each ``tierckpt.tier`` lags behind the newest saved checkpoint
 ``tierckpt.tier.lag.seconds``  gauge, s     how long each ``tierckpt.tier`` has been behind (:mod:`tierckpt.telemetry.lag`)
+``tierckpt.telemetry.dropped`` counter      telemetry records dropped, the telemetry queue being full (:mod:`.worker`)
 =============================  ===========  ==========================================================
 
 Gauges are observed at the reader's collection time from the engine's state (no work between
 collections). Every export is best effort: an exception from a provider is logged once and never
-reaches a checkpoint.
+reaches a checkpoint. :meth:`OtelExport.save`, :meth:`~OtelExport.load` and :meth:`~OtelExport.fill`
+run on the telemetry thread (:mod:`tierckpt.telemetry.worker`), never on a checkpoint's or a
+load's thread: a span processor that blocks (a ``SimpleSpanProcessor`` whose collector does not
+answer) holds up telemetry only.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from .lag import LagTracker
 from .phases import Phase
+from .worker import dropped
 
 __all__ = ["OtelExport", "engine_gauges", "export", "use_providers"]
 
@@ -100,6 +105,12 @@ class OtelExport:
             callbacks=[self._lag_seconds],
             unit="s",
             description="how long a tier has been behind the newest saved checkpoint",
+        )
+        self.meter.create_observable_counter(
+            "tierckpt.telemetry.dropped",
+            callbacks=[lambda options: [Observation(dropped())]],
+            unit="{record}",
+            description="telemetry records dropped because the telemetry queue was full (an exporter slow or stuck)",
         )
         self._warned = False
 
