@@ -53,7 +53,9 @@ def main() -> int:
     )
     w = TieredWriter(cfg)
     for i in (1, 2, 3):
-        dcp.save({"w": torch.full((1000,), float(i)), "step": i}, checkpoint_id=f"step-{i}", storage_writer=w, no_dist=True)
+        dcp.save(
+            {"w": torch.full((1000,), float(i)), "step": i}, checkpoint_id=f"step-{i}", storage_writer=w, no_dist=True
+        )
     print("SAVED", flush=True)
     x = torch.randn(64, 64)
     while True:  # training, until the signal

@@ -354,7 +354,11 @@ def find_latest(tiers: list[Tier], below: tuple | None = None) -> Latest:
             if why is not None:
                 log.error("skipping %s on %s for 'latest': %s", cid, tier.url, why)
                 continue
-            ok = [t for t, i in holding if t is tier or (servable(t, i, man) is None and deletion_under_way(t, cid) is None)]
+            ok = [
+                t
+                for t, i in holding
+                if t is tier or (servable(t, i, man) is None and deletion_under_way(t, cid) is None)
+            ]
             for err in unreachable:
                 log.warning("a tier was unreachable while resolving latest: %s", err)
             return Latest(

@@ -120,7 +120,8 @@ def hold(tiers: list[Tier], checkpoint_id: str, purpose: str) -> tuple[list[Tier
             log.warning("tier %s unreachable while reading %s: %s", tier.url, checkpoint_id, e)
     if not holding:
         why = f" ({'; '.join(map(str, gone))})" if gone else ""
-        if any(isinstance(e, CheckpointBeingDeleted) for e in gone):  # also a CorruptCheckpoint: resume from an older one
+        if any(isinstance(e, CheckpointBeingDeleted) for e in gone):
+            # also a CorruptCheckpoint: a resume loop falls back to an older checkpoint
             raise CheckpointBeingDeleted("; ".join(map(str, gone)))
         raise CheckpointNotFound(
             f"checkpoint {checkpoint_id} is not committed on any tier reachable from here: "
