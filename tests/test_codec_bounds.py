@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import archive_tier  # noqa: F401 - registers [archive], the third tier of the fallback test
 import numpy as np
 import pytest
 import s3servers
@@ -301,6 +302,63 @@ def test_hostile_s3_copy_alone_is_corrupt_with_bounded_memory(saved: Saved, how:
         if (s.root / "local").exists():
             shutil.rmtree(s.root / "local")
         shutil.move(aside, s.root / "local")
+
+
+@pytest.fixture(scope="module")
+def chained(saved: Saved, moto_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
+    """The checkpoint saved again through three tiers, ``[local]`` -> ``[s3]`` (zstd) -> ``[archive]``
+    (a directory after S3, ``tests/archive_tier.py``), in a bucket of its own; then the local
+    directory is lost, so that a load reads S3 first and the archive holds the other copy
+    (``fill_on_load = false``: a load does not put the local copy back)."""
+    root = tmp_path_factory.mktemp("chained")
+    bucket = f"tierckpt-{uuid.uuid4().hex[:12]}"
+    s3servers.make_bucket(moto_endpoint, bucket)
+    s3 = dataclasses.replace(saved.s3, bucket=bucket)
+    cfg = config_from_dict(
+        {
+            "job": {"commit_timeout": 60.0},
+            "host": {"buffer_size": "32MiB", "chunk_size": "8MiB"},
+            "local": {"path": str(root / "local"), "keep": 0, "fsync": False, "fill_on_load": False},
+            "s3": dataclasses.asdict(s3),
+            "archive": {"path": str(root / "archive")},
+        }
+    )
+    w = TieredWriter(cfg)
+    dcp.save(saved.state, checkpoint_id=CID, storage_writer=w, no_dist=True)
+    w.wait()
+    w.close()
+    shutil.rmtree(root / "local")
+    tier = S3Tier(s3)
+    try:
+        ((file, idx),) = read_checkpoint_doc(tier, CID).manifest.stored.items()
+        assert idx.codec == "zstd" and idx.frames >= 2
+        body, meta = tier.get(data_key(CID, file)), tier.get(metadata_key(CID))
+    finally:
+        tier.close()
+    yield Saved(cfg, s3, root, saved.state, file, body, meta)
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_dcp_load_falls_back_past_a_hostile_s3_copy_to_the_next_tier(chained: Saved, how: str) -> None:
+    """``dcp.load`` with the local copy lost reads S3 first; its copy is hostile (valid CRCs).
+    The load succeeds bit-exact from ``[archive]``, the tier after S3, with bounded memory: no
+    MemoryError, no bomb inflated, no frame-sized buffer."""
+    s = chained
+    _damage(s, how)
+    try:
+        # the whole state, then ``b`` alone: a read of part of a frame, as a partial load makes
+        for want in (s.state, {"b": s.state["b"]}):
+            target = placeholder(want)
+            reader = TieredReader(s.cfg)
+            _, peak, err = peak_of(lambda: dcp.load(target, checkpoint_id=CID, storage_reader=reader, no_dist=True))
+            assert err is None, f"{how} {list(want)}: {type(err).__name__}: {err}"
+            assert peak < BOUND, f"{how} {list(want)}: {peak >> 20} MiB traced loading past the damaged copy"
+            assert compare(want, target) == []
+            # the bomb is frame 0 alone: ``b`` lies in the last frame, intact, and S3 serves it
+            intact = how == "bomb" and "w" not in want
+            assert reader.served.get(s.file) == ("s3" if intact else "archive"), reader.served
+    finally:
+        _restore(s)
 
 
 def test_any_error_from_a_tiers_copy_fails_that_tier_only(saved: Saved) -> None:
