@@ -36,8 +36,8 @@ from tierckpt.codec.frames import decode_into, encode
 from tierckpt.codec.view import decoding
 from tierckpt.config import S3Config, config_from_dict
 from tierckpt.errors import CorruptCheckpoint, find_error
-from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.format import stored
+from tierckpt.format.layout import data_key, metadata_key
 from tierckpt.format.stored import StoredFile, add_stored
 from tierckpt.load.readback import Readback, Request
 from tierckpt.tiers.local import LocalTier
