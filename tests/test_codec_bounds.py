@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from s3_scenarios import compare, placeholder
 from s3servers import s3_client
 
+import tierckpt
 from tierckpt import TieredReader, TieredWriter
 from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.frames import decode_into, encode
@@ -264,9 +265,10 @@ def test_hostile_s3_copy_is_served_from_the_local_tier_with_bounded_memory(saved
 def test_hostile_s3_copy_alone_is_corrupt_with_bounded_memory(saved: Saved, how: str) -> None:
     """The local copy lost, S3's damaged: ``dcp.load`` raises CorruptCheckpoint naming the
     checkpoint and the file (a TierckptError a resume loop catches, never a MemoryError), with
-    bounded memory; the repaired copy loads bit-exact. A hostile index is refused with the
-    metadata (``read_metadata``: DCP 2.13 re-raises that as text in its CheckpointException,
-    so the message is checked there), a bomb when its frame is read."""
+    bounded memory; the documented resume loop ends with nothing older to resume from; the
+    repaired copy loads bit-exact. A hostile index is refused with the metadata
+    (``read_metadata``: DCP 2.13 re-raises that as text in its CheckpointException, so the
+    message is checked there; ``latest`` skips such a checkpoint), a bomb when its frame is read."""
     s = saved
     _damage(s, how)
     aside = s.root / "local-aside"
@@ -291,6 +293,21 @@ def test_hostile_s3_copy_alone_is_corrupt_with_bounded_memory(saved: Saved, how:
             assert bad is not None or str(ei.value) in str(err), f"{how}: {type(err).__name__}: {err}"
             bad = ei.value
         assert CID in str(bad) and s.file in str(bad), bad
+        # the resume loop of docs/operations.md ("A bad newest checkpoint") ends cleanly: nothing
+        # older to resume from, and no other error (a MemoryError) escapes it. ``latest`` skips
+        # a checkpoint whose index is refused; a bomb is found by the load.
+        cid = tierckpt.latest(s.cfg)
+        tried = []
+        while cid is not None:
+            tried.append(cid)
+            try:
+                dcp.load(placeholder(s.state), checkpoint_id=cid, storage_reader=TieredReader(s.cfg), no_dist=True)
+                break
+            except BaseException as e:  # noqa: BLE001 - as documented: DCP's CheckpointException
+                if find_error(e, CorruptCheckpoint) is None:
+                    raise
+                cid = tierckpt.latest(s.cfg, before=cid)
+        assert cid is None and tried == ([CID] if how == "bomb" else []), (cid, tried)
         _restore(s)
         target = placeholder(s.state)
         reader = TieredReader(s.cfg)
