@@ -367,10 +367,27 @@ def _raw(a: np.ndarray, out: np.ndarray) -> int:
     return 1 + len(a)
 
 
+def _inflate(d: Any, body: memoryview, count: int) -> np.ndarray:
+    """The ``count`` bytes of one zstd stream (stream kind 1), never more memory than ``count``.
+
+    python-zstandard sizes its output by the content size the frame header records and ignores
+    ``max_output_size`` then: a stream of a few KiB whose header says 1 GiB (RLE blocks) would
+    be inflated whole before its size is found wrong. So the recorded size is checked first
+    (every coder here records it: one-shot compression); a frame without one is decoded into a
+    buffer of ``count`` bytes (``max_output_size``), and one that needs more fails there. Bytes
+    after the frame are refused too (``allow_extra_data``). Raises ``ValueError`` or
+    ``zstandard.ZstdError``; :func:`decode_into` turns both into :class:`CorruptCheckpoint`."""
+    declared = _zstd().frame_content_size(body)  # -1: not recorded; raises on a malformed header
+    if declared >= 0 and declared != count:
+        raise ValueError(f"a zstd stream declaring {declared} bytes for a plane of {count}")
+    return np.frombuffer(d.decompress(body, max_output_size=count, allow_extra_data=False), dtype=np.uint8)
+
+
 def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None:
     """Decode one stored frame into ``out`` (exactly its logical length); raises
     :class:`CorruptCheckpoint` naming ``where`` when the frame is malformed or does not decode to
-    ``len(out)`` bytes (callers check the CRC32C of the result as well)."""
+    ``len(out)`` bytes (callers check the CRC32C of the result as well). Memory: ``len(out)`` and
+    the frame's bytes, whatever the frame's headers claim (:func:`_inflate`)."""
     s = memoryview(stored).cast("B")
     n = len(out)
     if not len(s):
@@ -422,7 +439,7 @@ def decode_into(stored: memoryview | bytes, out: memoryview, where: str) -> None
                     j += 1
                     continue
                 if kind == 1:
-                    plane = np.frombuffer(d.decompress(body, max_output_size=count), dtype=np.uint8)
+                    plane = _inflate(d, body, count)
                 elif kind == 0:
                     plane = np.frombuffer(body, dtype=np.uint8)
                 else:

@@ -14,6 +14,12 @@ read (one small GET); a checkpoint without an index (plain files, or written bef
 existed) reads straight through. A frame that does not decode raises
 :class:`~tierckpt.errors.CorruptCheckpoint` naming the tier, file and frame: the read engine
 treats it as that tier's read error and serves the item from the next tier.
+
+The index and the frames are input from the tier, which someone else may have written: a read
+of ``n`` logical bytes holds at most ``n`` plus the stored bytes of the frames it touches plus
+one frame's logical bytes (a partly read frame is decoded aside), whatever the index or the
+frames' headers say (:data:`~tierckpt.format.stored.MAX_FRAME`,
+:func:`~tierckpt.codec.frames.decode_into`).
 """
 
 from __future__ import annotations
@@ -104,8 +110,8 @@ class DecodingTier(Tier):
             if a >= start and b <= end:
                 decode_into(frame, buf[a - start : b - start], where)
             else:
-                if tmp is None or len(tmp) < b - a:
-                    tmp = bytearray(idx.frame)
+                if tmp is None or len(tmp) < b - a:  # the frame's own bytes, never ``idx.frame``: at most the file
+                    tmp = bytearray(b - a)
                 decode_into(frame, memoryview(tmp)[: b - a], where)
                 s, e = max(a, start), min(b, end)
                 buf[s - start : e - start] = memoryview(tmp)[s - a : e - a]

@@ -9,7 +9,10 @@ checkpoint's ``metadata.json``, under the body's top-level key ``"stored"``, one
                "hashes": <base64 of 16-byte xxh3_128 per frame>}}
 
 Frame ``i`` holds logical bytes ``[i * frame, min(size, (i + 1) * frame))``; its stored bytes
-follow each other in frame order (offsets are the running sum of ``sizes``). ``codec = "none"``
+follow each other in frame order (offsets are the running sum of ``sizes``). ``frame`` is at least
+4 KiB and at most :data:`MAX_FRAME` (16 MiB); writers use 4 KiB to 4 MiB
+(:func:`tierckpt.codec.frame_size`). It may exceed ``size`` (a small file is one short frame):
+what a reader holds for a frame is the frame's logical bytes, at most ``min(frame, size)``. ``codec = "none"``
 stores frames as they are (the stored object is the data file itself; the index then only
 carries the hashes that let the next checkpoint copy unchanged parts). The hashes are of the
 *logical* bytes: two frames with the same hash are byte-identical (128 bits; the CRC32C pieces
@@ -34,10 +37,25 @@ import numpy as np
 
 from ..errors import CorruptCheckpoint
 
-__all__ = ["StoredFile", "CODECS", "HASH_BYTES", "parse_stored", "add_stored", "strip_stored", "frame_hash"]
+__all__ = [
+    "StoredFile",
+    "CODECS",
+    "HASH_BYTES",
+    "MAX_FRAME",
+    "parse_stored",
+    "add_stored",
+    "strip_stored",
+    "frame_hash",
+]
 
 CODECS = ("none", "zstd")
 HASH_BYTES = 16
+MAX_FRAME = 16 << 20
+"""The largest ``frame`` an index may give (logical bytes per frame); a larger one is corrupt.
+Readers decode whole frames into buffers of up to a frame, on every read thread, so the index,
+read from a tier an attacker may write, must not choose that size: 4x the frames every release
+wrote (``tierckpt.codec.FRAME``, 4 MiB), room for a later writer without letting one index
+entry cost a reader more than a few frames of memory."""
 _KEY = b'"stored":'
 
 
@@ -104,7 +122,9 @@ class StoredFile:
             codec, level, frame, sz = d["codec"], d.get("level", 0), d["frame"], d["size"]
             if codec not in CODECS or type(level) is not int or not -100 <= level <= 100:
                 raise ValueError(f"codec {codec!r} level {level!r}")
-            if type(frame) is not int or frame < 4096 or type(sz) is not int or sz != size:
+            if type(frame) is not int or not 4096 <= frame <= MAX_FRAME:
+                raise ValueError(f"frame {frame!r} (4096 to {MAX_FRAME} bytes)")
+            if type(sz) is not int or sz != size:
                 raise ValueError(f"frame {frame!r}, size {sz!r} (the manifest says {size})")
             raw_sizes = base64.b64decode(d["sizes"], validate=True)
             raw_hashes = base64.b64decode(d["hashes"], validate=True)

@@ -17,6 +17,10 @@ Contract of :class:`Readback` (item reads)::
   read again, alone, from each next tier holding its file, fastest first; after a read error
   (not an absence, not a CRC mismatch) the same tier is tried once more, alone (a truncated
   file still serves the items before the cut). A fallback that worked is logged (warning).
+* A tier's read failing with any error, not only ``TierckptError``/``OSError`` (a ``MemoryError``
+  out of a hostile stored index, say), is that tier's read error: the next tier serves, and the
+  error that no tier served reports it (chained as ``__cause__``); tiers' bytes and indexes are
+  input from outside the process.
 * When no tier serves an item: :class:`ChecksumMismatch` if some tier returned bytes that failed
   their check, :class:`CheckpointNotFound` if no tier has the file (or the checkpoint was deleted
   meanwhile), :class:`CorruptCheckpoint` otherwise; each message names the checkpoint, item,
@@ -291,10 +295,15 @@ class Readback:
                 at = r.rec.pos + padded(r.rec.length)
             try:
                 tier.read_ranges(key, run[0].rec.pos, bufs)
-            except (TierckptError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - whatever a tier's copy raises, the next tier serves (_failed)
                 absent = isinstance(e, CheckpointNotFound)
                 (log.info if absent else log.error)(
-                    "checkpoint %s: reading %s from %s failed: %s", self.checkpoint_id, file, tier.name, e
+                    "checkpoint %s: reading %s from %s failed: %s",
+                    self.checkpoint_id,
+                    file,
+                    tier.name,
+                    _describe(e),
+                    exc_info=_unexpected(e),
                 )
                 failures.append(_Failure(tier, "absent" if absent else "read", e))
             else:
@@ -322,10 +331,17 @@ class Readback:
         for tier in candidates:
             try:
                 tier.read_ranges(key, r.rec.pos, [r.buf] + ([memoryview(r.pad)] if r.pad else []))
-            except (TierckptError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - as in _read_run: this tier failed, the next may serve
                 absent = isinstance(e, CheckpointNotFound)
                 if not absent:
-                    log.error("checkpoint %s: %s from %s also failed: %s", self.checkpoint_id, r.rec.file, tier.name, e)
+                    log.error(
+                        "checkpoint %s: %s from %s also failed: %s",
+                        self.checkpoint_id,
+                        r.rec.file,
+                        tier.name,
+                        _describe(e),
+                        exc_info=_unexpected(e),
+                    )
                 tried.append(_Failure(tier, "absent" if absent else "read", e))
                 continue
             if self._ok(r):
@@ -346,7 +362,8 @@ class Readback:
                         self.recovered[r.rec.file] = tier.name
                 return
             tried.append(_Failure(tier, "crc"))
-        raise self._error(r, tried)
+        odd = [f.error for f in tried if f.error is not None and _unexpected(f.error)]
+        raise self._error(r, tried) from (odd[0] if odd else None)
 
     def _error(self, r: Request, tried: list[_Failure]) -> TierckptError:
         where = f"{r.what} in {r.rec.file} (written by rank {writer_rank(r.rec.file)})"
@@ -363,7 +380,7 @@ class Readback:
                 f"(by a process that ignores leases?): cannot read {where}"
             )
         if crc:
-            also = "".join(f"; {f.tier.url}: {f.error}" for f in reads) + (
+            also = "".join(f"; {f.tier.url}: {_describe(f.error)}" for f in reads) + (
                 f"; absent from {', '.join(absent)}" if absent else ""
             )
             return ChecksumMismatch(f"checkpoint {cid}: {where} failed its CRC32C check on {', '.join(crc)}{also}")
@@ -374,9 +391,22 @@ class Readback:
             )
         return CorruptCheckpoint(
             f"checkpoint {cid}: cannot read {where}: "
-            + "; ".join(f"{f.tier.url}: {f.error}" for f in reads)
+            + "; ".join(f"{f.tier.url}: {_describe(f.error)}" for f in reads)
             + (f"; absent from {', '.join(absent)}" if absent else "")
         )
+
+
+def _unexpected(e: BaseException) -> bool:
+    """Whether a tier read raised something other than a tier's own errors (``TierckptError``,
+    ``OSError``): a ``MemoryError`` or ``ValueError`` out of a copy's bytes or index that no
+    check foresaw, or a bug. It still fails only that tier; it is logged with its traceback."""
+    return not isinstance(e, (TierckptError, OSError))
+
+
+def _describe(e: BaseException | None) -> str:
+    """An error for messages: a tier's own errors name what failed; others get their type
+    (``MemoryError()`` says nothing by itself)."""
+    return f"{type(e).__name__}: {e}" if e is not None and _unexpected(e) else str(e)
 
 
 def _committed(tier: Tier, cid: str) -> bool:
