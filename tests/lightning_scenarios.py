@@ -64,9 +64,28 @@ def _resumed_view(loops: dict) -> dict:
     return out
 
 
+def _stall_commits() -> None:
+    """From now on no checkpoint commits in this process: the first tier's metadata write (the
+    commit) blocks forever, as on a stalled disk. A kill after the next save then lands between
+    its ``dcp.save`` returning and its commit."""
+    import threading
+
+    from tierckpt.tiers.local import LocalTier
+
+    put = LocalTier.put
+
+    def stalled(self, key: str, data: bytes, *, if_absent: bool = False) -> None:  # noqa: ANN001
+        if if_absent and key.endswith("metadata.json"):
+            threading.Event().wait()
+        put(self, key, data, if_absent=if_absent)
+
+    LocalTier.put = stalled  # type: ignore[method-assign]
+
+
 def fit(args: dict, rank: int, world: int) -> dict:
     """``args``: strategy ("ddp" | "fsdp2"), io ("tierckpt" | "default": Lightning's own path),
     tiers (TOML), dirpath, steps, interval, crash_after (a step: stop dead after its save),
+    stall_at (a step: from its save on, commits stall; with crash_after: killed before the commit),
     ckpt_path (e.g. "last"), reference_first (first run the uninterrupted job from scratch in
     this process, Lightning's own path, no checkpoints: the state after loading, the losses, the
     loop state and the final state are compared with it), width (model width), save_every_step
@@ -186,6 +205,8 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
                 os._exit(0)  # killed: no teardown, nothing waited for
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx) -> None:  # noqa: ANN001
+            if args.get("stall_at") == trainer.global_step and not reference:  # before ModelCheckpoint saves
+                _stall_commits()
             if reference and trainer.global_step % args["interval"] == 0:
                 dump = trainer._checkpoint_connector.dump_checkpoint()
                 records[trainer.global_step] = {
