@@ -92,6 +92,7 @@ def fit(args: dict, rank: int, world: int) -> dict:
     (benchmark: ``trainer.save_checkpoint`` after each step, timed, instead of ``ModelCheckpoint``),
     final_model (path: rank 0 writes the final full model state), validate (only
     ``trainer.validate(ckpt_path=...)``; expect: a model state the loaded one must equal),
+    save_last (``ModelCheckpoint``'s, default "link"), run (``TierckptCheckpointIO``'s run key),
     then_resume (benchmark, with save_every_step: then a new trainer in this process resumes
     from the last save; load_s: the seconds its strategy's ``load_checkpoint`` took).
     Returns losses, resumed_from (the global step loaded), and with reference_first: loaded (keys
@@ -240,7 +241,7 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
 
         strategy = "ddp" if world > 1 else "auto"
         if args.get("io") != "default":
-            plugins.append(TierckptCheckpointIO(args["tiers"]))
+            plugins.append(TierckptCheckpointIO(args["tiers"], run=args.get("run")))
     callbacks = [Probe()]
     if not args.get("save_every_step") and not reference:
         callbacks.append(
@@ -250,7 +251,7 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
                 save_top_k=2,
                 monitor="step",
                 mode="max",
-                save_last="link",
+                save_last=args.get("save_last", "link"),
             )
         )
     trainer = L.Trainer(
@@ -311,9 +312,23 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
     return out
 
 
+def fits(args: dict, rank: int, world: int) -> dict:
+    """``args["runs"]``: arguments of :func:`fit` (no ``crash_after``, no ``reference_first``), one
+    run after the other in this process (one Lightning import for several runs). Returns
+    ``{"runs": [each run's result]}``; a run that raises ends the sequence, its error in ``error``."""
+    out: list[dict] = []
+    for a in args["runs"]:
+        try:
+            out.append(_fit(a, rank, world, {}))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out.append({"error": f"{type(e).__name__}: {e}"})
+            break
+    return {"runs": out}
+
+
 if __name__ == "__main__":
     if os.environ.get("TIERCKPT_TEST_DUMP_AFTER"):
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["TIERCKPT_TEST_DUMP_AFTER"]), exit=True)
-    serve({"fit": fit}, report_errors=True)
+    serve({"fit": fit, "fits": fits}, report_errors=True)

@@ -197,7 +197,11 @@ class TierckptState:
         own = self._auto_ids()
         if own:
             return own[-1][1]
-        legacy = [(int(m.group(2)), c.id) for c in list_checkpoints(self.writer.cfg) if (m := _ID_AUTO.match(c.id)) and m.group(1) is None]
+        legacy = [
+            (int(m.group(2)), c.id)
+            for c in list_checkpoints(self.writer.cfg)
+            if (m := _ID_AUTO.match(c.id)) and m.group(1) is None
+        ]
         if legacy:
             cid = max(legacy)[1]
             log.warning(

@@ -88,7 +88,11 @@ class TierckptCheckpointIO(CheckpointIO):
     """
 
     def __init__(
-        self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False, run: str | None = None
+        self,
+        config: TierConfig | str | os.PathLike | None = None,
+        *,
+        allow_pickle: bool = False,
+        run: str | None = None,
     ) -> None:
         self.config = os.fspath(config) if isinstance(config, os.PathLike) else config
         self.allow_pickle = allow_pickle
@@ -118,15 +122,21 @@ class TierckptCheckpointIO(CheckpointIO):
             )
         paths = self.paths
         flat = split(checkpoint)
-        same = paths.unchanged(path, flat)
-        if same is not None:  # e.g. last.ckpt saved again at an epoch's end, nothing changed since
-            log.info("%s: the same state as checkpoint %s, saved there already; not saved again", path, same)
+        same = paths.unchanged(flat)
+        if same is not None:  # save_last=True: last.ckpt right after the step's checkpoint, the very same state
+            paths.alias(path, same, step=checkpoint.get("global_step"))
+            log.info(
+                "%s: the same state as checkpoint %s, saved just before; pointed at it, not saved again", path, same
+            )
             return
         cid, replaces = paths.new_id(path)
         try:
             dcp.save(flat, checkpoint_id=cid, storage_writer=paths.writer, no_dist=True)
         except CheckpointException as e:
-            raise paths.conflict(e, path, cid) or e
+            clear = paths.conflict(e, path, cid)
+            if clear is None:
+                raise
+            raise clear from e
         job = paths.writer.last
         paths.writer.wait_captured()
         paths.saved(path, cid, job, replaces, step=checkpoint.get("global_step"), flat=flat)

@@ -38,10 +38,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import TierConfig
 from ..errors import TierckptError
@@ -120,7 +120,10 @@ class _Tiered(ABC):
         try:
             dcp.save(state, checkpoint_id=cid, storage_writer=paths.writer)
         except CheckpointException as e:
-            raise paths.conflict(e, path, cid) or e
+            clear = paths.conflict(e, path, cid)
+            if clear is None:
+                raise
+            raise clear from e
         job = paths.writer.last
         paths.writer.wait_captured()
         if self.is_global_zero:

@@ -61,6 +61,7 @@ import json
 import logging
 import os
 import re
+import struct
 import threading
 import uuid
 from concurrent.futures import Future
@@ -103,7 +104,7 @@ _MAGIC = "tierckpt-pointer"
 _MAX_POINTER = 64 * 1024
 _VERSION_RE = re.compile(r"^(.*)\+(\d+)$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-=+,]{0,99}$")
-_PICKLE_END = b"\ntR.\n"
+_PICKLE_END = b"tR.\n"  # after the pickle head: TUPLE, REDUCE, STOP (then a newline)
 
 
 def tierckpt_pointer_is_not_a_checkpoint(message: str) -> None:
@@ -111,6 +112,10 @@ def tierckpt_pointer_is_not_a_checkpoint(message: str) -> None:
     a pickle calling this): raise ``message`` (what the file is, how to load it). Under
     ``weights_only=True``, torch's error names this function instead."""
     raise TierckptError(message)
+
+
+# torch.load's default (weights_only=True) then calls it too, raising the message, where tierckpt is imported.
+torch.serialization.add_safe_globals([tierckpt_pointer_is_not_a_checkpoint])
 
 
 def _not_a_checkpoint_message(cid: str) -> str:
@@ -157,10 +162,12 @@ class Pointer:
     fallback: str | None = None
 
     def encode(self) -> bytes:
-        # A protocol-0 pickle first (torch.load's message: see tierckpt_pointer_is_not_a_checkpoint), then JSON.
+        # A pickle first (opcodes that torch.load runs even with weights_only: see tierckpt_pointer_is_not_a_checkpoint), then JSON.
+        msg = _not_a_checkpoint_message(self.id).encode()
         head = (
-            f"c{__name__}\ntierckpt_pointer_is_not_a_checkpoint\n(V".encode()
-            + _not_a_checkpoint_message(self.id).encode("raw-unicode-escape")
+            f"c{__name__}\ntierckpt_pointer_is_not_a_checkpoint\n(X".encode()
+            + struct.pack("<I", len(msg))
+            + msg
             + _PICKLE_END
         )
         doc = {
@@ -255,10 +262,13 @@ def _fingerprint(flat: dict[str, Any]) -> tuple:
     """What identifies a flat state dict's content without reading its tensors: its non-tensor
     items, and per tensor its storage, view and in-place version counter (an optimizer step
     bumps it)."""
-    out = []
+    out: list[tuple[Any, ...]] = []
     for k, v in flat.items():
         if isinstance(v, torch.Tensor):
-            out.append((k, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype, v._version))
+            small = v.detach().cpu().tolist() if v.numel() <= 16 and not v.is_meta else None  # made afresh per save
+            out.append(
+                (k, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype, v._version, small)
+            )
         else:
             out.append((k, v))
     return tuple(out)
@@ -279,7 +289,8 @@ class PathMap:
         self._saves: dict[str, RankSave] = {}  # id -> its save in this process
         self._lock = threading.Lock()
         self._unwritten: dict[str, str] = {}  # path -> the id whose pointer waits for its commit
-        self._last_saved: dict[str, tuple[str, tuple]] = {}  # path -> (id, fingerprint) of its last save here
+        self._last_saved: dict[str, str] = {}  # path -> the id saved (or aliased) there by this process
+        self._newest: tuple[str, tuple] | None = None  # (id, fingerprint) of this process's last save
         self._known: tuple[int, str] | None = None  # (save order, id) of the newest committed one known here
         self._seq = 0
         self._background: list[Future] = []  # deferred pointer writes and orphan sweeps
@@ -316,16 +327,33 @@ class PathMap:
             cid = f"{name}+{n}"
         return check_checkpoint_id(cid), prev
 
-    def unchanged(self, path: str | os.PathLike, flat: dict[str, Any]) -> str | None:
-        """The id of the last save to ``path`` in this process if ``flat`` is the very same
-        content (then a new save would be a copy of it), else ``None``."""
-        last = self._last_saved.get(os.fspath(path))
+    def unchanged(self, flat: dict[str, Any]) -> str | None:
+        """The id of this process's last save if ``flat`` is the very same content (Lightning's
+        ``save_last=True`` saves ``last.ckpt`` right after the step's own checkpoint, and again at
+        the end of a run): then a new save would be a full copy of it, and :meth:`alias` points
+        the path at it instead. ``None`` otherwise, or if that save failed."""
+        last = self._newest
         if last is None or last[1] != _fingerprint(flat):
             return None
         job = self._saves.get(last[0])
         if job is not None and job.committed.done() and job.committed.exception() is not None:
             return None  # that save failed: save again
         return last[0]
+
+    def alias(self, path: str | os.PathLike, checkpoint_id: str, step: int | None = None) -> None:
+        """Point ``path`` at ``checkpoint_id``, saved already in this process (see
+        :meth:`unchanged`): no new checkpoint. The one ``path`` named before is deleted unless
+        another pointer still names it."""
+        try:
+            old = read_pointer(path)
+        except NotAPointer:
+            old = None
+        with self._lock:
+            pending = self._unwritten.get(os.fspath(path))
+        prev = pending or (old.id if old is not None else None)
+        if prev == checkpoint_id:
+            return
+        self.saved(path, checkpoint_id, self._saves.get(checkpoint_id), prev, step)
 
     def saved(
         self,
@@ -348,21 +376,28 @@ class PathMap:
         if job is not None:
             self._saves[checkpoint_id] = job
             job.committed.add_done_callback(lambda f: self._on_commit(f, seq, checkpoint_id))
+        self._last_saved[key] = checkpoint_id
         if flat is not None:
-            self._last_saved[key] = (checkpoint_id, _fingerprint(flat))
+            self._newest = (checkpoint_id, _fingerprint(flat))
         ptr = Pointer(checkpoint_id, replaces, self.cfg.source or "", step, fallback)
         if job is None or fallback is not None or (job.committed.done() and job.committed.exception() is None):
             with self._lock:
                 self._unwritten.pop(key, None)
             write_pointer(path, ptr)
         else:
+            fs, d = _fs(_split_path(path)[0])
+            fs.makedirs(d, exist_ok=True)  # as a written pointer would: Lightning links last.ckpt into it at once
             done: Future = Future()
             with self._lock:
                 self._unwritten[key] = checkpoint_id
                 self._background.append(done)
             job.committed.add_done_callback(lambda f: self._write_when_committed(f, key, ptr, done))
-            log.info("the pointer %s to %s is written once it is committed (nothing older to fall back to)", key, checkpoint_id)
-        if replaces is not None:
+            log.info(
+                "the pointer %s to %s is written once it is committed (nothing older to fall back to)",
+                key,
+                checkpoint_id,
+            )
+        if replaces is not None and replaces != checkpoint_id and not self._named(replaces, key):
             self.deletions.delete(replaces, job.replicated if job is not None else None, unless_failed=True)
         self._sweep_once(_split_path(path)[0])
 
@@ -380,7 +415,9 @@ class PathMap:
                 if current:
                     del self._unwritten[key]
             if f.exception() is not None:
-                log.warning("checkpoint %s was not committed (%s): no pointer written at %s", ptr.id, f.exception(), key)
+                log.warning(
+                    "checkpoint %s was not committed (%s): no pointer written at %s", ptr.id, f.exception(), key
+                )
             elif current:  # not removed, nor saved again, since
                 write_pointer(key, ptr)
             done.set_result(None)
@@ -404,8 +441,32 @@ class PathMap:
         fs, p = _fs(path)
         if ptr is not None:
             fs.rm(p)
+        if self._named(cid, key):
+            log.info("%s removed; its checkpoint %s stays: another pointer names it", path, cid)
+            return
         job = self._saves.pop(cid, None)
         self.deletions.delete(cid, job.replicated if job is not None else None)
+
+    def _named(self, checkpoint_id: str, path: str) -> bool:
+        """Whether a pointer other than ``path`` names ``checkpoint_id``: one of this process
+        still to be written, or a file in ``path``'s directory (links aside: they are not
+        pointers of their own)."""
+        with self._lock:
+            if any(cid == checkpoint_id and k != path for k, cid in self._unwritten.items()):
+                return True
+        directory = _split_path(path)[0]
+        fs, d = _fs(directory)
+        here = os.path.abspath(path)
+        for e in fs.ls(d, detail=False) if fs.isdir(d) else []:
+            if ".tmp-" in e.rsplit("/", 1)[-1] or os.path.abspath(e) == here or os.path.islink(e):
+                continue
+            try:
+                ptr = read_pointer(e)
+            except TierckptError:
+                continue
+            if ptr is not None and ptr.id == checkpoint_id:
+                return True
+        return False
 
     def conflict(self, error: BaseException, path: str | os.PathLike, checkpoint_id: str) -> CommitConflict | None:
         """A clear :class:`~tierckpt.errors.CommitConflict` for a save of ``checkpoint_id`` to
