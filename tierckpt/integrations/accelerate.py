@@ -36,19 +36,26 @@ methods are back, untouched.
 * ``accelerate`` (process 0): schedulers, the grad scaler, ``project_configuration.iteration``;
   ``custom`` (process 0): the objects of ``register_for_checkpointing``.
 
-The id is the last component of ``output_dir`` (with ``automatic_checkpoint_naming``:
-``checkpoint_<iteration>``). ``total_limit`` deletes the oldest such checkpoints from every tier,
-lease-guarded (process 0). It returns once the state is captured; the writes, the commit and
+The id is ``<run>@<name>``: ``name`` the last component of ``output_dir`` (with
+``automatic_checkpoint_naming``: ``checkpoint_<iteration>``), ``run`` the ``run`` argument of
+:func:`enable` or else :func:`~tierckpt.integrations.pathmap.run_key` of the directory holding it
+(``<project_dir>/checkpoints``), so runs with another ``project_dir`` on one configuration never
+share an id. ``total_limit`` deletes the run's own oldest such checkpoints from every tier,
+lease-guarded (process 0); another run's are never touched. It returns once the state is captured; the writes, the commit and
 promotion run in the background. Hooks of ``register_save_state_pre_hook`` are called as
 Accelerate calls them (FSDP models: no weights), with ``output_dir`` created for them; what they
 write there stays on that disk.
 
-**load_state** (every process): the checkpoint of ``input_dir``'s last component, or with
-automatic naming and no ``input_dir`` the highest ``checkpoint_<n>`` committed on some tier; one
+**load_state** (every process): the checkpoint of ``input_dir`` (its id as above; an id saved
+before runs were kept apart, without ``<run>@``, if that is the one committed), or with automatic
+naming and no ``input_dir`` the run's highest ``checkpoint_<n>`` committed on some tier
+(:class:`~tierckpt.errors.CheckpointNotFound` when there is none); one
 DCP load through :class:`~tierckpt.TieredReader`, then everything above is set back (with
 automatic naming, ``iteration`` continues after the loaded one: no manual override needed).
 Non-tensor values are unpickled with ``weights_only=True`` (``allow_pickle=True``: without),
-custom objects without, as Accelerate does.
+custom objects without, as Accelerate does. The data loaders' positions continue exactly within
+the first epoch; the shuffling sampler's generator is not saved (nor by Accelerate's own save), so
+later epochs' orders can differ from an uninterrupted run's.
 """
 
 from __future__ import annotations
