@@ -241,7 +241,7 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
 
         strategy = "ddp" if world > 1 else "auto"
         if args.get("io") != "default":
-            plugins.append(TierckptCheckpointIO(args["tiers"], run=args.get("run")))
+            plugins.append(TierckptCheckpointIO(args["tiers"], **({"run": args["run"]} if args.get("run") else {})))
     callbacks = [Probe()]
     if not args.get("save_every_step") and not reference:
         callbacks.append(

@@ -101,6 +101,7 @@ from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
 from .deletions import Deletions
 from .pathmap import RUN_SEP, check_run, run_key
+from .pathmap import cached_planner as _cached_planner
 
 __all__ = ["SUPPORTED", "TierckptState", "enable", "disable"]
 
@@ -284,7 +285,7 @@ class TierckptState:
             for hook in acc._save_model_state_pre_hook.values():
                 hook(acc._models, [], output_dir)
         try:
-            dcp.save(state, checkpoint_id=cid, storage_writer=self.writer)
+            dcp.save(state, checkpoint_id=cid, storage_writer=self.writer, planner=_cached_planner())
         except CheckpointException as e:
             if any(isinstance(f[0] if isinstance(f, tuple) else f, CommitConflict) for f in e.failures.values()):
                 raise CommitConflict(

@@ -21,7 +21,10 @@ What changes against Lightning's ``TorchCheckpointIO`` (``docs/integrations.md``
   (:mod:`tierckpt.integrations.statetree`). It returns once the state is *captured* (copied to
   host memory): the writes, the commit and the promotion to later tiers run in the background.
   At the path Lightning gave, a pointer file names the checkpoint
-  (:mod:`tierckpt.integrations.pathmap`: ids, ``ckpt_path="last"``, rewritten names).
+  (:mod:`tierckpt.integrations.pathmap`: ids ``<run>@<name>`` kept apart per run, when the pointer
+  is written, ``ckpt_path="last"``, rewritten names). A save of the very same state as the one just
+  made (``save_last=True``'s ``last.ckpt``) points at that checkpoint instead of copying it. DCP's
+  plan caching is on (:func:`~tierckpt.integrations.pathmap.cached_planner`).
 * **Loading** (every rank, ``trainer.fit(ckpt_path=...)``): the checkpoint the path resolves to,
   from the fastest tier holding it; a path holding an ordinary Lightning checkpoint file is read
   by Lightning's ``TorchCheckpointIO``. Tensors come back on the CPU (Lightning moves them).
@@ -65,6 +68,7 @@ from ..config import TierConfig
 from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
 from .pathmap import PathMap, check_run
+from .pathmap import cached_planner as _cached_planner
 from .statetree import join, split
 
 __all__ = ["TierckptCheckpointIO", "TierckptModelParallelStrategy", "TierckptFSDPStrategy", "load_from_checkpoint"]  # noqa: F822 - the strategies come from __getattr__
@@ -131,7 +135,7 @@ class TierckptCheckpointIO(CheckpointIO):
             return
         cid, replaces = paths.new_id(path)
         try:
-            dcp.save(flat, checkpoint_id=cid, storage_writer=paths.writer, no_dist=True)
+            dcp.save(flat, checkpoint_id=cid, storage_writer=paths.writer, no_dist=True, planner=_cached_planner())
         except CheckpointException as e:
             clear = paths.conflict(e, path, cid)
             if clear is None:

@@ -48,6 +48,7 @@ from ..errors import TierckptError
 from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
 from .pathmap import PathMap, Resolved, check_run
+from .pathmap import cached_planner as _cached_planner
 
 __all__ = ["TierckptModelParallelStrategy", "TierckptFSDPStrategy", "META_KEY"]
 
@@ -118,7 +119,7 @@ class _Tiered(ABC):
         if self.is_global_zero:
             state[META_KEY] = _pickle(checkpoint)
         try:
-            dcp.save(state, checkpoint_id=cid, storage_writer=paths.writer)
+            dcp.save(state, checkpoint_id=cid, storage_writer=paths.writer, planner=_cached_planner())
         except CheckpointException as e:
             clear = paths.conflict(e, path, cid)
             if clear is None:

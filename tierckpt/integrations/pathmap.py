@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import list_checkpoints
@@ -86,6 +87,7 @@ __all__ = [
     "Resolved",
     "PathMap",
     "NotAPointer",
+    "cached_planner",
     "check_run",
     "run_key",
     "read_pointer",
@@ -125,6 +127,14 @@ def _not_a_checkpoint_message(cid: str) -> str:
         "TierckptCheckpointIO (or a Tierckpt strategy), or "
         "tierckpt.integrations.lightning.load_from_checkpoint(ModelClass, <this path>, <tiers.toml>)"
     )
+
+
+def cached_planner() -> DefaultSavePlanner:
+    """The save planner of the integrations' saves: DCP's with plan caching, so a save whose
+    state has the same keys and shapes as the previous one skips DCP's planning (and its
+    collectives: an empty plan per rank); tierckpt reuses its layout for that plan and persists
+    the plans across restarts (:mod:`tierckpt.save.plancache`). A changed state is re-planned."""
+    return DefaultSavePlanner(enable_plan_caching=True)
 
 
 def check_run(run: str) -> str:
