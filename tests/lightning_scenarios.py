@@ -85,7 +85,8 @@ def _stall_commits() -> None:
 def fit(args: dict, rank: int, world: int) -> dict:
     """``args``: strategy ("ddp" | "fsdp2"), io ("tierckpt" | "default": Lightning's own path),
     tiers (TOML), dirpath, steps, interval, crash_after (a step: stop dead after its save),
-    stall_at (a step: from its save on, commits stall; with crash_after: killed before the commit),
+    stall_at (a step: the earlier saves are waited for, then from this step's save on commits stall;
+    with crash_after: killed before the commit),
     ckpt_path (e.g. "last"), reference_first (first run the uninterrupted job from scratch in
     this process, Lightning's own path, no checkpoints: the state after loading, the losses, the
     loop state and the final state are compared with it), width (model width), save_every_step
@@ -207,6 +208,9 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx) -> None:  # noqa: ANN001
             if args.get("stall_at") == trainer.global_step and not reference:  # before ModelCheckpoint saves
+                paths = getattr(trainer.strategy.checkpoint_io, "_paths", None)
+                if paths is not None:  # the earlier saves commit first: a deterministic outcome
+                    paths.writer.wait()
                 _stall_commits()
             if reference and trainer.global_step % args["interval"] == 0:
                 dump = trainer._checkpoint_connector.dump_checkpoint()
