@@ -84,31 +84,33 @@ def test_lightning_two_runs_one_config_apart_and_last_not_duplicated(tmp_path):
     collides (b0e99ab: CommitConflict at run B's first save), top-k deletes only the run's own,
     and each ``ckpt_path="last"`` resumes its own run. Run A has ``save_last=True``: ``last.ckpt``
     saved right after the step's own checkpoint (the same state) names that checkpoint instead of
-    being a full copy (b0e99ab: ``last.ckpt``, ``last.ckpt+1``, ... one extra checkpoint per save)."""
+    being a full copy (with ``TierckptCheckpointIO``, and with the FSDP2 strategy in run C) (b0e99ab: ``last.ckpt``, ``last.ckpt+1``, ... one extra checkpoint per save)."""
     pytest.importorskip("lightning")
     from tierckpt.integrations.pathmap import run_key
 
     tiers = _tiers(tmp_path)
-    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    a, b, c = tmp_path / "runs" / "a", tmp_path / "runs" / "b", tmp_path / "runs" / "c"
     base = {"tiers": tiers, "interval": 2}
     runs = [
         base | {"dirpath": str(a), "steps": 8, "save_last": True},
         base | {"dirpath": str(b), "steps": 4},
         base | {"dirpath": str(b), "steps": 8, "ckpt_path": "last"},
         base | {"dirpath": str(a), "steps": 10, "ckpt_path": "last", "save_last": True},
+        base | {"dirpath": str(c), "steps": 4, "save_last": True, "strategy": "fsdp2"},  # the sharded strategy
     ]
     (res,) = run_world(1, "fits", {"runs": runs}, tmp_path / "w", script=HERE / "lightning_scenarios.py", timeout=300)
     assert "errors" not in res, res
     got = res["runs"]
-    assert [r.get("error") for r in got] == [None] * 4, got
-    assert [r["resumed_from"] for r in got] == [0, 0, 4, 8]  # each run resumed its own last
-    assert [r["global_step"] for r in got] == [8, 4, 8, 10]
+    assert [r.get("error") for r in got] == [None] * 5, got
+    assert [r["resumed_from"] for r in got] == [0, 0, 4, 8, 0]  # each run resumed its own last
+    assert [r["global_step"] for r in got] == [8, 4, 8, 10, 4]
     ids = _ids(tiers)
-    ka, kb = run_key(a), run_key(b)
-    assert ka != kb and all(i.startswith((ka + "@", kb + "@")) for i in ids), ids
+    ka, kb, kc = run_key(a), run_key(b), run_key(c)
+    assert not any("last" in i for i in ids), ids  # every last.ckpt named a step's own checkpoint
+    assert len({ka, kb, kc}) == 3 and all(i.startswith((ka + "@", kb + "@", kc + "@")) for i in ids), ids
     assert _steps(ids, kb) == [6, 8]  # run B's top 2, run A's untouched by B's deletions
     assert _steps(ids, ka) == [8, 10]
-    assert not any("last" in i for i in ids), ids  # every last.ckpt named a step's own checkpoint
+    assert _steps(ids, kc) == [2, 4]
     last = read_pointer(a / "last.ckpt")
     assert last is not None and last.id == f"{ka}@epoch=2-step=10.ckpt", last
 

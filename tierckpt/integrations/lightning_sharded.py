@@ -113,11 +113,21 @@ class _Tiered(ABC):
     def _tiered_save(self, checkpoint: dict[str, Any], filepath: _PATH) -> None:
         paths = self.paths
         path = self.broadcast(os.fspath(filepath))
-        cid, replaces = self._on_rank0(lambda: paths.new_id(path))
         step = checkpoint.get("global_step")
         state = self._shards(checkpoint)
         if self.is_global_zero:
             state[META_KEY] = _pickle(checkpoint)
+        # The very same state as the save just made (save_last=True's last.ckpt): rank 0 decides on
+        # its shards and the metadata (every rank's shards are stepped together), and points at it.
+        same = self._on_rank0(lambda: paths.unchanged(state))
+        if same is not None:
+            if self.is_global_zero:
+                paths.alias(path, same, step=step)
+            log.info(
+                "%s: the same state as checkpoint %s, saved just before; pointed at it, not saved again", path, same
+            )
+            return
+        cid, replaces = self._on_rank0(lambda: paths.new_id(path))
         try:
             dcp.save(state, checkpoint_id=cid, storage_writer=paths.writer, planner=_cached_planner())
         except CheckpointException as e:
@@ -128,7 +138,7 @@ class _Tiered(ABC):
         job = paths.writer.last
         paths.writer.wait_captured()
         if self.is_global_zero:
-            paths.saved(path, cid, job, replaces, step=step)
+            paths.saved(path, cid, job, replaces, step=step, flat=state)
         log.info("checkpoint %s captured for %s; it commits in the background", cid, path)
 
     def _resolve(self, checkpoint_path: _PATH) -> tuple[str, Resolved]:

@@ -268,20 +268,25 @@ class NotAPointer(TierckptError):
     """A path holds something other than a tierckpt pointer."""
 
 
-def _fingerprint(flat: dict[str, Any]) -> tuple:
-    """What identifies a flat state dict's content without reading its tensors: its non-tensor
-    items, and per tensor its storage, view and in-place version counter (an optimizer step
-    bumps it)."""
-    out: list[tuple[Any, ...]] = []
-    for k, v in flat.items():
-        if isinstance(v, torch.Tensor):
-            small = v.detach().cpu().tolist() if v.numel() <= 16 and not v.is_meta else None  # made afresh per save
-            out.append(
-                (k, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype, v._version, small)
-            )
-        else:
-            out.append((k, v))
-    return tuple(out)
+def _fingerprint(state: Any) -> Any:
+    """What identifies a state dict's content without reading its tensors: its structure and
+    non-tensor values, and per tensor (a DTensor: its local shard) its storage, view and in-place
+    version counter (an optimizer step bumps it), with the values of tensors of up to 16 elements
+    (made afresh per save, their memory may be reused). Leaves that are not hashable make it
+    unequal to any other."""
+    if isinstance(state, torch.Tensor):
+        v = getattr(state, "_local_tensor", state)
+        small = v.detach().cpu().tolist() if v.numel() <= 16 and not v.is_meta else None
+        return ("T", v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype, v._version, small)
+    if isinstance(state, dict):
+        return ("D", tuple((k, _fingerprint(v)) for k, v in state.items()))
+    if isinstance(state, (list, tuple)):
+        return (type(state).__name__, tuple(_fingerprint(v) for v in state))
+    try:
+        hash(state)
+    except TypeError:
+        return ("U", object())  # an unhashable leaf: never the same (a full save, to be safe)
+    return ("V", type(state).__name__, state)
 
 
 class PathMap:
