@@ -64,15 +64,36 @@ def _resumed_view(loops: dict) -> dict:
     return out
 
 
+def _stall_commits() -> None:
+    """From now on no checkpoint commits in this process: the first tier's metadata write (the
+    commit) blocks forever, as on a stalled disk. A kill after the next save then lands between
+    its ``dcp.save`` returning and its commit."""
+    import threading
+
+    from tierckpt.tiers.local import LocalTier
+
+    put = LocalTier.put
+
+    def stalled(self, key: str, data: bytes, *, if_absent: bool = False) -> None:  # noqa: ANN001
+        if if_absent and key.endswith("metadata.json"):
+            threading.Event().wait()
+        put(self, key, data, if_absent=if_absent)
+
+    LocalTier.put = stalled  # type: ignore[method-assign]
+
+
 def fit(args: dict, rank: int, world: int) -> dict:
     """``args``: strategy ("ddp" | "fsdp2"), io ("tierckpt" | "default": Lightning's own path),
     tiers (TOML), dirpath, steps, interval, crash_after (a step: stop dead after its save),
+    stall_at (a step: the earlier saves are waited for, then from this step's save on commits stall;
+    with crash_after: killed before the commit),
     ckpt_path (e.g. "last"), reference_first (first run the uninterrupted job from scratch in
     this process, Lightning's own path, no checkpoints: the state after loading, the losses, the
     loop state and the final state are compared with it), width (model width), save_every_step
     (benchmark: ``trainer.save_checkpoint`` after each step, timed, instead of ``ModelCheckpoint``),
     final_model (path: rank 0 writes the final full model state), validate (only
     ``trainer.validate(ckpt_path=...)``; expect: a model state the loaded one must equal),
+    save_last (``ModelCheckpoint``'s, default "link"), run (``TierckptCheckpointIO``'s run key),
     then_resume (benchmark, with save_every_step: then a new trainer in this process resumes
     from the last save; load_s: the seconds its strategy's ``load_checkpoint`` took).
     Returns losses, resumed_from (the global step loaded), and with reference_first: loaded (keys
@@ -186,6 +207,11 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
                 os._exit(0)  # killed: no teardown, nothing waited for
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx) -> None:  # noqa: ANN001
+            if args.get("stall_at") == trainer.global_step and not reference:  # before ModelCheckpoint saves
+                paths = getattr(trainer.strategy.checkpoint_io, "_paths", None)
+                if paths is not None:  # the earlier saves commit first: a deterministic outcome
+                    paths.writer.wait()
+                _stall_commits()
             if reference and trainer.global_step % args["interval"] == 0:
                 dump = trainer._checkpoint_connector.dump_checkpoint()
                 records[trainer.global_step] = {
@@ -219,7 +245,7 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
 
         strategy = "ddp" if world > 1 else "auto"
         if args.get("io") != "default":
-            plugins.append(TierckptCheckpointIO(args["tiers"]))
+            plugins.append(TierckptCheckpointIO(args["tiers"], **({"run": args["run"]} if args.get("run") else {})))
     callbacks = [Probe()]
     if not args.get("save_every_step") and not reference:
         callbacks.append(
@@ -229,7 +255,7 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
                 save_top_k=2,
                 monitor="step",
                 mode="max",
-                save_last="link",
+                save_last=args.get("save_last", "link"),
             )
         )
     trainer = L.Trainer(
@@ -290,9 +316,23 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
     return out
 
 
+def fits(args: dict, rank: int, world: int) -> dict:
+    """``args["runs"]``: arguments of :func:`fit` (no ``crash_after``, no ``reference_first``), one
+    run after the other in this process (one Lightning import for several runs). Returns
+    ``{"runs": [each run's result]}``; a run that raises ends the sequence, its error in ``error``."""
+    out: list[dict] = []
+    for a in args["runs"]:
+        try:
+            out.append(_fit(a, rank, world, {}))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out.append({"error": f"{type(e).__name__}: {e}"})
+            break
+    return {"runs": out}
+
+
 if __name__ == "__main__":
     if os.environ.get("TIERCKPT_TEST_DUMP_AFTER"):
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["TIERCKPT_TEST_DUMP_AFTER"]), exit=True)
-    serve({"fit": fit}, report_errors=True)
+    serve({"fit": fit, "fits": fits}, report_errors=True)

@@ -36,19 +36,26 @@ methods are back, untouched.
 * ``accelerate`` (process 0): schedulers, the grad scaler, ``project_configuration.iteration``;
   ``custom`` (process 0): the objects of ``register_for_checkpointing``.
 
-The id is the last component of ``output_dir`` (with ``automatic_checkpoint_naming``:
-``checkpoint_<iteration>``). ``total_limit`` deletes the oldest such checkpoints from every tier,
-lease-guarded (process 0). It returns once the state is captured; the writes, the commit and
+The id is ``<run>@<name>``: ``name`` the last component of ``output_dir`` (with
+``automatic_checkpoint_naming``: ``checkpoint_<iteration>``), ``run`` the ``run`` argument of
+:func:`enable` or else :func:`~tierckpt.integrations.pathmap.run_key` of the directory holding it
+(``<project_dir>/checkpoints``), so runs with another ``project_dir`` on one configuration never
+share an id. ``total_limit`` deletes the run's own oldest such checkpoints from every tier,
+lease-guarded (process 0); another run's are never touched. It returns once the state is captured; the writes, the commit and
 promotion run in the background. Hooks of ``register_save_state_pre_hook`` are called as
 Accelerate calls them (FSDP models: no weights), with ``output_dir`` created for them; what they
 write there stays on that disk.
 
-**load_state** (every process): the checkpoint of ``input_dir``'s last component, or with
-automatic naming and no ``input_dir`` the highest ``checkpoint_<n>`` committed on some tier; one
+**load_state** (every process): the checkpoint of ``input_dir`` (its id as above; an id saved
+before runs were kept apart, without ``<run>@``, if that is the one committed), or with automatic
+naming and no ``input_dir`` the run's highest ``checkpoint_<n>`` committed on some tier
+(:class:`~tierckpt.errors.CheckpointNotFound` when there is none); one
 DCP load through :class:`~tierckpt.TieredReader`, then everything above is set back (with
 automatic naming, ``iteration`` continues after the loaded one: no manual override needed).
 Non-tensor values are unpickled with ``weights_only=True`` (``allow_pickle=True``: without),
-custom objects without, as Accelerate does.
+custom objects without, as Accelerate does. The data loaders' positions continue exactly within
+the first epoch; the shuffling sampler's generator is not saved (nor by Accelerate's own save), so
+later epochs' orders can differ from an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -84,13 +92,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from ..capture.ranksave import RankSave
-from ..catalog.checkpoints import checkpoint_id_of, list_checkpoints
+from ..catalog.checkpoints import list_checkpoints
+from ..catalog.listing import is_committed
 from ..config import TierConfig
-from ..errors import CommitConflict, ConfigError
+from ..errors import CheckpointNotFound, CommitConflict, ConfigError
 from ..format.layout import check_checkpoint_id
 from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
 from .deletions import Deletions
+from .pathmap import RUN_SEP, check_run, run_key
+from .pathmap import cached_planner as _cached_planner
 
 __all__ = ["SUPPORTED", "TierckptState", "enable", "disable"]
 
@@ -99,7 +110,7 @@ log = logging.getLogger("tierckpt")
 SUPPORTED = ((1, 15), (1, 16))
 """Accelerate versions supported: from 1.15 (inclusive) to 1.16 (exclusive)."""
 
-_AUTO = re.compile(r"^checkpoint_(\d+)$")
+_ID_AUTO = re.compile(r"^(?:(.+)@)?checkpoint_(\d+)$")  # <run>@checkpoint_<n>, or from before namespacing
 _PLAIN = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
@@ -149,11 +160,66 @@ class TierckptState:
     accelerator: Accelerator
     writer: TieredWriter
     allow_pickle: bool = False
+    run: str | None = None
     deletions: Deletions = field(init=False)
     _saves: dict[str, RankSave] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.deletions = Deletions(self.writer)
+        if self.run is not None:
+            check_run(self.run)
+
+    # -- ids -------------------------------------------------------------------------------------
+    def _auto_dir(self) -> str:
+        return os.path.join(self.accelerator.project_dir or ".", "checkpoints")
+
+    def run_of(self, directory: str | os.PathLike) -> str:
+        """The run key of checkpoints saved into ``directory``: :attr:`run`, else
+        :func:`~tierckpt.integrations.pathmap.run_key` of it."""
+        return self.run or run_key(directory)
+
+    def id_for(self, path: str | os.PathLike) -> str:
+        """``<run>@<name>``: the id of a save to ``path`` (a ``checkpoint_<n>`` or ``output_dir``)."""
+        p = os.path.expanduser(os.fspath(path)).rstrip("/")
+        directory, name = os.path.split(p)
+        return check_checkpoint_id(f"{self.run_of(directory)}{RUN_SEP}{name}")
+
+    def _committed(self, cid: str) -> bool:
+        chain = self.writer.engine.chain
+        return any(is_committed(chain[i], cid) for i in range(len(chain)))
+
+    def _auto_ids(self) -> list[tuple[int, str]]:
+        """(n, id) of this run's committed ``checkpoint_<n>``, lowest n first."""
+        prefix = self.run_of(self._auto_dir())
+        out = []
+        for c in list_checkpoints(self.writer.cfg):
+            m = _ID_AUTO.match(c.id)
+            if m and m.group(1) == prefix:
+                out.append((int(m.group(2)), c.id))
+        return sorted(out)
+
+    def latest(self) -> str | None:
+        """The id ``load_state()`` loads (automatic naming): this run's highest committed
+        ``checkpoint_<n>``, else one saved before namespacing (no run key), else ``None``
+        (nothing to resume: start from scratch)."""
+        own = self._auto_ids()
+        if own:
+            return own[-1][1]
+        legacy = [
+            (int(m.group(2)), c.id)
+            for c in list_checkpoints(self.writer.cfg)
+            if (m := _ID_AUTO.match(c.id)) and m.group(1) is None
+        ]
+        if legacy:
+            cid = max(legacy)[1]
+            log.warning(
+                "no checkpoint of run %s is committed; loading %s, saved before tierckpt kept runs apart "
+                "(it may be another run's: pass input_dir to choose)",
+                self.run_of(self._auto_dir()),
+                cid,
+            )
+            return cid
+        return None
 
     # -- state dicts -----------------------------------------------------------------------------
     def _options(self) -> StateDictOptions | None:
@@ -192,14 +258,13 @@ class TierckptState:
         acc = self.accelerator
         pc = acc.project_configuration
         if pc.automatic_checkpoint_naming:
-            cid = f"checkpoint_{acc.save_iteration}"
-            output_dir = os.path.join(acc.project_dir, "checkpoints", cid)
+            output_dir = os.path.join(self._auto_dir(), f"checkpoint_{acc.save_iteration}")
             if acc.is_main_process and pc.total_limit is not None:
                 self._prune(pc.total_limit)
         elif output_dir is None:
             raise ConfigError("save_state needs output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True))")
         output_dir = os.fspath(output_dir)
-        cid = check_checkpoint_id(checkpoint_id_of(output_dir))
+        cid = self.id_for(output_dir)
         if cid in self._saves:
             raise CommitConflict(f"checkpoint {cid} was already saved by this job; tierckpt never overwrites one")
         opts = self._options()
@@ -219,7 +284,18 @@ class TierckptState:
             os.makedirs(output_dir, exist_ok=True)
             for hook in acc._save_model_state_pre_hook.values():
                 hook(acc._models, [], output_dir)
-        dcp.save(state, checkpoint_id=cid, storage_writer=self.writer)
+        try:
+            dcp.save(state, checkpoint_id=cid, storage_writer=self.writer, planner=_cached_planner())
+        except CheckpointException as e:
+            if any(isinstance(f[0] if isinstance(f, tuple) else f, CommitConflict) for f in e.failures.values()):
+                raise CommitConflict(
+                    f"cannot save {output_dir}: checkpoint {cid} is already committed in "
+                    f"{self.writer.cfg.source or 'the configuration'}, saved by another run with the same run key "
+                    f"{cid.split(RUN_SEP)[0]!r} (this run's key comes from "
+                    f"{'run=' + repr(self.run) if self.run else os.path.dirname(output_dir)}); tierckpt never "
+                    "overwrites it. Give each run its own project_dir or enable(..., run=...)"
+                ) from e
+            raise
         job = self.writer.last
         if job is not None:
             self._saves[cid] = job
@@ -243,8 +319,11 @@ class TierckptState:
     def _prune(self, total_limit: int) -> None:
         """Process 0, before a save with automatic naming: delete the oldest ``checkpoint_<n>``
         so that ``total_limit`` remain with the new one (as Accelerate removes folders)."""
-        ids = {c.id for c in list_checkpoints(self.writer.cfg) if _AUTO.match(c.id)} | set(self._saves)
-        ordered = sorted(ids, key=lambda i: int(_AUTO.match(i).group(1)))  # type: ignore[union-attr]
+        prefix = self.run_of(self._auto_dir())
+        ids = {cid for _, cid in self._auto_ids()} | {
+            i for i in self._saves if (m := _ID_AUTO.match(i)) is not None and m.group(1) == prefix
+        }
+        ordered = sorted(ids, key=lambda i: int(_ID_AUTO.match(i).group(2)))  # type: ignore[union-attr]
         for cid in ordered[: max(0, len(ordered) + 1 - total_limit)]:
             job = self._saves.pop(cid, None)
             self.deletions.delete(cid, job.replicated if job is not None else None)
@@ -256,12 +335,22 @@ class TierckptState:
         """``Accelerator.load_state`` through the tiers (see the module docstring)."""
         acc = self.accelerator
         if input_dir is not None:
-            cid = check_checkpoint_id(checkpoint_id_of(os.path.expanduser(os.fspath(input_dir))))
+            cid = self.id_for(input_dir)
+            if not self._committed(cid):
+                legacy = check_checkpoint_id(os.path.basename(os.path.expanduser(os.fspath(input_dir)).rstrip("/")))
+                if not self._committed(legacy):
+                    raise CheckpointNotFound(
+                        f"{input_dir}: neither {cid} nor {legacy} is committed on any tier of {self.writer.cfg.source}"
+                    )
+                cid = legacy  # saved before namespacing
         elif acc.project_configuration.automatic_checkpoint_naming:
-            found = [c.id for c in list_checkpoints(self.writer.cfg) if _AUTO.match(c.id)]
-            if not found:
-                raise FileNotFoundError(f"no checkpoint_<n> is committed on any tier of {self.writer.cfg.source}")
-            cid = max(found, key=lambda i: int(_AUTO.match(i).group(1)))  # type: ignore[union-attr]
+            found = self.latest()
+            if found is None:
+                raise CheckpointNotFound(
+                    f"no checkpoint_<n> of run {self.run_of(self._auto_dir())} (project_dir "
+                    f"{acc.project_dir}) is committed on any tier of {self.writer.cfg.source}"
+                )
+            cid = found
         else:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         log.info("loading accelerate state %s through tierckpt", cid)
@@ -341,6 +430,7 @@ def enable(
     *,
     allow_pickle: bool = False,
     check_version: bool = True,
+    run: str | None = None,
 ) -> TierckptState:
     """Route ``accelerator.save_state``/``load_state`` through tierckpt (every process, before
     training). ``config``: a :class:`~tierckpt.config.TierConfig`, a TOML path or ``None``
@@ -362,7 +452,7 @@ def enable(
     if "_tierckpt" in accelerator.__dict__:
         accelerator.__dict__["_tierckpt"].disable()
     cfg = os.fspath(config) if isinstance(config, os.PathLike) else config
-    st = TierckptState(accelerator, TieredWriter(cfg), allow_pickle=allow_pickle)
+    st = TierckptState(accelerator, TieredWriter(cfg), allow_pickle=allow_pickle, run=run)
     accelerator.save_state = st.save_state  # type: ignore[method-assign]
     accelerator.load_state = st.load_state  # type: ignore[method-assign]
     accelerator._tierckpt = st  # type: ignore[attr-defined]

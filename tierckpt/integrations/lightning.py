@@ -21,7 +21,10 @@ What changes against Lightning's ``TorchCheckpointIO`` (``docs/integrations.md``
   (:mod:`tierckpt.integrations.statetree`). It returns once the state is *captured* (copied to
   host memory): the writes, the commit and the promotion to later tiers run in the background.
   At the path Lightning gave, a pointer file names the checkpoint
-  (:mod:`tierckpt.integrations.pathmap`: ids, ``ckpt_path="last"``, rewritten names).
+  (:mod:`tierckpt.integrations.pathmap`: ids ``<run>@<name>`` kept apart per run, when the pointer
+  is written, ``ckpt_path="last"``, rewritten names). A save of the very same state as the one just
+  made (``save_last=True``'s ``last.ckpt``) points at that checkpoint instead of copying it. DCP's
+  plan caching is on (:func:`~tierckpt.integrations.pathmap.cached_planner`).
 * **Loading** (every rank, ``trainer.fit(ckpt_path=...)``): the checkpoint the path resolves to,
   from the fastest tier holding it; a path holding an ordinary Lightning checkpoint file is read
   by Lightning's ``TorchCheckpointIO``. Tensors come back on the CPU (Lightning moves them).
@@ -38,12 +41,15 @@ The plugin builds its writer on first use, so it pickles as its configuration (`
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -61,10 +67,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..config import TierConfig
 from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
-from .pathmap import PathMap
+from .pathmap import PathMap, check_run
+from .pathmap import cached_planner as _cached_planner
 from .statetree import join, split
 
-__all__ = ["TierckptCheckpointIO", "TierckptModelParallelStrategy", "TierckptFSDPStrategy"]  # noqa: F822 - the strategies come from __getattr__
+__all__ = ["TierckptCheckpointIO", "TierckptModelParallelStrategy", "TierckptFSDPStrategy", "load_from_checkpoint"]  # noqa: F822 - the strategies come from __getattr__
 
 log = logging.getLogger("tierckpt")
 
@@ -76,21 +83,31 @@ class TierckptCheckpointIO(CheckpointIO):
         config: a :class:`~tierckpt.config.TierConfig`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
         allow_pickle: unpickle non-tensor values without ``weights_only`` on every load (only for
             checkpoints you trust); otherwise only when Lightning passes ``weights_only=False``.
+        run: the run key of this run's ids (``None``: derived from each checkpoint's directory,
+            :func:`tierckpt.integrations.pathmap.run_key`); set it where the directory's absolute
+            path differs between the machines a run restarts on.
 
     Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0,
     ``load_checkpoint`` on every rank, ``teardown`` on every rank (see the module docstring).
     """
 
-    def __init__(self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        config: TierConfig | str | os.PathLike | None = None,
+        *,
+        allow_pickle: bool = False,
+        run: str | None = None,
+    ) -> None:
         self.config = os.fspath(config) if isinstance(config, os.PathLike) else config
         self.allow_pickle = allow_pickle
+        self.run = check_run(run) if run is not None else None
         self._paths: PathMap | None = None
 
     @property
     def paths(self) -> PathMap:
         """The path map (and its writer), made on first use in this process."""
         if self._paths is None:
-            self._paths = PathMap(TieredWriter(self.config, no_dist=True))
+            self._paths = PathMap(TieredWriter(self.config, no_dist=True), self.run)
         return self._paths
 
     @property
@@ -98,7 +115,7 @@ class TierckptCheckpointIO(CheckpointIO):
         return self.paths.writer
 
     def __getstate__(self) -> dict:
-        return {"config": self.config, "allow_pickle": self.allow_pickle, "_paths": None}
+        return {"config": self.config, "allow_pickle": self.allow_pickle, "run": self.run, "_paths": None}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         """Rank 0: save ``checkpoint`` as the checkpoint of ``path``; returns once captured."""
@@ -108,12 +125,25 @@ class TierckptCheckpointIO(CheckpointIO):
                 "the tiers are configured in tierckpt's TOML"
             )
         paths = self.paths
-        cid, replaces = paths.new_id(path)
         flat = split(checkpoint)
-        dcp.save(flat, checkpoint_id=cid, storage_writer=paths.writer, no_dist=True)
+        same = paths.unchanged(flat)
+        if same is not None:  # save_last=True: last.ckpt right after the step's checkpoint, the very same state
+            paths.alias(path, same, step=checkpoint.get("global_step"))
+            log.info(
+                "%s: the same state as checkpoint %s, saved just before; pointed at it, not saved again", path, same
+            )
+            return
+        cid, replaces = paths.new_id(path)
+        try:
+            dcp.save(flat, checkpoint_id=cid, storage_writer=paths.writer, no_dist=True, planner=_cached_planner())
+        except CheckpointException as e:
+            clear = paths.conflict(e, path, cid)
+            if clear is None:
+                raise
+            raise clear from e
         job = paths.writer.last
         paths.writer.wait_captured()
-        paths.saved(path, cid, job, replaces, step=checkpoint.get("global_step"))
+        paths.saved(path, cid, job, replaces, step=checkpoint.get("global_step"), flat=flat)
         log.info("checkpoint %s captured for %s; it commits in the background", cid, path)
 
     def load_checkpoint(
@@ -138,6 +168,29 @@ class TierckptCheckpointIO(CheckpointIO):
         """Every rank: wait for this process's saves to commit and its deletions to run."""
         if self._paths is not None:
             self._paths.close(quietly=sys.exc_info()[0] is not None or sys.is_finalizing())
+
+
+def load_from_checkpoint(
+    cls: Any,
+    path: _PATH,
+    config: TierConfig | str | os.PathLike | None = None,
+    *,
+    run: str | None = None,
+    weights_only: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path, **kwargs)`` for a path saved through tierckpt (a pointer):
+    the checkpoint is read from the tiers (:meth:`TierckptCheckpointIO.load_checkpoint`), then
+    handed to Lightning's own ``load_from_checkpoint`` (``cls``: a ``LightningModule`` or
+    ``LightningDataModule`` class; ``map_location``, ``hparams_file``, ``strict`` and the model's
+    arguments go in ``kwargs``). ``weights_only=False`` unpickles non-tensor values without
+    ``weights_only`` (checkpoints you trust). A path holding Lightning's own checkpoint loads as
+    Lightning loads it. Blocks while it reads; any process, no collective."""
+    ckpt = TierckptCheckpointIO(config, run=run).load_checkpoint(path, weights_only=weights_only)
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    buf.seek(0)
+    return cls.load_from_checkpoint(buf, weights_only=weights_only, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -41,12 +41,14 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import TierConfig
 from ..errors import TierckptError
 from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
-from .pathmap import PathMap, Resolved
+from .pathmap import PathMap, Resolved, check_run
+from .pathmap import cached_planner as _cached_planner
 
 __all__ = ["TierckptModelParallelStrategy", "TierckptFSDPStrategy", "META_KEY"]
 
@@ -69,16 +71,17 @@ class _Tiered(ABC):
     is_global_zero: bool
     broadcast: Any
 
-    def _tier_init(self, config: TierConfig | str | os.PathLike | None, allow_pickle: bool) -> None:
+    def _tier_init(self, config: TierConfig | str | os.PathLike | None, allow_pickle: bool, run: str | None) -> None:
         self.tier_config = os.fspath(config) if isinstance(config, os.PathLike) else config
         self.allow_pickle = allow_pickle
+        self.tier_run = check_run(run) if run is not None else None
         self._tier_paths: PathMap | None = None
 
     @property
     def paths(self) -> PathMap:
         """The path map and its (collective) writer, made on first use in this process."""
         if self._tier_paths is None:
-            self._tier_paths = PathMap(TieredWriter(self.tier_config))
+            self._tier_paths = PathMap(TieredWriter(self.tier_config), self.tier_run)
         return self._tier_paths
 
     @abstractmethod
@@ -110,16 +113,32 @@ class _Tiered(ABC):
     def _tiered_save(self, checkpoint: dict[str, Any], filepath: _PATH) -> None:
         paths = self.paths
         path = self.broadcast(os.fspath(filepath))
-        cid, replaces = self._on_rank0(lambda: paths.new_id(path))
         step = checkpoint.get("global_step")
         state = self._shards(checkpoint)
         if self.is_global_zero:
             state[META_KEY] = _pickle(checkpoint)
-        dcp.save(state, checkpoint_id=cid, storage_writer=paths.writer)
+        # The very same state as the save just made (save_last=True's last.ckpt): rank 0 decides on
+        # its shards and the metadata (every rank's shards are stepped together), and points at it.
+        same = self._on_rank0(lambda: paths.unchanged(state))
+        if same is not None:
+            if self.is_global_zero:
+                paths.alias(path, same, step=step)
+            log.info(
+                "%s: the same state as checkpoint %s, saved just before; pointed at it, not saved again", path, same
+            )
+            return
+        cid, replaces = self._on_rank0(lambda: paths.new_id(path))
+        try:
+            dcp.save(state, checkpoint_id=cid, storage_writer=paths.writer, planner=_cached_planner())
+        except CheckpointException as e:
+            clear = paths.conflict(e, path, cid)
+            if clear is None:
+                raise
+            raise clear from e
         job = paths.writer.last
         paths.writer.wait_captured()
         if self.is_global_zero:
-            paths.saved(path, cid, job, replaces, step=step)
+            paths.saved(path, cid, job, replaces, step=step, flat=state)
         log.info("checkpoint %s captured for %s; it commits in the background", cid, path)
 
     def _resolve(self, checkpoint_path: _PATH) -> tuple[str, Resolved]:
@@ -145,13 +164,20 @@ class TierckptModelParallelStrategy(_Tiered, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) with sharded checkpoints in
     the tiers. ``config``: tierckpt's configuration (TOML path, :class:`~tierckpt.config.TierConfig`
     or ``None`` for ``$TIERCKPT_CONFIG``); ``allow_pickle``: unpickle the metadata without
-    ``weights_only``; the rest is ``ModelParallelStrategy``'s."""
+    ``weights_only``; ``run``: the run key of the ids (see
+    :class:`~tierckpt.integrations.lightning.TierckptCheckpointIO`); the rest is
+    ``ModelParallelStrategy``'s."""
 
     def __init__(
-        self, config: TierConfig | str | os.PathLike | None = None, *, allow_pickle: bool = False, **kwargs: Any
+        self,
+        config: TierConfig | str | os.PathLike | None = None,
+        *,
+        allow_pickle: bool = False,
+        run: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._tier_init(config, allow_pickle)
+        self._tier_init(config, allow_pickle, run)
 
     def _sharded(self) -> bool:
         return self._save_distributed_checkpoint
@@ -206,7 +232,7 @@ class TierckptModelParallelStrategy(_Tiered, ModelParallelStrategy):
 
 class TierckptFSDPStrategy(_Tiered, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) with ``state_dict_type="sharded"`` checkpoints in the
-    tiers (the default here). ``config``/``allow_pickle`` as for :class:`TierckptModelParallelStrategy`;
+    tiers (the default here). ``config``/``allow_pickle``/``run`` as for :class:`TierckptModelParallelStrategy`;
     the rest is ``FSDPStrategy``'s."""
 
     def __init__(
@@ -214,11 +240,12 @@ class TierckptFSDPStrategy(_Tiered, FSDPStrategy):
         config: TierConfig | str | os.PathLike | None = None,
         *,
         allow_pickle: bool = False,
+        run: str | None = None,
         state_dict_type: Literal["full", "sharded"] = "sharded",
         **kwargs: Any,
     ) -> None:
         super().__init__(state_dict_type=state_dict_type, **kwargs)
-        self._tier_init(config, allow_pickle)
+        self._tier_init(config, allow_pickle, run)
 
     def _sharded(self) -> bool:
         return self._state_dict_type == "sharded"

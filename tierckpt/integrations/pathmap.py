@@ -3,22 +3,45 @@
 Lightning names checkpoints by path (``<dirpath>/epoch=1-step=200.ckpt``, ``last.ckpt``) and
 looks at that path afterwards: ``ModelCheckpoint`` checks it exists (version counters), links
 ``last.ckpt`` to it (``save_last="link"``), and ``ckpt_path="last"`` picks the newest
-``last*.ckpt`` by modification time. So every save through tierckpt leaves, at that path, a
-small **pointer file** (JSON, a few hundred bytes, written atomically by the saving rank when
-the save returns) naming the tierckpt checkpoint; the checkpoint itself lives only in the tiers.
+``last*.ckpt`` that exists, by modification time. So a save through tierckpt leaves, at that
+path, a small **pointer file** (a few hundred bytes, written atomically by the saving rank)
+naming the tierckpt checkpoint; the checkpoint itself lives only in the tiers. The file opens
+with a two-line pickle that makes ``torch.load`` (``LightningModule.load_from_checkpoint``) fail
+with a message saying what the file is, followed by JSON (:class:`Pointer`).
 
-**Ids.** A path's id is its last component (``epoch=1-step=200.ckpt``), so an explicit path
-loads from any tier even where no pointer exists (a fresh machine with only S3). Saving again
-to a path whose pointer names a checkpoint (``save_last=True`` rewrites ``last.ckpt``) makes a
-new id, ``<name>+<n>`` (tierckpt never overwrites a checkpoint); the pointer then names both,
-and the replaced checkpoint is deleted once its replacement is committed on every tier.
+**Runs.** Several runs share one configuration (the same tiers), so ids are namespaced per run:
+a path's id is ``<run>@<name>``: ``name`` its last component (``epoch=1-step=200.ckpt``), ``run``
+the plugin's ``run`` argument or else :func:`run_key` of the path's directory (its last two
+components and a hash of its absolute path: ``ckpt-1f0e2d3c``). Two runs with another
+``dirpath`` (or the next ``lightning_logs/version_N``) never share an id; what one deletes,
+resolves as "newest" or prunes is its own. Ids saved before namespacing (no ``@``) still load:
+pointers name them, and a path with no pointer tries ``<run>@<name>``, then ``<name>``.
+
+**When the pointer is written.** A save's pointer is written when the save returns if this
+process knows a committed checkpoint to fall back to (one it saved or loaded, recorded in the
+pointer as ``fallback``); the first save of a process with none is pointed to only once it is
+committed on the first tier. So a job killed between a save and its commit leaves either no
+pointer (no older checkpoint: Lightning starts from scratch, as it does without a checkpoint)
+or a pointer whose fallback is committed: there is no crash loop on restart.
+
+Saving again to a path whose pointer names a checkpoint (``save_last=True`` rewrites
+``last.ckpt``) makes a new id, ``<id>+<n>`` (tierckpt never overwrites a checkpoint); the
+pointer then names both, and the replaced checkpoint is deleted once its replacement is
+committed on every tier. A save whose checkpoint dict is the very same as the last one saved to
+that path in this process (same values, tensors not modified since) is not made again.
 
 **Resolution** (:meth:`PathMap.resolve`, for loads): the pointer's id if that checkpoint is
-committed on some tier; else the checkpoint it replaced, if committed; else, for Lightning's
-``last`` names (``last.ckpt``, ``last-v1.ckpt``, or a link to any pointer under such a name), the
-newest committed checkpoint (:func:`tierckpt.checkpoints.latest`): a job killed before its last
-save committed resumes from the one before. A path holding anything but a pointer is not
-tierckpt's (:attr:`Resolved.foreign`): the framework's own loader reads it.
+committed on some tier; else the one it replaced, else its fallback, if committed; else, for
+Lightning's ``last`` names (``last.ckpt``, ``last-v1.ckpt``, or a link to any pointer under such
+a name), the run's newest committed checkpoint (ids of the run, and ids named by pointers in the
+same directory), logging which. A ``last`` pointer with nothing committed to fall back to (left
+by an older tierckpt) is removed and :class:`~tierckpt.errors.CheckpointNotFound` raised: the
+next start begins from scratch. A path holding anything but a pointer is not tierckpt's
+(:attr:`Resolved.foreign`): the framework's own loader reads it.
+
+**Orphans.** A pointer whose checkpoint never committed (its job died first) is removed by the
+next process that saves into that directory (in the background, after its first save), unless
+a ``last`` link points at it.
 
 **Deletion** (:meth:`PathMap.remove`): the pointer goes at once; the checkpoint goes from every
 tier in the background (:class:`~tierckpt.integrations.deletions.Deletions`), after its save
@@ -26,63 +49,147 @@ in this process (if any) is done.
 
 Who calls what: the saving rank (rank 0) calls :meth:`new_id`, :meth:`saved` and
 :meth:`remove`; any rank may call :meth:`resolve` (collective frameworks resolve on rank 0 and
-broadcast). No collective here. Paths go through fsspec, as Lightning's own do.
+broadcast). Deferred pointer writes and the orphan sweep run on background threads (the
+writer's, one sweep thread); their failures are raised by :meth:`close`. No collective here.
+Paths go through fsspec, as Lightning's own do.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
+import struct
+import threading
 import uuid
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
+
 from ..capture.ranksave import RankSave
-from ..catalog.checkpoints import checkpoint_id_of, latest
+from ..catalog.checkpoints import list_checkpoints
 from ..catalog.listing import is_committed
-from ..errors import CheckpointNotFound, TierckptError
+from ..errors import CheckpointNotFound, CommitConflict, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..save.writer import TieredWriter
 from .deletions import Deletions
 
-__all__ = ["LAST_NAME", "Pointer", "Resolved", "PathMap", "read_pointer", "write_pointer"]
+__all__ = [
+    "LAST_NAME",
+    "RUN_SEP",
+    "Pointer",
+    "Resolved",
+    "PathMap",
+    "NotAPointer",
+    "cached_planner",
+    "check_run",
+    "run_key",
+    "read_pointer",
+    "write_pointer",
+]
 
 log = logging.getLogger("tierckpt")
 
 LAST_NAME = re.compile(r"^last(-v\d+)?\.ckpt$")
 """Lightning's ``save_last`` names (``ModelCheckpoint.CHECKPOINT_NAME_LAST``, version, ``.ckpt``)."""
 
+RUN_SEP = "@"
+"""Between a run's key and a checkpoint's name in an id (``ckpt-1f0e2d3c@epoch=1-step=200.ckpt``)."""
+
 _MAGIC = "tierckpt-pointer"
 _MAX_POINTER = 64 * 1024
 _VERSION_RE = re.compile(r"^(.*)\+(\d+)$")
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-=+,]{0,99}$")
+_PICKLE_END = b"tR.\n"  # after the pickle head: TUPLE, REDUCE, STOP (then a newline)
+
+
+def tierckpt_pointer_is_not_a_checkpoint(message: str) -> None:
+    """Called by ``torch.load(..., weights_only=False)`` on a pointer file (its first lines are
+    a pickle calling this): raise ``message`` (what the file is, how to load it). Under
+    ``weights_only=True``, torch's error names this function instead."""
+    raise TierckptError(message)
+
+
+# torch.load's default (weights_only=True) then calls it too, raising the message, where tierckpt is imported.
+torch.serialization.add_safe_globals([tierckpt_pointer_is_not_a_checkpoint])
+
+
+def _not_a_checkpoint_message(cid: str) -> str:
+    return (
+        f"this file is a tierckpt pointer (checkpoint {cid}), not a checkpoint; the checkpoint is in the "
+        "tiers. Load it through tierckpt: trainer.fit/validate/test(model, ckpt_path=<this path>) with "
+        "TierckptCheckpointIO (or a Tierckpt strategy), or "
+        "tierckpt.integrations.lightning.load_from_checkpoint(ModelClass, <this path>, <tiers.toml>)"
+    )
+
+
+def cached_planner() -> DefaultSavePlanner:
+    """The save planner of the integrations' saves: DCP's with plan caching, so a save whose
+    state has the same keys and shapes as the previous one skips DCP's planning (and its
+    collectives: an empty plan per rank); tierckpt reuses its layout for that plan and persists
+    the plans across restarts (:mod:`tierckpt.save.plancache`). A changed state is re-planned."""
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
+def check_run(run: str) -> str:
+    """``run`` if usable as a run key (1-100 of letters, digits and ``._-=+,``, starting with a
+    letter or digit; no ``@``), else raise :class:`~tierckpt.errors.TierckptError`."""
+    if not isinstance(run, str) or not _RUN_RE.match(run):
+        raise TierckptError(
+            f"invalid tierckpt run key {run!r}: use 1-100 characters of letters, digits and ._-=+, "
+            "starting with a letter or digit"
+        )
+    return run
+
+
+def run_key(directory: str | os.PathLike) -> str:
+    """The run key of checkpoints saved into ``directory`` (a path or URL): its last two
+    components, sanitised, and 8 hex digits of a hash of its absolute form. The same directory
+    gives the same key in every process that spells it alike (absolute paths: the same mount)."""
+    d = os.fspath(directory)
+    norm = d.rstrip("/") if "://" in d else os.path.abspath(os.path.expanduser(d or "."))
+    parts = [p for p in norm.split("://", 1)[-1].split("/") if p][-2:]
+    slug = re.sub(r"[^A-Za-z0-9._\-=+,]", "_", "-".join(parts))
+    slug = re.sub(r"^[^A-Za-z0-9]+", "", slug)[:48].rstrip("._-=+,") or "run"
+    return f"{slug}-{hashlib.sha256(norm.encode()).hexdigest()[:8]}"
 
 
 @dataclass(frozen=True)
 class Pointer:
-    """What a pointer file says: the checkpoint, the one it replaced, the configuration and step."""
+    """What a pointer file says: the checkpoint, the one it replaced, a committed checkpoint of
+    the run to fall back to (``None``: it was written once ``id`` committed), configuration, step."""
 
     id: str
     replaces: str | None = None
     config: str = ""
     step: int | None = None
+    fallback: str | None = None
 
     def encode(self) -> bytes:
-        return (
-            json.dumps(
-                {
-                    "format": _MAGIC,
-                    "version": 1,
-                    "id": self.id,
-                    "replaces": self.replaces,
-                    "config": self.config,
-                    "step": self.step,
-                },
-                indent=1,
-            ).encode()
-            + b"\n"
+        # A pickle first (opcodes that torch.load runs even with weights_only: see tierckpt_pointer_is_not_a_checkpoint), then JSON.
+        msg = _not_a_checkpoint_message(self.id).encode()
+        head = (
+            f"c{__name__}\ntierckpt_pointer_is_not_a_checkpoint\n(X".encode()
+            + struct.pack("<I", len(msg))
+            + msg
+            + _PICKLE_END
         )
+        doc = {
+            "format": _MAGIC,
+            "version": 1,
+            "id": self.id,
+            "replaces": self.replaces,
+            "fallback": self.fallback,
+            "config": self.config,
+            "step": self.step,
+        }
+        return head + json.dumps(doc, indent=1).encode() + b"\n"
 
 
 @dataclass(frozen=True)
@@ -99,9 +206,17 @@ def _fs(path: str | os.PathLike) -> tuple[Any, str]:
     return url_to_fs(os.fspath(path))
 
 
+def _split_path(path: str | os.PathLike) -> tuple[str, str]:
+    """(directory, last component) of a path or URL."""
+    p = os.fspath(path).rstrip("/")
+    d, _, name = p.rpartition("/")
+    return (d if d or not p.startswith("/") else "/"), name
+
+
 def read_pointer(path: str | os.PathLike) -> Pointer | None:
     """The pointer at ``path`` (links followed); ``None`` when nothing is there. Raises
-    :class:`NotAPointer` when a file is there that is not a pointer (a framework's own checkpoint)."""
+    :class:`NotAPointer` when a file is there that is not a pointer (a framework's own checkpoint).
+    Reads pointers of every tierckpt version (the first ones were JSON only)."""
     fs, p = _fs(path)
     try:
         if not fs.isfile(p):
@@ -112,6 +227,8 @@ def read_pointer(path: str | os.PathLike) -> Pointer | None:
             raw = f.read(_MAX_POINTER + 1)
     except FileNotFoundError:
         return None
+    if raw.startswith(b"c") and _PICKLE_END in raw:
+        raw = raw.split(_PICKLE_END, 1)[1]
     try:
         d = json.loads(raw) if len(raw) <= _MAX_POINTER else None
     except ValueError:
@@ -124,6 +241,7 @@ def read_pointer(path: str | os.PathLike) -> Pointer | None:
             replaces=d.get("replaces"),
             config=str(d.get("config") or ""),
             step=d.get("step"),
+            fallback=d.get("fallback"),
         )
     except (KeyError, TierckptError) as e:
         raise TierckptError(f"{path}: a malformed tierckpt pointer ({e})") from None
@@ -150,29 +268,72 @@ class NotAPointer(TierckptError):
     """A path holds something other than a tierckpt pointer."""
 
 
+def _fingerprint(state: Any) -> Any:
+    """What identifies a state dict's content without reading its tensors: its structure and
+    non-tensor values, and per tensor (a DTensor: its local shard) its storage, view and in-place
+    version counter (an optimizer step bumps it), with the values of tensors of up to 16 elements
+    (made afresh per save, their memory may be reused). Leaves that are not hashable make it
+    unequal to any other."""
+    if isinstance(state, torch.Tensor):
+        v = getattr(state, "_local_tensor", state)
+        small = v.detach().cpu().tolist() if v.numel() <= 16 and not v.is_meta else None
+        return ("T", v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype, v._version, small)
+    if isinstance(state, dict):
+        return ("D", tuple((k, _fingerprint(v)) for k, v in state.items()))
+    if isinstance(state, (list, tuple)):
+        return (type(state).__name__, tuple(_fingerprint(v) for v in state))
+    try:
+        hash(state)
+    except TypeError:
+        return ("U", object())  # an unhashable leaf: never the same (a full save, to be safe)
+    return ("V", type(state).__name__, state)
+
+
 class PathMap:
     """Paths <-> tierckpt checkpoints for one framework plugin (see the module docstring).
 
-    ``writer``: the plugin's writer (its engine's tiers are where deletions run).
+    ``writer``: the plugin's writer (its engine's tiers are where deletions run). ``run``: the
+    run key of every id (``None``: :func:`run_key` of each path's directory).
     """
 
-    def __init__(self, writer: TieredWriter) -> None:
+    def __init__(self, writer: TieredWriter, run: str | None = None) -> None:
         self.writer = writer
         self.cfg = writer.cfg
+        self.run = check_run(run) if run is not None else None
         self.deletions = Deletions(writer)
         self._saves: dict[str, RankSave] = {}  # id -> its save in this process
+        self._lock = threading.Lock()
+        self._unwritten: dict[str, str] = {}  # path -> the id whose pointer waits for its commit
+        self._last_saved: dict[str, str] = {}  # path -> the id saved (or aliased) there by this process
+        self._newest: tuple[str, tuple] | None = None  # (id, fingerprint) of this process's last save
+        self._known: tuple[int, str] | None = None  # (save order, id) of the newest committed one known here
+        self._seq = 0
+        self._background: list[Future] = []  # deferred pointer writes and orphan sweeps
+        self._swept: set[str] = set()
+
+    # -- ids -----------------------------------------------------------------------------------
+    def run_of(self, path: str | os.PathLike) -> str:
+        """The run key of ids saved to ``path``."""
+        return self.run or run_key(_split_path(path)[0])
+
+    def id_for(self, path: str | os.PathLike) -> str:
+        """``<run>@<name>``: the id a save to ``path`` gets when no pointer is there."""
+        return check_checkpoint_id(f"{self.run_of(path)}{RUN_SEP}{_split_path(path)[1]}")
 
     # -- saving (the saving rank) --------------------------------------------------------------
     def new_id(self, path: str | os.PathLike) -> tuple[str, str | None]:
         """(the id for a save to ``path``, the id it replaces or ``None``)."""
-        name = check_checkpoint_id(checkpoint_id_of(path))
+        name = self.id_for(path)
         try:
             old = read_pointer(path)
         except NotAPointer:
             old = None  # a framework's own file: the pointer replaces it
-        if old is None and name not in self._saves:
-            return name, None
-        prev = old.id if old is not None else name
+        with self._lock:
+            pending = self._unwritten.get(os.fspath(path))
+        prev = pending or (old.id if old is not None else None)
+        if name not in self._saves and (prev is None or (prev != name and not prev.startswith(name + "+"))):
+            return name, prev  # the pointer there, if any, names an id of another form (saved before namespacing)
+        prev = prev or name
         m = _VERSION_RE.match(prev)
         n = int(m.group(2)) + 1 if m and m.group(1) == name else 1
         cid = f"{name}+{n}"
@@ -181,6 +342,34 @@ class PathMap:
             cid = f"{name}+{n}"
         return check_checkpoint_id(cid), prev
 
+    def unchanged(self, flat: dict[str, Any]) -> str | None:
+        """The id of this process's last save if ``flat`` is the very same content (Lightning's
+        ``save_last=True`` saves ``last.ckpt`` right after the step's own checkpoint, and again at
+        the end of a run): then a new save would be a full copy of it, and :meth:`alias` points
+        the path at it instead. ``None`` otherwise, or if that save failed."""
+        last = self._newest
+        if last is None or last[1] != _fingerprint(flat):
+            return None
+        job = self._saves.get(last[0])
+        if job is not None and job.committed.done() and job.committed.exception() is not None:
+            return None  # that save failed: save again
+        return last[0]
+
+    def alias(self, path: str | os.PathLike, checkpoint_id: str, step: int | None = None) -> None:
+        """Point ``path`` at ``checkpoint_id``, saved already in this process (see
+        :meth:`unchanged`): no new checkpoint. The one ``path`` named before is deleted unless
+        another pointer still names it."""
+        try:
+            old = read_pointer(path)
+        except NotAPointer:
+            old = None
+        with self._lock:
+            pending = self._unwritten.get(os.fspath(path))
+        prev = pending or (old.id if old is not None else None)
+        if prev == checkpoint_id:
+            return
+        self.saved(path, checkpoint_id, self._saves.get(checkpoint_id), prev, step)
+
     def saved(
         self,
         path: str | os.PathLike,
@@ -188,34 +377,202 @@ class PathMap:
         job: RankSave | None,
         replaces: str | None,
         step: int | None = None,
+        flat: dict[str, Any] | None = None,
     ) -> None:
-        """After the save of ``checkpoint_id`` returned: write its pointer at ``path``; queue the
-        deletion of the checkpoint it replaces (once this one is committed on every tier)."""
+        """After the save of ``checkpoint_id`` returned: write its pointer at ``path`` now or
+        once it is committed (see the module docstring); queue the deletion of the checkpoint it
+        replaces (once this one is committed on every tier). ``flat``: what was saved (for
+        :meth:`unchanged`)."""
+        key = os.fspath(path)
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            fallback = self._known[1] if self._known is not None else None
         if job is not None:
             self._saves[checkpoint_id] = job
-        write_pointer(path, Pointer(checkpoint_id, replaces, self.cfg.source or "", step))
-        if replaces is not None:
+            job.committed.add_done_callback(lambda f: self._on_commit(f, seq, checkpoint_id))
+        self._last_saved[key] = checkpoint_id
+        if flat is not None:
+            self._newest = (checkpoint_id, _fingerprint(flat))
+        ptr = Pointer(checkpoint_id, replaces, self.cfg.source or "", step, fallback)
+        if job is None or fallback is not None or (job.committed.done() and job.committed.exception() is None):
+            with self._lock:
+                self._unwritten.pop(key, None)
+            write_pointer(path, ptr)
+        else:
+            fs, d = _fs(_split_path(path)[0])
+            fs.makedirs(d, exist_ok=True)  # as a written pointer would: Lightning links last.ckpt into it at once
+            done: Future = Future()
+            with self._lock:
+                self._unwritten[key] = checkpoint_id
+                self._background.append(done)
+            job.committed.add_done_callback(lambda f: self._write_when_committed(f, key, ptr, done))
+            log.info(
+                "the pointer %s to %s is written once it is committed (nothing older to fall back to)",
+                key,
+                checkpoint_id,
+            )
+        if replaces is not None and replaces != checkpoint_id and not self._named(replaces, key):
             self.deletions.delete(replaces, job.replicated if job is not None else None, unless_failed=True)
+        self._sweep_once(_split_path(path)[0])
+
+    def _on_commit(self, f: Future, seq: int, cid: str) -> None:
+        if f.exception() is None:
+            with self._lock:
+                if self._known is None or self._known[0] < seq:
+                    self._known = (seq, cid)
+
+    def _write_when_committed(self, f: Future, key: str, ptr: Pointer, done: Future) -> None:
+        """The writer's thread, once ``ptr.id`` committed on the first tier (or failed)."""
+        try:
+            with self._lock:
+                current = self._unwritten.get(key) == ptr.id
+                if current:
+                    del self._unwritten[key]
+            if f.exception() is not None:
+                log.warning(
+                    "checkpoint %s was not committed (%s): no pointer written at %s", ptr.id, f.exception(), key
+                )
+            elif current:  # not removed, nor saved again, since
+                write_pointer(key, ptr)
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - close() raises it
+            log.error("writing the tierckpt pointer %s failed: %s", key, e)
+            done.set_exception(e)
 
     def remove(self, path: str | os.PathLike) -> None:
-        """The framework deletes ``path``: its pointer now, its checkpoint in the background."""
+        """The framework deletes ``path``: its pointer now (or the one still to be written), its
+        checkpoint in the background."""
+        key = os.fspath(path)
         try:
             ptr = read_pointer(path)
         except NotAPointer:
             log.warning("not deleting %s: it is not a tierckpt pointer", path)
             return
-        cid = ptr.id if ptr is not None else checkpoint_id_of(path)
+        with self._lock:
+            pending = self._unwritten.pop(key, None)
+        self._last_saved.pop(key, None)
+        cid = pending or (ptr.id if ptr is not None else self.id_for(path))
         fs, p = _fs(path)
         if ptr is not None:
             fs.rm(p)
+        if self._named(cid, key):
+            log.info("%s removed; its checkpoint %s stays: another pointer names it", path, cid)
+            return
         job = self._saves.pop(cid, None)
         self.deletions.delete(cid, job.replicated if job is not None else None)
+
+    def _named(self, checkpoint_id: str, path: str) -> bool:
+        """Whether a pointer other than ``path`` names ``checkpoint_id``: one of this process
+        still to be written, or a file in ``path``'s directory (links aside: they are not
+        pointers of their own)."""
+        with self._lock:
+            if any(cid == checkpoint_id and k != path for k, cid in self._unwritten.items()):
+                return True
+        directory = _split_path(path)[0]
+        fs, d = _fs(directory)
+        here = os.path.abspath(path)
+        for e in fs.ls(d, detail=False) if fs.isdir(d) else []:
+            if ".tmp-" in e.rsplit("/", 1)[-1] or os.path.abspath(e) == here or os.path.islink(e):
+                continue
+            try:
+                ptr = read_pointer(e)
+            except TierckptError:
+                continue
+            if ptr is not None and ptr.id == checkpoint_id:
+                return True
+        return False
+
+    def conflict(self, error: BaseException, path: str | os.PathLike, checkpoint_id: str) -> CommitConflict | None:
+        """A clear :class:`~tierckpt.errors.CommitConflict` for a save of ``checkpoint_id`` to
+        ``path`` that failed with ``error`` (DCP's ``CheckpointException`` wraps it per rank)
+        because the id is committed already, else ``None``."""
+        found = [error] + [f[0] if isinstance(f, tuple) else f for f in getattr(error, "failures", {}).values()]
+        if not any(isinstance(f, CommitConflict) for f in found):
+            return None
+        run = self.run_of(path)
+        how = f"run={run!r}" if self.run else f"the directory {_split_path(path)[0]}"
+        return CommitConflict(
+            f"cannot save {path}: checkpoint {checkpoint_id} is already committed in "
+            f"{self.cfg.source or 'the configuration'}, saved by another run with the same run key {run!r} "
+            f"(this run's key comes from {how}); tierckpt never overwrites it. Give each run its own "
+            "checkpoint directory or run key (run=...)"
+        )
+
+    # -- orphans -------------------------------------------------------------------------------
+    def _sweep_once(self, directory: str) -> None:
+        """After this process's first save into ``directory``: remove, in the background, the
+        pointers there whose checkpoint is committed nowhere (their job died before the commit)."""
+        if directory in self._swept:
+            return
+        self._swept.add(directory)
+        done: Future = Future()
+        with self._lock:
+            self._background.append(done)
+
+        def run() -> None:
+            try:
+                done.set_result(self._sweep(directory))
+            except BaseException as e:  # noqa: BLE001 - close() raises it
+                log.error("sweeping orphan tierckpt pointers in %s failed: %s", directory, e)
+                done.set_exception(e)
+
+        threading.Thread(target=run, name="tierckpt-pointer-sweep", daemon=True).start()
+
+    def _sweep(self, directory: str) -> list[str]:
+        fs, d = _fs(directory)
+        names = [e for e in fs.ls(d, detail=False)] if fs.isdir(d) else []
+        linked = set()
+        for e in names:
+            if LAST_NAME.match(e.rsplit("/", 1)[-1]) and os.path.islink(e):
+                linked.add(os.path.normpath(os.path.join(os.path.dirname(e), os.readlink(e))))
+        removed = []
+        for e in names:
+            base = e.rsplit("/", 1)[-1]
+            if ".tmp-" in base or os.path.normpath(e) in linked or (os.path.islink(e)):
+                continue
+            with self._lock:
+                ours = {os.path.abspath(k) for k in list(self._unwritten) + list(self._last_saved)}
+            if os.path.abspath(e) in ours:
+                continue
+            try:
+                ptr = read_pointer(e)
+            except TierckptError:
+                continue
+            if ptr is None or ptr.id in self._saves or self.committed(ptr.id):
+                continue
+            try:
+                fs.rm(e)
+            except FileNotFoundError:
+                continue
+            removed.append(base)
+            log.warning("removed the tierckpt pointer %s: its checkpoint %s was never committed", e, ptr.id)
+        return removed
 
     # -- loading (any rank) --------------------------------------------------------------------
     def committed(self, checkpoint_id: str) -> bool:
         """Whether some tier of the chain holds ``checkpoint_id`` committed."""
         chain = self.writer.engine.chain
         return any(is_committed(chain[i], checkpoint_id) for i in range(len(chain)))
+
+    def newest_of_run(self, path: str | os.PathLike) -> str | None:
+        """The newest committed checkpoint of the run saving to ``path``: ids with its run key,
+        and ids named by the pointers in the same directory (saved before namespacing)."""
+        directory = _split_path(path)[0]
+        prefix = self.run_of(path) + RUN_SEP
+        named: set[str] = set()
+        fs, d = _fs(directory)
+        for e in fs.ls(d, detail=False) if fs.isdir(d) else []:
+            try:
+                ptr = read_pointer(e)
+            except TierckptError:
+                continue
+            if ptr is not None:
+                named.add(ptr.id)
+        for c in reversed(list_checkpoints(self.cfg)):
+            if c.id.startswith(prefix) or c.id in named:
+                return c.id
+        return None
 
     def resolve(self, path: str | os.PathLike) -> Resolved:
         """What a load of ``path`` reads (see the module docstring); raises
@@ -224,39 +581,69 @@ class PathMap:
             ptr = read_pointer(path)
         except NotAPointer:
             return Resolved(None, foreign=True)
-        cid = ptr.id if ptr is not None else check_checkpoint_id(checkpoint_id_of(path))
-        if self.committed(cid):
-            return Resolved(cid)
-        if ptr is not None and ptr.replaces and self.committed(ptr.replaces):
-            log.warning(
-                "%s: checkpoint %s was never committed (the job stopped first); loading %s, which it was to replace",
-                path,
-                cid,
-                ptr.replaces,
-            )
-            return Resolved(ptr.replaces)
-        if LAST_NAME.match(os.path.basename(os.fspath(path))):
-            newest = latest(self.cfg)
+        name = _split_path(path)[1]
+        if ptr is not None:
+            wanted = ptr.id
+            candidates = [ptr.id, ptr.replaces, ptr.fallback]
+        else:
+            wanted = self.id_for(path)
+            candidates = [wanted, name]  # then an id saved before namespacing
+        for cid in dict.fromkeys(c for c in candidates if c):
+            if self.committed(cid):
+                if ptr is not None and cid != wanted:
+                    log.warning(
+                        "%s: checkpoint %s was never committed (the job stopped first); loading %s instead",
+                        path,
+                        wanted,
+                        cid,
+                    )
+                self._note_loaded(cid)
+                return Resolved(cid)
+        last = LAST_NAME.match(name) is not None
+        if last:
+            newest = self.newest_of_run(path)
             if newest is not None:
                 log.warning(
-                    "%s: checkpoint %s was never committed (the job stopped first); loading the newest "
+                    "%s: checkpoint %s was never committed (the job stopped first); loading the run's newest "
                     "committed checkpoint, %s",
                     path,
-                    cid,
+                    wanted,
                     newest,
                 )
+                self._note_loaded(newest)
                 return Resolved(newest)
-        raise CheckpointNotFound(
-            f"{path}: checkpoint {cid} is not committed on any tier of {self.cfg.source or 'the configuration'}"
-        )
+        where = self.cfg.source or "the configuration"
+        if last and ptr is not None:
+            fs, p = _fs(path)
+            try:
+                fs.rm(p)
+            except FileNotFoundError:
+                pass
+            raise CheckpointNotFound(
+                f"{path}: checkpoint {wanted} is not committed on any tier of {where}, and no other checkpoint "
+                "of this run is: the pointer was removed, so the next start begins from scratch "
+                "(ckpt_path='last' finds nothing)"
+            )
+        raise CheckpointNotFound(f"{path}: checkpoint {wanted} is not committed on any tier of {where}")
+
+    def _note_loaded(self, cid: str) -> None:
+        with self._lock:
+            if self._known is None:
+                self._known = (0, cid)
 
     # -- the end -------------------------------------------------------------------------------
     def close(self, quietly: bool = False) -> None:
-        """Wait for every save of the writer to commit and every deletion asked for to run;
-        raise the first failure (with ``quietly``: log it)."""
+        """Wait for every save of the writer to commit, every pointer and deletion asked for to
+        be written or run, and the orphan sweeps; raise the first failure (with ``quietly``: log it)."""
         try:
             self.writer.close()
+            with self._lock:
+                pending, self._background = self._background, []
+            futures_wait(pending)
             self.deletions.wait()
+            for f in pending:
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
         except BaseException as e:
             if not quietly:
                 raise
