@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..capture.ranksave import RankSave
-from ..errors import CommitError, CopiesPending
+from ..errors import CommitError, ConfigError, CopiesPending
 
 __all__ = ["Failure", "take", "scope", "pending_text", "copies_pending", "id_order", "drain"]
 
@@ -64,14 +64,14 @@ def take(errors: list[Failure], owner: Any, hops: set[str]) -> tuple[list[Failur
 def scope(tiers: str | Iterable[str] | None, first: str, later: list[str]) -> list[str]:
     """The later tiers (hop names, chain order) that ``wait(tiers=...)`` waits for: ``None`` or
     ``"all"``: every one; ``"first"`` or the first tier's name: none; else the names given.
-    Raises :class:`ValueError` for a name not in the chain."""
+    Raises :class:`~tierckpt.errors.ConfigError` (a :class:`ValueError`) for a name not in the chain."""
     if tiers is None:
         return list(later)
     names = [tiers] if isinstance(tiers, str) else list(tiers)
     known = {first, "first", "all", *later}
     bad = [n for n in names if n not in known]
     if bad:
-        raise ValueError(
+        raise ConfigError(
             f"tiers={tiers!r}: no tier {bad[0]!r} in this chain (its tiers: {', '.join([first, *later])}; "
             "or 'first', 'all')"
         )
