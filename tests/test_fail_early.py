@@ -305,4 +305,3 @@ def test_wait_tiers_names_are_checked(tmp_path):
     w.wait(tiers="first")
     w.wait(tiers=["local"])
     w.engine.close()
-

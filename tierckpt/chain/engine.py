@@ -44,10 +44,10 @@ from ..telemetry.hub import EngineTelemetry
 from ..tiers import Chain
 from ..tiers.base import Tier
 from .commit import Channel, Round, default_channel, run_commit
-from .waits import Failure, copies_pending, drain, id_order, pending_text, scope, take
 from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce
+from .waits import Failure, copies_pending, drain, id_order, pending_text, scope, take
 
 __all__ = [
     "Engine",

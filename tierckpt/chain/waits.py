@@ -17,8 +17,10 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..capture.ranksave import RankSave
@@ -145,23 +147,33 @@ def drain(
     def down(h: Any) -> bool:
         return not patient and h.tried > tried[h.name] and h.failing is not None
 
+    def gone(j: RankSave, h: Any) -> bool:
+        return retired(j) or down(h)
+
     try:
         for h in hops:  # a backlog replicated at start is part of "everything done"
-            _await(h.started.wait, deadline, lambda h=h: down(h))
+            _await(h.started.wait, deadline, partial(down, h))
         for j in jobs:
-            _await(lambda t, j=j: bool(futures_wait([j.committed], t).done), deadline)
+            _await(partial(_settled, j.committed), deadline)
             if j.committed.exception() is not None:
                 continue  # committed nowhere: no hop sees it
             for h in hops:
-                _await(j.hop_done(h.name).wait, deadline, lambda h=h, j=j: retired(j) or down(h))
+                _await(j.hop_done(h.name).wait, deadline, partial(gone, j, h))
             if every and patient:
-                _await(lambda t, j=j: bool(futures_wait([j.replicated], t).done), deadline)
+                _await(partial(_settled, j.replicated), deadline)
     except TimeoutError:
         what = ", ".join([first, *(h.name for h in hops)])
         raise CommitError(f"checkpoints in flight: not done on {what} after {timeout} s") from None
 
 
-def _await(done: Callable[[float | None], bool], deadline: float | None, give_up: Callable[[], bool] | None = None) -> None:
+def _settled(fut: Future, timeout: float | None) -> bool:
+    """Whether ``fut`` is done within ``timeout`` seconds (``Event.wait``'s contract)."""
+    return bool(futures_wait([fut], timeout).done)
+
+
+def _await(
+    done: Callable[[float | None], bool], deadline: float | None, give_up: Callable[[], bool] | None = None
+) -> None:
     """Call ``done(timeout)`` (like ``Event.wait``) until it returns True or ``give_up()`` does;
     :class:`TimeoutError` once ``deadline`` (monotonic) passed."""
     while True:

@@ -54,11 +54,11 @@ from ..errors import CorruptCheckpoint, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..tiers.base import Tier
 from . import plancache, preempt
-from .preflight import check_tiers
 from .assign import SaveCtx, SavePlanning, global_rank
 from .asyncsave import AsyncTickets, LiveState
 from .hold import HOLD_TIMEOUT, Release, hold, release, release_all
 from .planchannel import LocalInfo, PlanAssign, session
+from .preflight import check_tiers
 
 __all__ = ["TieredWriter"]
 
