@@ -40,6 +40,9 @@ from .copy import PartBuffers, copy_into
 from .reads import S3Reads
 from .writes import S3Writes
 
+PROBE_TIMEOUT_S = 5.0
+"""Cap on each of the connect and read timeouts of :meth:`S3Tier.probe` (one small listing)."""
+
 
 class S3Tier(S3Reads, S3Writes):
     """A tier in an S3 bucket under ``cfg.prefix``.
@@ -109,7 +112,9 @@ class S3Tier(S3Reads, S3Writes):
         Read-only: a key that may read but not write passes (its first write is refused in the
         background, with a :class:`TierAccessDenied` naming the key).
 
-        One attempt, bounded by ``[s3] connect_timeout`` + ``read_timeout``: a client of its own
+        One attempt, bounded by ``[s3] connect_timeout`` + ``read_timeout``, each at most
+        :data:`PROBE_TIMEOUT_S` (a hung endpoint delays the writer's creation by 10 s at most, then
+        is a WARNING; the defaults, 10 + 60 s, suit transfers, not a check): a client of its own
         with botocore's retries off (built in about 15 ms; closed after), unless the tier was given
         a client. Refused credentials and no credentials at all raise :class:`TierAccessDenied`, a
         missing bucket (or any other answer but a server error) a :class:`TierError`; a connection
@@ -117,7 +122,13 @@ class S3Tier(S3Reads, S3Writes):
         messages go through the tier's error mapping: they name the bucket, never a credential.
         """
         url = self._url_of(self._root)
-        client = make_client(dataclasses.replace(self.cfg, max_attempts=1)) if self._own_client else self._client
+        quick = dataclasses.replace(
+            self.cfg,
+            max_attempts=1,
+            connect_timeout=min(self.cfg.connect_timeout, PROBE_TIMEOUT_S),
+            read_timeout=min(self.cfg.read_timeout, PROBE_TIMEOUT_S),
+        )
+        client = make_client(quick) if self._own_client else self._client
         try:
             client.list_objects_v2(Bucket=self.bucket, Prefix=self._root, MaxKeys=1)
         except ClientError as e:
