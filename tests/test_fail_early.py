@@ -138,9 +138,10 @@ def test_local_path_without_write_permission_fails_at_construction(tmp_path):
     parent.mkdir()
     parent.chmod(stat.S_IRUSR | stat.S_IXUSR)
     try:
-        with pytest.raises(TierAccessDenied) as ei:
+        with pytest.raises(TierError) as ei:
             TieredWriter(config(parent / "ckpt"))
-        assert str(parent / "ckpt") in str(ei.value)
+        msg = str(ei.value)
+        assert "[local]" in msg and str(parent / "ckpt") in msg and "not writable" in msg, msg
     finally:
         parent.chmod(stat.S_IRWXU)
 
