@@ -22,8 +22,10 @@ __all__ = [
     "CommitError",
     "CheckInError",
     "ReplicationError",
+    "CopiesPending",
     "TierError",
     "TierUnavailable",
+    "TierUnreachable",
     "TierAccessDenied",
     "find_error",
 ]
@@ -94,12 +96,45 @@ class ReplicationError(SaveError):
     The checkpoint stays committed on the tiers it reached."""
 
 
+class CopiesPending(ReplicationError):
+    """Raised by ``wait()``: the checkpoints it waited for are committed on the first tier, but their
+    copies to later tiers failed and are still owed (the backlog that the next copy, or the next job
+    with this configuration, makes first). The message names what is committed where and what is
+    pending; ``__cause__`` is the last copy error (an outage, a denial).
+
+    Attributes:
+        committed_on: the tier every pending checkpoint is committed on (the chain's first).
+        pending: tier name -> the checkpoint ids it lacks, oldest first.
+        causes: tier name -> the text of the last error copying to it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        committed_on: str = "",
+        pending: dict[str, list[str]] | None = None,
+        causes: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.committed_on = committed_on
+        self.pending = dict(pending or {})
+        self.causes = dict(causes or {})
+
+
 class TierError(TierckptError, OSError):
     """A storage tier operation failed (I/O error, disk full, S3 error after retries)."""
 
 
 class TierUnavailable(TierError):
     """A tier cannot be reached or is not configured (e.g. an optional dependency is missing)."""
+
+
+class TierUnreachable(TierUnavailable):
+    """A tier cannot be reached right now (connection refused or timed out, a server error): it may
+    come back by itself, unlike a tier that answers "no" (:class:`TierAccessDenied`, a missing
+    bucket, a path that cannot be a directory). Raised by :meth:`Tier.probe
+    <tierckpt.tiers.base.Tier.probe>`."""
 
 
 class TierAccessDenied(TierError, PermissionError):

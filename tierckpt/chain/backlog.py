@@ -60,6 +60,7 @@ class BacklogPasses:
     _need_pass: bool
     _owed: set[str]
     _pending: set[str]
+    failing: BaseException | None
     _encoded: EncodedCopies
 
     if TYPE_CHECKING:  # the Replicator's own, named for the type checker
@@ -127,7 +128,9 @@ class BacklogPasses:
             if go:
                 self._backlog_pass(rnd, job.seq, job.id)
         except BaseException as e:  # noqa: BLE001 - the backlog is retried before the next copy
-            log.warning(
+            # While the tier is failing, the copy's own failure is the one WARNING of this checkpoint.
+            log.log(
+                logging.INFO if self.failing is not None else logging.WARNING,
                 "replicating the backlog to %s before %s failed (retried before the next copy): %s",
                 self.name,
                 job.id,

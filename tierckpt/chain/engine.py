@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from ..capture.pool import HostPool
@@ -46,6 +47,7 @@ from .commit import Channel, Round, default_channel, run_commit
 from .peercopy import PeerHop
 from .replicate import Replicator
 from .retention import enforce
+from .waits import Failure, copies_pending, drain, id_order, pending_text, scope, take
 
 __all__ = [
     "Engine",
@@ -73,7 +75,7 @@ class Engine:
         self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
         self._jobs: list[RankSave] = []
         self._jobs_lock = threading.Lock()
-        self._errors: list[tuple[Any, BaseException]] = []  # (owner weakref or None, error)
+        self._errors: list[Failure] = []  # queued for the next wait (see raise_errors)
         self.history: list[SaveStats] = []
         self._seq_floor: int | None = None  # highest commit seq seen on the tiers (see _floor)
         self._seq_lock = threading.Lock()
@@ -313,7 +315,14 @@ class Engine:
     def fail(self, job: RankSave, exc: BaseException, stage: str) -> None:
         """Fail ``job`` once: the error is queued for the next wait *before* any future is set,
         so a waiter woken by the future always finds it. ``stage`` (capture, flush, commit,
-        replication to ...) names the error class an unexpected exception is wrapped in."""
+        replication to ...) names the error class an unexpected exception is wrapped in.
+
+        A checkpoint committed nowhere (capture, flush, commit) is logged at ERROR; its error is
+        raised by the next ``dcp.save``, ``wait_captured()`` or ``wait()`` of its writer. A failed
+        copy to a later tier (``replication to <hop>``) is logged at WARNING, once per checkpoint,
+        naming what it is committed on and how many checkpoints that tier lacks: training goes on,
+        the hop copies its backlog first next time, and ``wait()`` reports it (see
+        :meth:`raise_errors`)."""
         if not isinstance(exc, TierckptError):
             cls = (
                 CommitError
@@ -330,10 +339,25 @@ class Engine:
         if stage in ("capture", "flush"):
             job.stats.phases.add(stage, job.t_start, error=str(exc))
         durable = job.durable.done() and job.durable.exception() is None
+        hop = next((h for h in self.hops if stage == f"replication to {h.name}"), None)
         with self._jobs_lock:
-            self._errors.append((job.owner, exc))
+            self._errors.append(Failure(job.owner, exc, job.id, hop.name if hop is not None else None))
         job.settle_failure()
-        log.error("%s", exc)
+        if hop is None:
+            log.error("%s", exc)
+        else:
+            n = len(hop.lacking())
+            log.warning(
+                "checkpoint %s is committed on %s; its copy to %s failed and is pending (%d checkpoint%s not on %s "
+                "yet, copied before the next one): %s",
+                job.id,
+                self.first_tier.name,
+                hop.name,
+                n,
+                "" if n == 1 else "s",
+                hop.name,
+                exc,
+            )
         if durable and job.size and not job.reported_ok:
             # The data file was complete but the checkpoint can never commit (this rank never
             # reported it good): remove it. Its name carries this save's token, so no committed
@@ -354,25 +378,48 @@ class Engine:
         with self._jobs_lock:
             return list(self._jobs)
 
-    def raise_errors(self, owner: Any = None) -> None:
-        """Raise the first queued background error that belongs to ``owner`` (a writer).
+    def raise_errors(self, owner: Any = None, tiers: str | Iterable[str] | None = None) -> None:
+        """Raise the queued background errors that belong to ``owner`` (a writer) and concern
+        ``tiers`` (as in :meth:`wait`; ``()``: the first tier only), each once.
 
-        An error belongs to the writer whose save failed; errors of writers that no longer
-        exist (``dcp.save(..., storage_writer=TieredWriter(cfg))`` inline) go to whoever waits
-        next. With ``owner=None`` every queued error counts.
+        An error belongs to the writer whose save failed; errors of writers that no longer exist
+        (``dcp.save(..., storage_writer=TieredWriter(cfg))`` inline) go to whoever waits next.
+        With ``owner=None`` every queued error counts.
+
+        * A checkpoint committed nowhere (capture, flush or first-tier commit failed) concerns
+          every wait: the first such error is raised as it is (its class names the stage), the
+          others, and the copies pending, are named in its notes; failed copies stay queued.
+        * Otherwise the failed copies to ``tiers`` that are still owed raise one
+          :class:`~tierckpt.errors.CopiesPending` naming, per tier, the checkpoints committed on
+          the first tier and pending there, with the last error; a copy made since (by a backlog
+          pass) is not reported.
         """
+        later = scope(tiers, self.chain.names[0], [h.name for h in self.hops])
         with self._jobs_lock:
-            mine = [(o, e) for o, e in self._errors if owner is None or o is None or o() is None or o() is owner]
-            if not mine:
+            took, lost = take(self._errors, owner, set(later))
+            if not took:
                 return
-            self._errors = [x for x in self._errors if x not in mine]
-        errs = [e for _o, e in mine]
-        if len(errs) > 1:
-            log.error("%d more background errors before this one: %s", len(errs) - 1, "; ".join(map(str, errs[1:])))
-        raise errs[0]
+            self._errors = [f for f in self._errors if f not in took]
+        pending = self._backlog([h for h in self.hops if h.name in later or lost])
+        if lost:
+            first = took[0].exc
+            for f in took[1:]:
+                first.add_note(f"checkpoint {f.checkpoint} failed too: {f.exc}")
+            if pending:
+                first.add_note(pending_text(self.chain.names[0], pending, {}))
+            raise first
+        copies = [f for f in took if f.checkpoint in pending.get(f.tier or "", ())]
+        if copies:
+            raise copies_pending(self.chain.names[0], pending, copies)
+
+    def _backlog(self, hops: list[Any]) -> dict[str, list[str]]:
+        """Hop name -> the checkpoints committed on the first tier that it still owes, in id order."""
+        return {h.name: sorted(owed, key=id_order) for h in hops if (owed := h.lacking())}
 
     def wait_captured(self, raise_errors: bool = True, owner: Any = None) -> float:
-        """Block until every enqueued capture landed; return the seconds spent blocked."""
+        """Block until every enqueued capture landed; return the seconds spent blocked. Raises
+        (``raise_errors``) the failures of checkpoints committed nowhere, never a failed copy to a
+        later tier (training goes on without it: see :meth:`fail`)."""
         t0 = time.perf_counter()
         jobs = [j for j in self._pending() if not j.captured.done()]
         for j in jobs:
@@ -385,32 +432,65 @@ class Engine:
             jobs[-1].stats.prestep_wait_s += waited
             jobs[-1].stats.phases.add("prestep_wait", t0)
         if raise_errors:
-            self.raise_errors(owner)
+            self.raise_errors(owner, ())
         return waited
 
-    def wait(self, timeout: float | None = None, owner: Any = None) -> None:
-        """Block until every checkpoint in flight is committed on every configured tier."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for hop in self.hops:  # a backlog replicated at start is part of "everything done"
-            hop.started.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        for j in self._pending():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                j.replicated.result(timeout=left)
-            except TimeoutError:
-                raise CommitError(f"checkpoint {j.id}: not committed on every tier after {timeout} s") from None
-            except BaseException:  # noqa: BLE001 - reported through raise_errors
-                pass
+    def wait(self, timeout: float | None = None, owner: Any = None, tiers: str | Iterable[str] | None = None) -> None:
+        """Block until every checkpoint in flight is committed on the first tier and done with every
+        later tier in ``tiers`` (copied there, or failed), then raise what concerns them
+        (:meth:`raise_errors`).
+
+        ``tiers``: None or ``"all"`` (every tier), ``"first"`` or the first tier's name (the
+        commits only), a later tier's name (``"s3"``, ``"peer"``) or several. A job may end after
+        ``wait(tiers="first")``: what later tiers lack stays owed, and the next job with this
+        configuration copies it first (its hops' backlog pass). ``timeout``: seconds, then
+        :class:`~tierckpt.errors.CommitError`.
+        """
+        later = scope(tiers, self.chain.names[0], [h.name for h in self.hops])
+        hops = [h for h in self.hops if h.name in later]
+        self._drain(timeout, hops, patient=True)
         for t in self.chain.built():
             t.wait_deletions()  # deferred deletions (retention) are part of "everything done"
-        self.raise_errors(owner)
+        self.raise_errors(owner, [h.name for h in hops])
+
+    def _drain(self, timeout: float | None, hops: list[Any], *, patient: bool) -> None:
+        """Wait for the jobs in flight on the first tier and ``hops`` (see :func:`.waits.drain`)."""
+        drain(
+            self._pending(),
+            hops,
+            every=len(hops) == len(self.hops),
+            retired=self._retired,
+            timeout=timeout,
+            patient=patient,
+            first=self.chain.names[0],
+        )
+
+    def _retired(self, job: RankSave) -> bool:
+        with self._jobs_lock:
+            return job not in self._jobs
 
     def close(self) -> None:
-        """Wait for everything in flight, then stop the threads."""
+        """Wait for everything in flight, then stop the threads. Bounded, for the exit path
+        (:func:`close_all`): it waits for every commit on the first tier and for the copies to
+        each later tier, except to a tier whose copy failed since :meth:`close` began (it is down:
+        one attempt, bounded by its retries, is waited for). What a later tier then lacks is
+        logged at WARNING and stays owed (the next job copies it first); it is not raised. Raises
+        the first failure of a checkpoint committed nowhere, not raised by a wait before."""
         if self._closed:
             return
         try:
-            self.wait()
+            self._drain(None, self.hops, patient=False)
+            for t in self.chain.built():
+                t.wait_deletions()
+            pending = self._backlog(self.hops)
+            if pending:
+                log.warning(
+                    "closing with copies pending: %s; the next job with this configuration copies them first",
+                    pending_text(self.chain.names[0], pending, {}),
+                )
+            with self._jobs_lock:
+                self._errors = [f for f in self._errors if f.tier is None]
+            self.raise_errors(None, ())
         finally:
             self._closed = True
             self.telemetry.close()

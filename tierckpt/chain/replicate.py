@@ -98,6 +98,9 @@ class Replicator(BacklogPasses):
         self._need_pass = True  # coordinator: run a backlog pass before the next copy
         self.settled = False  # a backlog pass (or a failed attempt at one) has run in this process
         self.started = threading.Event()  # the start-up pass (single-process jobs) is over
+        self.tried = 0  # copies attempted so far (done or failed): a drain tells a new failure by it
+        self.failing: BaseException | None = None  # the last copy's error; None once one succeeds
+        self._copied: set[str] = set()  # copied to dst by this hop in this process (see lacking)
         self._lock = threading.Lock()
         self._encoded = EncodedCopies(owner.cfg.job.background_nice)
         self._thread = threading.Thread(target=self._loop, name=f"tierckpt-replicate-{name}", daemon=True)
@@ -121,6 +124,15 @@ class Replicator(BacklogPasses):
         """Checkpoints committed on ``src`` that ``dst`` should get and does not have yet."""
         with self._lock:
             return self._pending | self._owed
+
+    def lacking(self) -> set[str]:
+        """What :meth:`owed` holds less the checkpoints this hop copied to ``dst`` in this process:
+        the checkpoints known to be pending there (a backlog pass that failed marks every older
+        checkpoint owed, since it could not list ``dst``; those copied before are not pending).
+        What the user is told (``wait()``'s :class:`~tierckpt.errors.CopiesPending`, the WARNING
+        of a failed copy)."""
+        with self._lock:
+            return (self._pending | self._owed) - self._copied
 
     def close(self) -> None:
         self._q.put(None)
@@ -146,6 +158,9 @@ class Replicator(BacklogPasses):
                 t0 = time.perf_counter()
                 try:
                     self._replicate(job)
+                    self.failing = None
+                    with self._lock:
+                        self._copied.add(job.id)
                     job.stats.promote_s = (job.stats.promote_s or 0.0) + time.perf_counter() - t0
                     job.stats.phases.add(f"hop:{self.name}", t0)
                     log.info(
@@ -161,7 +176,10 @@ class Replicator(BacklogPasses):
                     with self._lock:
                         self._owed.add(job.id)
                         self._need_pass = True
+                    self.failing = e
                     self.owner.fail(job, e, f"replication to {self.name}")
+                finally:
+                    self.tried += 1
             with self._lock:
                 self._pending.discard(job.id)
             self.owner.hop_done(self, job)

@@ -58,6 +58,7 @@ from .assign import SaveCtx, SavePlanning, global_rank
 from .asyncsave import AsyncTickets, LiveState
 from .hold import HOLD_TIMEOUT, Release, hold, release, release_all
 from .planchannel import LocalInfo, PlanAssign, session
+from .preflight import check_tiers
 
 __all__ = ["TieredWriter"]
 
@@ -127,6 +128,14 @@ class TieredWriter(SavePlanning, StorageWriter):
     **Checkpoint ids** may be paths, as frameworks pass them (``<dump>/checkpoint/step-100``,
     ``os.PathLike``): the last component is the id (:func:`tierckpt.checkpoints.checkpoint_id_of`).
 
+    **Checks and failures.** Creating a writer checks every tier once per configuration and
+    process (:mod:`tierckpt.save.preflight`): an unwritable ``[local] path``, a missing bucket or
+    refused credentials raise here; an S3 that does not answer is a WARNING. A checkpoint that
+    could not be committed on the first tier (committed nowhere) is raised by the next
+    ``dcp.save`` through this configuration (and by ``wait_captured()``/``wait()``); a copy to a
+    later tier that failed is logged at WARNING once per checkpoint, stays owed, and is reported by
+    :meth:`wait` (``wait(tiers="first")`` ends a job without it).
+
     **Preemption.** Created on the main thread, the first writer installs tierckpt's SIGTERM
     handler (``[job] on_sigterm``): a SIGTERM commits what is in flight before the process goes
     (see :mod:`tierckpt.preempt`).
@@ -146,6 +155,7 @@ class TieredWriter(SavePlanning, StorageWriter):
         self._detached = False  # an unpickled copy, saving in another process (see the class docstring)
         self._closed = False
         self.engine: Engine = get_engine(self.cfg)
+        check_tiers(self.engine)  # a tier that cannot work fails here, not hours later (see preflight)
         self.checkpoint_id: str | None = None
         self._rank = 0
         self._distributed = False
@@ -190,6 +200,10 @@ class TieredWriter(SavePlanning, StorageWriter):
         if kwargs.get("use_collectives") is False:
             raise TierckptError("TieredWriter needs dcp.save(..., use_collectives=True) (the default)")
         ctx.is_coordinator = is_coordinator
+        # A checkpoint committed nowhere since the last save: raised here, on every rank through
+        # DCP's plan exchange, so training does not go on for hours saving nothing. Failed copies
+        # to later tiers are not raised (see the class docstring).
+        self.engine.raise_errors(owner=self, tiers=())
         self._distributed = not self.no_dist and dist.is_available() and dist.is_initialized()
         rank = kwargs.get("rank")
         if rank is None:
@@ -404,14 +418,23 @@ class TieredWriter(SavePlanning, StorageWriter):
         release_all()
         return self.engine.wait_captured(owner=self) + (time.perf_counter() - t0)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every checkpoint in flight is committed on every configured tier.
+    def wait(self, timeout: float | None = None, tiers: str | list[str] | None = None) -> None:
+        """Block until every checkpoint in flight is committed on the first tier and copied to
+        every later tier in ``tiers`` (or failed there), then raise what failed, once.
 
-        Raises the first background error (capture, flush, commit or promotion) not yet raised
-        of this writer's saves, or of saves whose writer no longer exists.
+        ``tiers``: None or ``"all"``: every tier; ``"first"`` (or the first tier's name, e.g.
+        ``"local"``): the commits only, so a job can end cleanly while S3 is down, its backlog
+        kept for the next job with this configuration (which copies it first); or a later tier's
+        name (``"s3"``, ``"peer"``) or several.
+
+        Raises, of this writer's saves (or of saves whose writer no longer exists): the failure of
+        a checkpoint committed nowhere (capture, flush or first-tier commit), with the others in its
+        notes; else :class:`~tierckpt.errors.CopiesPending` when copies to the tiers waited for
+        failed and are still owed: its message names what is committed where and what is pending.
+        ``timeout`` (seconds): :class:`~tierckpt.errors.CommitError` when not done by then.
         """
         self.wait_captured()
-        self.engine.wait(timeout, owner=self)
+        self.engine.wait(timeout, owner=self, tiers=tiers)
         if self._persister is not None:
             self._persister.drain(timeout)
 

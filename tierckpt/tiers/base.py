@@ -424,6 +424,21 @@ class Tier(abc.ABC):
             n += 1
         return n
 
+    def probe(self) -> None:
+        """Check, with one cheap operation, that checkpoints can be stored here: the writer calls it
+        once per process when it is created (:mod:`tierckpt.save.preflight`), so that a tier that
+        cannot work is reported at once, not by the first save's background thread.
+
+        Raises :class:`~tierckpt.errors.TierUnreachable` when the tier cannot be reached now (it may
+        come back: an outage), any other :class:`~tierckpt.errors.TierckptError` when it answers but
+        cannot be used as configured (:class:`~tierckpt.errors.TierAccessDenied` for refused or
+        missing credentials, a missing bucket, a path that cannot be a directory); the message names
+        the tier's url and never a secret. Bounded in time by the tier's own timeouts, without
+        retries. Stores nothing that outlives the call (a leftover of a crash is one temporary
+        object that listings skip and ``abort_stale`` removes). Default: nothing to check (a tier
+        that cannot tell cheaply is found out by its first write).
+        """
+
     def root_id(self) -> str:
         """What identifies this tier's root across processes (ranks writing to the same root
         elect one metadata writer). The default is :attr:`url`."""

@@ -160,6 +160,26 @@ class LocalTier(LocalReads, Tier):
             _unlink_quietly(tmp)
             raise _tier_error(e, f"cannot write {final}") from e
 
+    def probe(self) -> None:
+        """See :meth:`Tier.probe`: create the root directory if needed, then create, write and
+        remove one small file in it (named like a small put's temporary file, so listings skip it
+        and :meth:`abort_stale` removes one left by a crash). Fails for root too where the path
+        cannot be a directory (a component is a file) or the file system is read-only."""
+        tmp = self.root / f"{TMP}probe-{uuid.uuid4().hex}"
+        try:
+            fd = open_new(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                os.write(fd, b"tierckpt probe\n")
+            finally:
+                os.close(fd)
+            os.unlink(tmp)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            what = f"[{self.name}] path {self.root}: cannot store checkpoints there"
+            if isinstance(e, (FileExistsError, NotADirectoryError)):
+                what += " (it, or a directory above it, is a file)"
+            raise _tier_error(e, what) from None
+
     def root_id(self) -> str:
         return str(self.root.resolve())
 

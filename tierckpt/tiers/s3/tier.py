@@ -4,20 +4,44 @@ writing halves (:mod:`.reads`, :mod:`.writes`) and the request layer (:mod:`.cli
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...config import S3Config
-from ...config.redact import redact
-from ...errors import ConfigError, CorruptCheckpoint, TierAccessDenied, TierError
+from ...config.redact import redact, redact_url
+from ...errors import (
+    ConfigError,
+    CorruptCheckpoint,
+    TierAccessDenied,
+    TierckptError,
+    TierError,
+    TierUnavailable,
+    TierUnreachable,
+)
 from ..base import Encoding, ObjectInfo, Tier, check_key
 from ..streams import StreamSink
-from .client import _DELETE_BATCH, _DENIED, ClientError, _is_not_found, log, make_client
+from .client import (
+    _DELETE_BATCH,
+    _DENIED,
+    BotoConnectionError,
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    _err_code,
+    _err_status,
+    _is_not_found,
+    log,
+    make_client,
+)
 from .copy import PartBuffers, copy_into
 from .reads import S3Reads
 from .writes import S3Writes
+
+PROBE_TIMEOUT_S = 5.0
+"""Cap on each of the connect and read timeouts of :meth:`S3Tier.probe` (one small listing)."""
 
 
 class S3Tier(S3Reads, S3Writes):
@@ -80,6 +104,60 @@ class S3Tier(S3Reads, S3Writes):
         upload is aborted and nothing is visible under ``key``.
         """
         return copy_into(self, self._buffers, src, key)
+
+    def probe(self) -> None:
+        """See :meth:`Tier.probe`: one ListObjectsV2 for at most one key under the prefix. Its
+        answer proves that the endpoint answers, the bucket exists and the credentials are accepted
+        and may list there (what every save needs: the commit order and the backlog are listed).
+        Read-only: a key that may read but not write passes (its first write is refused in the
+        background, with a :class:`TierAccessDenied` naming the key).
+
+        One attempt, bounded by ``[s3] connect_timeout`` + ``read_timeout``, each at most
+        :data:`PROBE_TIMEOUT_S` (a hung endpoint delays the writer's creation by 10 s at most, then
+        is a WARNING; the defaults, 10 + 60 s, suit transfers, not a check): a client of its own
+        with botocore's retries off (built in about 15 ms; closed after), unless the tier was given
+        a client. Refused credentials and no credentials at all raise :class:`TierAccessDenied`, a
+        missing bucket (or any other answer but a server error) a :class:`TierError`; a connection
+        refused or timed out, a 5xx or a throttling answer raises :class:`TierUnreachable`. The
+        messages go through the tier's error mapping: they name the bucket, never a credential.
+        """
+        url = self._url_of(self._root)
+        quick = dataclasses.replace(
+            self.cfg,
+            max_attempts=1,
+            connect_timeout=min(self.cfg.connect_timeout, PROBE_TIMEOUT_S),
+            read_timeout=min(self.cfg.read_timeout, PROBE_TIMEOUT_S),
+        )
+        client = make_client(quick) if self._own_client else self._client
+        try:
+            client.list_objects_v2(Bucket=self.bucket, Prefix=self._root, MaxKeys=1)
+        except ClientError as e:
+            status = _err_status(e)
+            if _err_code(e) == "NoSuchBucket" or status == 404:
+                where = redact_url(self.cfg.endpoint_url) or "AWS"
+                raise TierUnavailable(
+                    f"[{self.name}] {self.url}: bucket {self.bucket!r} does not exist at {where} "
+                    "(check [s3] bucket and endpoint_url)"
+                ) from e
+            transient = status >= 500 or status == 429 or _err_code(e) in ("SlowDown", "RequestTimeout", "Throttling")
+            raise self._probe_error(self._client_error(e, "list", url), transient) from e
+        except (BotoConnectionError, HTTPClientError) as e:
+            raise self._probe_error(self._transport_error(e, "list", url), True) from e
+        except BotoCoreError as e:
+            raise self._probe_error(self._transport_error(e, "list", url), False) from e
+        finally:
+            if client is not self._client:
+                client.close()
+
+    def _probe_error(self, err: TierckptError, transient: bool) -> TierckptError:
+        """``err`` (mapped from a failed probe) as the error :meth:`probe` raises."""
+        msg = f"[{self.name}] {self.url} cannot be used now: {err}" if transient else f"[{self.name}] {err}"
+        if transient:
+            return TierUnreachable(msg)
+        try:
+            return type(err)(msg)
+        except TypeError:  # pragma: no cover - every tierckpt error takes a message
+            return err
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (paginated ListObjectsV2).
