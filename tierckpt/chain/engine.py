@@ -305,7 +305,7 @@ class Engine:
     def _settle(self, job: RankSave) -> None:
         # Settled after retention, so that wait() returning means retention on every tier ran;
         # retired last, so that a wait() in between still finds the job.
-        self.telemetry.settled(job)  # its history record and spans, before wait() returns
+        self.telemetry.settled(job)  # handed to the telemetry thread; wait() flushes it (bounded)
         if not job.failed and not job.replicated.done():
             job.replicated.set_result(None)
         with self._jobs_lock:
@@ -451,6 +451,7 @@ class Engine:
         self._drain(timeout, hops, patient=True)
         for t in self.chain.built():
             t.wait_deletions()  # deferred deletions (retention) are part of "everything done"
+        self.telemetry.flush()  # and the history records of what settled (bounded: a stuck exporter once)
         self.raise_errors(owner, [h.name for h in hops])
 
     def _drain(self, timeout: float | None, hops: list[Any], *, patient: bool) -> None:

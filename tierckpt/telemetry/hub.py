@@ -120,14 +120,19 @@ class EngineTelemetry:
                 self._warned = True
                 log.warning("checkpoint %s: telemetry failed (the checkpoint is not affected): %s", job.id, e)
 
-    def close(self) -> None:
-        """``Engine.close``: wait for the telemetry thread (at most
-        :data:`~tierckpt.telemetry.worker.CLOSE_WAIT` seconds), then write the history records not
-        written yet (on the closing thread: they never depend on an exporter)."""
+    def flush(self) -> None:
+        """``Engine.wait`` and ``Engine.close`` (the caller's thread): wait for the telemetry thread
+        (at most :data:`~tierckpt.telemetry.worker.CLOSE_WAIT` seconds, once per stuck record), then
+        write the history records not written yet (on the calling thread: they never depend on an
+        exporter). So a ``wait()`` that returned leaves no write behind it in the tier's directory."""
         if self._otel is not None or self._logs:
             telemetry_queue().drain(CLOSE_WAIT)
         for h in list(self._logs):
             h.flush()
+
+    def close(self) -> None:
+        """``Engine.close``: :meth:`flush`."""
+        self.flush()
 
 
 def record_of(job: Any) -> dict:
