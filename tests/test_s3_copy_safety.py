@@ -189,9 +189,7 @@ def _source(tier: S3Tier, key: str, size: int) -> bytes:
     return data
 
 
-def test_stream_copy_from_a_short_source_is_refused_not_clipped(
-    endpoint: str, s3cfg: Callable[..., S3Config]
-) -> None:
+def test_stream_copy_from_a_short_source_is_refused_not_clipped(endpoint: str, s3cfg: Callable[..., S3Config]) -> None:
     """A copy range past the end of its source: moto copies the bytes that exist, SeaweedFS
     refuses. Either way close() raises CopySourceError naming the source and the destination
     holds nothing (on b0e99ab moto's clipped object was completed and reported whole)."""

@@ -227,9 +227,9 @@ def _verify_copied(dst: Tier, key: str, idx: StoredFile, frames: list[int], nice
         bad = []
         for i in ch:
             sv = memoryview(stored)[o[i] - a : o[i + 1] - a]
-            s, e = idx.span(i)
+            lo, hi = idx.span(i)
             if out is not None:
-                logical = memoryview(out)[: e - s]
+                logical = memoryview(out)[: hi - lo]
                 try:
                     decode_into(sv, logical, f"{where} frame {i}")
                 except CorruptCheckpoint:
