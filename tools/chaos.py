@@ -51,6 +51,14 @@ filetimes, backlog, gcload, killloop, deleterace
     between its metadata check and its data deletion (``tools/chaos_loss.py``, registered below
     with :func:`register_cases`).
 
+damagedsource, missingsource
+    ``[s3] compression = "zstd"``, ``copy_unchanged = true``, ``[local] keep = 1``: the S3 object
+    that later checkpoints copy their unchanged frames from gets bytes flipped in its frames
+    (``damagedsource``), or is deleted, truncated or emptied (``missingsource``), between two
+    promotions. Every later save succeeds and loads bit-exact from S3 alone; the damaged
+    checkpoint is refused clearly, never loaded with other bytes; a trial that outlives
+    ``TRIAL_TIMEOUT`` is counted ``hung`` (``tools/chaoslib/copysafety.py``).
+
 Trainer runs are forked from a preloaded zygote process (torch imported once), so a crash trial
 costs about two short training runs plus a handful of loads.
 
@@ -96,6 +104,7 @@ from chaoslib.core import (  # noqa: E402,F401
     short,
     toml_text,
 )
+from chaoslib.copysafety import case_damagedsource, case_missingsource  # noqa: E402,F401
 from chaoslib.crash import (  # noqa: E402,F401
     KILL_POINTS,
     STAGE_OF,
@@ -125,7 +134,7 @@ from chaoslib.resources import _growth, _resources_child, case_resources, case_s
 from tierckpt.testing import clone_state, errors_in, find_error, raw  # noqa: E402,F401
 from tierckpt.testing import compare as diff  # noqa: E402,F401
 
-CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults")
+CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults", "damagedsource", "missingsource")
 
 
 # == driver ========================================================================================
@@ -137,6 +146,8 @@ CASE_FUNCS: dict[str, Callable[..., CaseResult]] = {
     "concurrency": case_concurrency,
     "resources": case_resources,
     "s3faults": case_s3faults,
+    "damagedsource": case_damagedsource,
+    "missingsource": case_missingsource,
 }
 # zygote child kinds (``_child_main`` dispatches to them; other modules add theirs)
 CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child})

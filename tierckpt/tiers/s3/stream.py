@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from ...errors import CorruptCheckpoint, TierckptError, TierError
+from ...errors import TierckptError, TierError
 from ..streams import CopySourceError, StreamSink
 from .client import ClientError, _err_code, log
 from .multipart import MAX_PARTS, Uploads, ViewReader, crc32c_b64, effective_part_size
@@ -50,6 +50,8 @@ class StreamTier(Uploads, Protocol):
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None: ...
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    def _head(self, full: str) -> tuple[int, str] | None: ...
 
 
 MIN_PART = 5 << 20
@@ -76,6 +78,7 @@ class S3Stream(StreamSink):
         self.uploaded = 0
         self.copied = 0
         self._sources: set[str] = set()  # URLs of the objects copied from
+        self._source_sizes: dict[str, int] = {}  # full key -> size, of the objects copied from server-side
 
     # -- parts --------------------------------------------------------------------------------
     def _start(self) -> str:
@@ -197,7 +200,7 @@ class S3Stream(StreamSink):
             self._read_append(key, start, end)
             return
         src_full = self._tier._full(key)
-        self._sources.add(self._tier._url_of(src_full))
+        self._check_source(src_full, end)
         self.size += end - start
         while start < end:
             n = end - start
@@ -205,6 +208,26 @@ class S3Stream(StreamSink):
                 n = MAX_COPY if n - MAX_COPY >= MIN_PART else n - MIN_PART
             self._copy_part(src_full, start, start + n)
             start += n
+
+    def _check_source(self, src_full: str, end: int) -> None:
+        """Before the first server-side copy from ``src_full``: one HEAD, so that a missing or
+        short source is refused here, naming it (a server may clip a range past the end of its
+        source instead of refusing it). :meth:`close` checks the size of the result again."""
+        src_url = self._tier._url_of(src_full)
+        self._sources.add(src_url)
+        if src_full not in self._source_sizes:
+            try:
+                head = self._tier._head(src_full)
+            except TierckptError as e:
+                raise CopySourceError(f"copy source {src_url} of {self._url}: {e}") from e
+            if head is None:
+                raise CopySourceError(f"copy source {src_url} of {self._url}: no such object")
+            self._source_sizes[src_full] = head[0]
+        if self._source_sizes[src_full] < end:
+            raise CopySourceError(
+                f"copy source {src_url} of {self._url}: {self._source_sizes[src_full]} bytes, "
+                f"bytes [.., {end}) were to be copied from it"
+            )
 
     def close(self) -> int:
         try:
@@ -230,10 +253,11 @@ class S3Stream(StreamSink):
                 raise
             try:
                 self._tier._complete_upload(self._full, self._upload_id, self._parts, self.size)
-            except CorruptCheckpoint as e:
-                if not self._sources:
+            except TierckptError as e:
+                if not self.copied:
                     raise
-                # every uploaded part was checked by its CRC32C: a copied range came out short
+                # every uploaded part was checked by its CRC32C: a copied part came out wrong (a
+                # short source clipped: the wrong size, or a part under S3's 5 MiB minimum)
                 raise CopySourceError(f"{e}; its copied parts came from {', '.join(sorted(self._sources))}") from e
             return self.size
         except BaseException:
