@@ -88,6 +88,7 @@ import torch  # noqa: E402
 
 # re-exported: the cases, tests/test_chaos.py and the zygote (``chaos._zygote_main``) use them as ``chaos.X``
 from chaoslib.concurrency import CONC_SCENARIOS, _concurrent_save_child, case_concurrency  # noqa: E402,F401
+from chaoslib.copysafety import case_damagedsource, case_missingsource  # noqa: E402,F401
 from chaoslib.core import (  # noqa: E402,F401
     BUCKET,
     KNOWN_BUGS,
@@ -104,7 +105,6 @@ from chaoslib.core import (  # noqa: E402,F401
     short,
     toml_text,
 )
-from chaoslib.copysafety import case_damagedsource, case_missingsource  # noqa: E402,F401
 from chaoslib.crash import (  # noqa: E402,F401
     KILL_POINTS,
     STAGE_OF,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from chaoslib.core import BUCKET, MiB, CaseResult, is_clear, load_state, only, short
+from chaoslib.core import BUCKET, CaseResult, MiB, is_clear, load_state, only, short
 from chaoslib.env import Env
 from chaoslib.faults import close_writer, save_wait
 from chaoslib.loss import committed, ids, open_tier
@@ -163,10 +163,10 @@ def _trial(env: Env, res: CaseResult, case: str, rng: random.Random, trial_no: i
                 writer = TieredWriter(cfg)
             cid = f"step-{step}"
             sd = _state(frozen, step)
+            states[cid] = clone_state(sd)  # a failed save may still have committed on some tier: checked too
             if (e := save_wait(writer, sd, cid)) is not None:
                 res.fail(trial, f"save of {cid} failed: {short(e)}")
                 continue
-            states[cid] = clone_state(sd)
             st = writer.history[-1]
             if step > j and st.copied_bytes:
                 res.note("later saves still copied")
