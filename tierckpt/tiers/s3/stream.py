@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from ...errors import TierckptError, TierError
+from ...errors import TierckptError
 from ..streams import CopySourceError, StreamSink
 from .client import ClientError, _err_code, log
 from .multipart import MAX_PARTS, Uploads, ViewReader, crc32c_b64, effective_part_size
@@ -133,6 +133,14 @@ class S3Stream(StreamSink):
                     own_retry=True,
                 )
             except TierckptError as e:
+                cause = e.__cause__
+                if isinstance(cause, ClientError) and _err_code(cause) in _NO_COPY and tier._part_copy:
+                    log.warning(
+                        "%s refuses UploadPartCopy (%s): unchanged parts are uploaded again from now on",
+                        tier.url,
+                        _err_code(cause),
+                    )
+                    tier._part_copy = False
                 raise CopySourceError(
                     f"copy of bytes [{start}, {end}) of {src_url} into part {pn} of {self._url}: {e}"
                 ) from e
@@ -236,21 +244,8 @@ class S3Stream(StreamSink):
                 self.uploaded += len(self._buf)
                 return self.size
             self._flush()
-            try:
-                for f in self._futures:
-                    f.result()
-            except TierError as e:
-                cause = e.__cause__
-                while cause is not None and not isinstance(cause, ClientError):
-                    cause = cause.__cause__
-                if isinstance(cause, ClientError) and _err_code(cause) in _NO_COPY and self.copied:
-                    log.warning(
-                        "%s refuses UploadPartCopy (%s): unchanged parts are uploaded again from now on",
-                        self._tier.url,
-                        _err_code(cause),
-                    )
-                    self._tier._part_copy = False
-                raise
+            for f in self._futures:
+                f.result()
             try:
                 self._tier._complete_upload(self._full, self._upload_id, self._parts, self.size)
             except TierckptError as e:
