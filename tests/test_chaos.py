@@ -123,6 +123,16 @@ def test_deleterace(env):
     assert res.lost == 0
 
 
+@pytest.mark.parametrize("case", ["damagedsource", "missingsource"])
+def test_copy_source(env, case):
+    # issue 32 items 1-2: the S3 object that copy_unchanged copies unchanged frames from gets bytes
+    # flipped, or is deleted, truncated or emptied, between promotions ([local] keep = 1): every
+    # later save commits on S3 and loads bit-exact from S3 alone
+    res = chaos.CASE_FUNCS[case](env, 3, SEED)
+    check(res, 3)
+    assert res.lost == 0 and res.notes.get("hung") == 0
+
+
 def test_new_cases_are_registered():
     for name in ("filetimes", "backlog", "gcload", "killloop", "deleterace"):
         assert name in chaos.CASES and name in chaos.CASE_FUNCS

@@ -51,6 +51,14 @@ filetimes, backlog, gcload, killloop, deleterace
     between its metadata check and its data deletion (``tools/chaos_loss.py``, registered below
     with :func:`register_cases`).
 
+damagedsource, missingsource
+    ``[s3] compression = "zstd"``, ``copy_unchanged = true``, ``[local] keep = 1``: the S3 object
+    that later checkpoints copy their unchanged frames from gets bytes flipped in its frames
+    (``damagedsource``), or is deleted, truncated or emptied (``missingsource``), between two
+    promotions. Every later save succeeds and loads bit-exact from S3 alone; the damaged
+    checkpoint is refused clearly, never loaded with other bytes; a trial that outlives
+    ``TRIAL_TIMEOUT`` is counted ``hung`` (``tools/chaoslib/copysafety.py``).
+
 Trainer runs are forked from a preloaded zygote process (torch imported once), so a crash trial
 costs about two short training runs plus a handful of loads.
 
@@ -80,6 +88,7 @@ import torch  # noqa: E402
 
 # re-exported: the cases, tests/test_chaos.py and the zygote (``chaos._zygote_main``) use them as ``chaos.X``
 from chaoslib.concurrency import CONC_SCENARIOS, _concurrent_save_child, case_concurrency  # noqa: E402,F401
+from chaoslib.copysafety import case_damagedsource, case_missingsource  # noqa: E402,F401
 from chaoslib.core import (  # noqa: E402,F401
     BUCKET,
     KNOWN_BUGS,
@@ -125,7 +134,7 @@ from chaoslib.resources import _growth, _resources_child, case_resources, case_s
 from tierckpt.testing import clone_state, errors_in, find_error, raw  # noqa: E402,F401
 from tierckpt.testing import compare as diff  # noqa: E402,F401
 
-CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults")
+CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults", "damagedsource", "missingsource")
 
 
 # == driver ========================================================================================
@@ -137,6 +146,8 @@ CASE_FUNCS: dict[str, Callable[..., CaseResult]] = {
     "concurrency": case_concurrency,
     "resources": case_resources,
     "s3faults": case_s3faults,
+    "damagedsource": case_damagedsource,
+    "missingsource": case_missingsource,
 }
 # zygote child kinds (``_child_main`` dispatches to them; other modules add theirs)
 CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child})

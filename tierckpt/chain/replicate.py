@@ -300,7 +300,8 @@ class Replicator(BacklogPasses):
         st.add_cpu(compress_cpu_s=figs.compress_cpu_s)
         st.stored_bytes, st.uploaded_bytes, st.copied_bytes = figs.stored, figs.uploaded, figs.copied
         log.info(
-            "checkpoint %s: %s stored on %s in %d of %d bytes (%.3fx), %d sent, %d copied by the server",
+            "checkpoint %s: %s stored on %s in %d of %d bytes (%.3fx), %d sent, %d copied by the server "
+            "(%d read back to check the copies, %d copied frames refused)",
             job.id,
             job.assign.file,
             dst.url,
@@ -309,6 +310,8 @@ class Replicator(BacklogPasses):
             figs.logical / max(1, figs.stored),
             figs.uploaded,
             figs.copied,
+            figs.verified,
+            figs.frames_refused,
         )
         return idx.to_json()
 

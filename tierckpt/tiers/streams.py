@@ -5,6 +5,12 @@ coded frames of sizes known only once coded, and runs of frames unchanged since 
 checkpoint, whose stored bytes already sit in that checkpoint's object on the same tier.
 :meth:`Tier.open_stream <tierckpt.tiers.base.Tier.open_stream>` returns a :class:`StreamSink`
 for it; :class:`Encoding` is how a tier says it wants its files stored that way.
+
+A copy is never trusted: :meth:`StreamSink.append_copy` raises :class:`CopySourceError` (naming
+the source object) when the source cannot be read or copied, and :meth:`StreamSink.close` raises
+it when an object assembled with copies does not have the size its appends add up to (a source
+shorter than the range asked). The encoding hop reads back what was copied before it commits
+(:func:`tierckpt.codec.hop.copy_encoded`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,16 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Encoding", "StreamSink", "SpoolStream"]
+from ..errors import TierckptError, TierError
+
+__all__ = ["CopySourceError", "Encoding", "StreamSink", "SpoolStream"]
+
+
+class CopySourceError(TierError):
+    """Bytes that :meth:`StreamSink.append_copy` was to take from another object of the tier could
+    not be copied (the source is missing, shorter than the range, or unreadable). The message
+    names the source object. The stream is failed (:meth:`StreamSink.abort` it); the caller may
+    write the same object again without copying."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +63,17 @@ class StreamSink(abc.ABC):
 
     def append_copy(self, key: str, start: int, end: int) -> None:
         """Append bytes ``[start, end)`` of object ``key`` of the same tier. The default reads
-        and appends them; a tier with server-side copies overrides it."""
-        self.append(memoryview(self._tier.get(key, start, end)))
+        and appends them; a tier with server-side copies overrides it. Raises
+        :class:`CopySourceError` (naming ``key``) when they cannot be read whole."""
+        try:
+            data = self._tier.get(key, start, end)
+        except TierckptError as e:
+            raise CopySourceError(f"copy of bytes [{start}, {end}) of {self._tier.url}/{key}: {e}") from e
+        if len(data) != end - start:
+            raise CopySourceError(
+                f"copy of bytes [{start}, {end}) of {self._tier.url}/{key}: only {len(data)} bytes were read"
+            )
+        self.append(memoryview(data))
 
     @abc.abstractmethod
     def close(self) -> int:

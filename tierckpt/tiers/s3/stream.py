@@ -11,6 +11,12 @@ of its own is read and appended. A server that refuses ``UploadPartCopy`` (not i
 makes this tier instance read and append instead (logged once). An object that ends below one
 part is written with one ``PutObject`` at :meth:`S3Stream.close`. Nothing is visible under the
 key until ``close`` completes the upload; on failure it is aborted.
+
+Copies are not trusted: a source that is missing, shorter than the range or unreadable raises
+:class:`~tierckpt.tiers.streams.CopySourceError` naming it (from the failed part, or from
+``close``, whose completion checks the object's size: a server may clip a range past the end of
+its source instead of refusing it). Whether the copied bytes are the right ones is the caller's
+to check (:func:`tierckpt.codec.hop.copy_encoded` reads them back).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from ...errors import TierError
-from ..streams import StreamSink
+from ...errors import TierckptError
+from ..streams import CopySourceError, StreamSink
 from .client import ClientError, _err_code, log
 from .multipart import MAX_PARTS, Uploads, ViewReader, crc32c_b64, effective_part_size
 
@@ -44,6 +50,8 @@ class StreamTier(Uploads, Protocol):
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None: ...
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    def _head(self, full: str) -> tuple[int, str] | None: ...
 
 
 MIN_PART = 5 << 20
@@ -69,6 +77,8 @@ class S3Stream(StreamSink):
         self.size = 0
         self.uploaded = 0
         self.copied = 0
+        self._sources: set[str] = set()  # URLs of the objects copied from
+        self._source_sizes: dict[str, int] = {}  # full key -> size, of the objects copied from server-side
 
     # -- parts --------------------------------------------------------------------------------
     def _start(self) -> str:
@@ -105,20 +115,35 @@ class S3Stream(StreamSink):
         tier = self._tier
         self.copied += end - start
 
+        src_url = tier._url_of(src_full)
+
         def copy() -> dict[str, Any]:
-            resp = tier._call(
-                lambda: tier._client.upload_part_copy(
-                    Bucket=tier.bucket,
-                    Key=self._full,
-                    UploadId=uid,
-                    PartNumber=pn,
-                    CopySource={"Bucket": tier.bucket, "Key": src_full},
-                    CopySourceRange=f"bytes={start}-{end - 1}",
-                ),
-                f"copy part {pn} from {tier._url_of(src_full)} into",
-                self._url,
-                own_retry=True,
-            )
+            try:
+                resp = tier._call(
+                    lambda: tier._client.upload_part_copy(
+                        Bucket=tier.bucket,
+                        Key=self._full,
+                        UploadId=uid,
+                        PartNumber=pn,
+                        CopySource={"Bucket": tier.bucket, "Key": src_full},
+                        CopySourceRange=f"bytes={start}-{end - 1}",
+                    ),
+                    f"copy part {pn} from {src_url} into",
+                    self._url,
+                    own_retry=True,
+                )
+            except TierckptError as e:
+                cause = e.__cause__
+                if isinstance(cause, ClientError) and _err_code(cause) in _NO_COPY and tier._part_copy:
+                    log.warning(
+                        "%s refuses UploadPartCopy (%s): unchanged parts are uploaded again from now on",
+                        tier.url,
+                        _err_code(cause),
+                    )
+                    tier._part_copy = False
+                raise CopySourceError(
+                    f"copy of bytes [{start}, {end}) of {src_url} into part {pn} of {self._url}: {e}"
+                ) from e
             res = resp.get("CopyPartResult", {})
             entry = {"PartNumber": pn, "ETag": res["ETag"]}
             if res.get("ChecksumCRC32C"):
@@ -142,9 +167,21 @@ class S3Stream(StreamSink):
 
     def _read_append(self, key: str, start: int, end: int) -> None:
         step = self._ps
+        self._sources.add(self._tier._url_of(self._tier._full(key)))
         while start < end:
             n = min(step, end - start)
-            self.append(memoryview(self._tier.get(key, start, start + n)))
+            try:
+                data = self._tier.get(key, start, start + n)
+            except TierckptError as e:
+                raise CopySourceError(
+                    f"read of bytes [{start}, {start + n}) of {self._tier.url}/{key} to copy them into {self._url}: {e}"
+                ) from e
+            if len(data) != n:
+                raise CopySourceError(
+                    f"read of bytes [{start}, {start + n}) of {self._tier.url}/{key} to copy them into "
+                    f"{self._url}: {len(data)} bytes came back"
+                )
+            self.append(memoryview(data))
             start += n
 
     def append_copy(self, key: str, start: int, end: int) -> None:
@@ -171,6 +208,7 @@ class S3Stream(StreamSink):
             self._read_append(key, start, end)
             return
         src_full = self._tier._full(key)
+        self._check_source(src_full, end)
         self.size += end - start
         while start < end:
             n = end - start
@@ -179,6 +217,26 @@ class S3Stream(StreamSink):
             self._copy_part(src_full, start, start + n)
             start += n
 
+    def _check_source(self, src_full: str, end: int) -> None:
+        """Before the first server-side copy from ``src_full``: one HEAD, so that a missing or
+        short source is refused here, naming it (a server may clip a range past the end of its
+        source instead of refusing it). :meth:`close` checks the size of the result again."""
+        src_url = self._tier._url_of(src_full)
+        self._sources.add(src_url)
+        if src_full not in self._source_sizes:
+            try:
+                head = self._tier._head(src_full)
+            except TierckptError as e:
+                raise CopySourceError(f"copy source {src_url} of {self._url}: {e}") from e
+            if head is None:
+                raise CopySourceError(f"copy source {src_url} of {self._url}: no such object")
+            self._source_sizes[src_full] = head[0]
+        if self._source_sizes[src_full] < end:
+            raise CopySourceError(
+                f"copy source {src_url} of {self._url}: {self._source_sizes[src_full]} bytes, "
+                f"bytes [.., {end}) were to be copied from it"
+            )
+
     def close(self) -> int:
         try:
             if self._upload_id is None:
@@ -186,20 +244,16 @@ class S3Stream(StreamSink):
                 self.uploaded += len(self._buf)
                 return self.size
             self._flush()
+            for f in self._futures:
+                f.result()
             try:
-                for f in self._futures:
-                    f.result()
-            except TierError as e:
-                cause = e.__cause__
-                if isinstance(cause, ClientError) and _err_code(cause) in _NO_COPY and self.copied:
-                    log.warning(
-                        "%s refuses UploadPartCopy (%s): unchanged parts are uploaded again from now on",
-                        self._tier.url,
-                        _err_code(cause),
-                    )
-                    self._tier._part_copy = False
-                raise
-            self._tier._complete_upload(self._full, self._upload_id, self._parts, self.size)
+                self._tier._complete_upload(self._full, self._upload_id, self._parts, self.size)
+            except TierckptError as e:
+                if not self.copied:
+                    raise
+                # every uploaded part was checked by its CRC32C: a copied part came out wrong (a
+                # short source clipped: the wrong size, or a part under S3's 5 MiB minimum)
+                raise CopySourceError(f"{e}; its copied parts came from {', '.join(sorted(self._sources))}") from e
             return self.size
         except BaseException:
             self.abort()

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any
 
 from ...config.redact import redact
-from ...errors import CommitConflict, TierError
+from ...errors import CommitConflict, CorruptCheckpoint, TierckptError, TierError
 from ..base import DataSink
 from .client import (
     BotoCoreError,
@@ -152,6 +152,26 @@ class S3Writes(S3Requests):
         return {"PartNumber": pn, "ETag": resp["ETag"], "ChecksumCRC32C": crc}
 
     def _complete_upload(self, full: str, upload_id: str, parts: list[dict[str, Any]], size: int) -> None:
+        """CompleteMultipartUpload, then a HEAD: an object that is not ``size`` bytes (a server
+        that clipped a copied range instead of refusing it) is deleted and
+        :class:`CorruptCheckpoint` raised, naming it, so that no metadata ever commits it."""
+        url = self._url_of(full)
+        self._complete_parts(full, upload_id, parts, size)
+        head = self._head(full)
+        got = None if head is None else head[0]
+        if got != size:
+            try:
+                self._retrying(
+                    lambda: self._client.delete_object(Bucket=self.bucket, Key=full), "delete", url, own_retry=False
+                )
+            except (ClientError, TierckptError) as e:
+                log.warning("cannot delete %s (completed with the wrong size): %s", url, redact(e))
+            raise CorruptCheckpoint(
+                f"{url}: the completed multipart upload holds {'no object' if got is None else f'{got} bytes'}, "
+                f"{size} expected (deleted, not committed)"
+            )
+
+    def _complete_parts(self, full: str, upload_id: str, parts: list[dict[str, Any]], size: int) -> None:
         url = self._url_of(full)
         parts = sorted(parts, key=lambda p: p["PartNumber"])
         try:
