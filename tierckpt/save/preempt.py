@@ -89,6 +89,7 @@ _requests: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (t0, deadline, seen, 
 _worker_pid = 0  # the process whose drain thread serves _requests (none after a fork)
 _SLACK = 0.5  # s the main thread waits past the drain's deadline for its report
 
+
 @dataclass
 class DrainedCheckpoint:
     """What a drain left of one checkpoint in flight on this rank."""
@@ -309,9 +310,9 @@ def _handler(signum: int, frame: Any) -> None:
     if _handling:  # a second signal while draining: no more waiting
         log.warning("%s again while draining: handing over now", name)
         _cut = True
-        reply = _handler_reply
-        if reply is not None:
-            reply.put(_CUT)
+        waiting = _handler_reply
+        if waiting is not None:
+            waiting.put(_CUT)
         _hand_over(signum, frame)
         return
     _handling, _cut = True, False
@@ -335,7 +336,9 @@ def _handler(signum: int, frame: Any) -> None:
                 "%s: the drain did not finish within %.0f s (%s): what was in flight may not be committed",
                 name,
                 timeout,
-                f"it failed: {got}" if isinstance(got, BaseException) else "the interrupted code may hold a lock it needs",
+                f"it failed: {got}"
+                if isinstance(got, BaseException)
+                else "the interrupted code may hold a lock it needs",
             )
         else:
             for c in got.checkpoints:
