@@ -4,7 +4,7 @@ step-000002 at a chosen point and waits there for the test's signal.
     python tests/preempt_child.py CONFIG.json POINT GO_FILE [--handler exit7] [--sigint]
     python tests/preempt_child.py CONFIG.json first GO_FILE
     python tests/preempt_child.py CONFIG.json storm GO_FILE (--handler | --handler-after) stop [--drain]
-        [--stop-after N] [--locked jobs|engines|tickets]
+        [--stop-after N] [--locked jobs|engines|tickets] [--hold-locks]
 
 ``CONFIG.json``: the tier configuration as a dict (``config_from_dict``). ``POINT``: where step-000002
 stops until ``GO_FILE`` exists: ``capture`` (the capture thread, opening the data file: nothing
@@ -26,7 +26,8 @@ then ``writer.wait()``, prints ``DRAINED <committed> <timed_out>`` (the first ``
 report, with ``--drain``) and ``DONE <last id> <signals>``, and returns 0 (SIGTERM ignored from
 then on) while the signals may still come. ``--locked NAME``: after step-000001 the job signals
 its own main thread while that holds one of tierckpt's locks (``jobs``: ``Engine._jobs_lock``,
-``engines``: the engine registry's, ``tickets``: ``AsyncTickets._lock``).
+``engines``: the engine registry's, ``tickets``: ``AsyncTickets._lock``). ``--hold-locks``: after
+every save the job holds one of them for 20 ms (the storm's signals land there too).
 """
 
 from __future__ import annotations
@@ -95,16 +96,20 @@ def wrap(tier, point: str, go: Path):
     return tier
 
 
+def lock_of(writer, name: str):
+    """One of the locks tierckpt's code takes on the main thread while saving."""
+    from tierckpt.chain import engine as engine_mod
+
+    eng = engine_mod.live_engines()[0]
+    return {"jobs": eng._jobs_lock, "engines": engine_mod._engines_lock, "tickets": writer._tickets._lock}[name]
+
+
 def signal_under_lock(writer, name: str) -> None:
     """SIGTERM to the main thread while it holds one of tierckpt's locks: the handler runs inside
     the ``with`` (the signal interrupts the sleep at the latest), as a signal may at any time."""
     import signal
 
-    from tierckpt.chain import engine as engine_mod
-
-    eng = engine_mod.live_engines()[0]
-    lock = {"jobs": eng._jobs_lock, "engines": engine_mod._engines_lock, "tickets": writer._tickets._lock}[name]
-    with lock:
+    with lock_of(writer, name):
         signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
         time.sleep(0.2)
 
@@ -141,6 +146,9 @@ def storm(cfg, n: int) -> int:
         writer.wait_captured()
         if i == 1 and "--locked" in sys.argv:
             signal_under_lock(writer, sys.argv[sys.argv.index("--locked") + 1])
+        if "--hold-locks" in sys.argv:  # a signal of the storm lands while a tierckpt lock is held
+            with lock_of(writer, ("jobs", "engines", "tickets")[i % 3]):
+                time.sleep(0.02)
     writer.wait()
     if reports:
         print(f"DRAINED {len(reports[0].committed)} {reports[0].timed_out}", flush=True)

@@ -60,6 +60,8 @@ __all__ = [
 
 log = logging.getLogger("tierckpt")
 
+LATER_FLOOR_GRACE_S = 2.0  # the most the first commit waits for the later tiers' commit order (rank 0)
+
 
 class Engine:
     """Process-wide pipeline for one configuration. Obtain it with :func:`get_engine`."""
@@ -79,7 +81,7 @@ class Engine:
         self._seq_lock = threading.Lock()
         self._later_seq: int | None = None  # the later tiers' highest seq, once listed (rank 0)
         self._later_started = False
-        self._said_later = False
+        self._later_ready = threading.Event()  # the later tiers were listed, or a drain hurries the commits
         self._closed = False
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
@@ -242,32 +244,39 @@ class Engine:
             )
 
     def _floor(self, rank: int) -> int:
-        """The highest commit seq this rank can see, without ever waiting on a slower tier.
+        """The highest commit seq this rank can see, never held back by a slower tier for long.
 
         The first tier is listed once per engine, on the commit path (rank 0 always, other ranks
         when listing it is cheap): the commit is made there anyway. On rank 0 the later tiers
-        (S3) are listed once on a thread of their own (:meth:`_later_floor`, started when the
-        engine is made or at the latest here); what they show raises the floor for every commit
-        numbered after their answer, never holding one back: a first commit made while S3 hangs
-        is numbered from the first tier alone (logged once). Then tracked through :meth:`_note_seq`.
+        (S3) are listed once on a thread of their own (:meth:`_later_floor`, started by the first
+        save), so that a checkpoint committed on a fresh first tier is still numbered after what
+        S3 holds. The first commit waits for that listing at most ``LATER_FLOOR_GRACE_S`` seconds,
+        and not at all once a preemption drain started (:meth:`hurry`); a commit numbered without
+        it is logged, and the listing, when it comes, raises the floor of every later commit.
+        Then tracked through :meth:`_note_seq`.
         """
-        if rank == 0:
+        if rank == 0 and self._seq_floor is None and len(self.chain) > 1:
             self._start_later_floor()
+            if not self._later_ready.wait(LATER_FLOOR_GRACE_S):
+                log.warning(
+                    "numbering checkpoints from %s alone: %s did not list its commit order within %.0f s (a commit "
+                    "never waits longer for a slower tier; its answer counts from the next commit on)",
+                    self.first_tier.name,
+                    ", ".join(self.chain.names[1:]),
+                    LATER_FLOOR_GRACE_S,
+                )
         with self._seq_lock:
             if self._seq_floor is None:
                 floor = 0
                 if rank == 0 or self.first_tier.cheap_listing:
                     floor = self._listed_seq(self.first_tier)
                 self._seq_floor = max(floor, self._later_seq or 0)
-            if rank == 0 and self._later_seq is None and not self._said_later:
-                self._said_later = True
-                log.info(
-                    "numbering checkpoints from %s alone until %s answer(s) their listing (a commit never "
-                    "waits for a slower tier)",
-                    self.first_tier.name,
-                    ", ".join(self.chain.names[1:]),
-                )
             return self._seq_floor
+
+    def hurry(self) -> None:
+        """A preemption drain started: the commit path waits for nothing optional any more (the
+        later tiers' commit order, see :meth:`_floor`). Any thread but a signal handler's."""
+        self._later_ready.set()
 
     def _start_later_floor(self) -> None:
         """List the later tiers' commit order once, on the ``tierckpt-seq-floor`` thread (rank 0)."""
@@ -283,6 +292,7 @@ class Engine:
             self._later_seq = floor
             if self._seq_floor is not None:
                 self._seq_floor = max(self._seq_floor, floor)
+        self._later_ready.set()
 
     def _listed_seq(self, tier: Tier) -> int:
         """``max_seq(tier)``; 0 (logged) when the tier cannot be listed."""

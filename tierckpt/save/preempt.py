@@ -232,6 +232,8 @@ def _snapshot(t0: float, seen: dict[int, list[Any]] | None) -> DrainReport:
 
 def _drain_body(t0: float, deadline: float, seen: dict[int, list[Any]] | None) -> DrainReport:
     """The drain itself (any thread but a signal handler's: it may take tierckpt's locks)."""
+    for eng in live_engines():
+        eng.hurry()  # a commit waits for no slower tier's answer any more
     release_all()  # captures held back until dcp.save is done with the CPU start now
     tickets = [f for w in list(_writers) for f in w._tickets.pending()]
     if tickets:

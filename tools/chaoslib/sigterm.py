@@ -7,7 +7,9 @@ step-000001 committed on the local tier (``latest`` there, bit-exact), whatever 
 
 ``sigstorm``: a job with its own "stop after this step" handler, installed before the writer
 (tierckpt chains to it) or after it (replacing tierckpt's), calling ``tierckpt.drain()`` or not,
-saves every step with ``wait_captured()`` until its handler counted 1-30 signals, then ``wait()``;
+saves every step with ``wait_captured()`` (after 30% of them it holds one of tierckpt's own locks
+for 20 ms, as tierckpt does for moments, so that signals land there too) until its handler
+counted 1-30 signals, then ``wait()``;
 SIGTERM comes every 30 ms from the first save until the process is gone. It must exit 0 with its
 last checkpoint ``latest`` and bit-exact. A job still there 60 s into the storm is *hung*.
 """
@@ -23,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from chaoslib.core import CaseResult, load_state, make_state, short
 from chaoslib.env import Child, Env, tail
@@ -82,6 +85,8 @@ def _first_child(payload: dict) -> int:
 
     from tierckpt import TieredWriter
 
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # signed requests reach the silent server
+        os.environ.setdefault(k, "chaos")
     writer = TieredWriter(config_from_dict(payload["cfg"]))
     dcp.save(
         make_state(payload["seed"], payload["big"]), checkpoint_id="step-000001", storage_writer=writer, no_dist=True
@@ -93,6 +98,14 @@ def _first_child(payload: dict) -> int:
         time.sleep(0.01)
 
 
+def locks(writer: Any) -> list[Any]:
+    """Locks of tierckpt's that the main thread takes while saving (a signal may land inside)."""
+    from tierckpt.chain import engine as engine_mod
+
+    eng = engine_mod.live_engines()[0]
+    return [eng._jobs_lock, engine_mod._engines_lock, writer._tickets._lock]
+
+
 def _storm_child(payload: dict) -> int:
     """Zygote child: the storm job (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
@@ -101,6 +114,7 @@ def _storm_child(payload: dict) -> int:
     from tierckpt import TieredWriter
 
     order, stop_after = payload["order"], payload["stop_after"]
+    rng = random.Random(payload["seed"])
     signals = [0]
 
     def job_handler(signum, frame):  # "stop after this step"
@@ -124,6 +138,9 @@ def _storm_child(payload: dict) -> int:
             no_dist=True,
         )
         writer.wait_captured()
+        if rng.random() < payload["lock_share"]:  # where a signal must be safe too: inside tierckpt, a lock held
+            with rng.choice(locks(writer)):
+                time.sleep(0.02)
     writer.wait()
     print(f"DONE step-{i:06d} {signals[0]}", flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Python restores SIG_DFL while it shuts down
@@ -220,7 +237,9 @@ def case_sigstorm(env: Env, trials: int, seed: int) -> CaseResult:
         stop_after = rng.randint(1, 30)
         s, out = seed * 1000 + k, d / "child.out"
         p = env.spawn(
-            "sigterm-storm", {"cfg": cfgd, "seed": s, "big": big, "order": order, "stop_after": stop_after}, out
+            "sigterm-storm",
+            {"cfg": cfgd, "seed": s, "big": big, "order": order, "stop_after": stop_after, "lock_share": 0.3},
+            out,
         )
         res.trials += 1
         if not _wait_for(out, "READY", p, 120):
