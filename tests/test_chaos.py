@@ -133,10 +133,27 @@ def test_copy_source(env, case):
     assert res.lost == 0 and res.notes.get("hung") == 0
 
 
+def test_hungs3term(env):
+    # 2 trials: SIGTERM right after the first save while S3 never answers; the local copy stays
+    res = chaos.case_hungs3term(env, 2, SEED)
+    check(res, 2)
+    assert res.lost == 0
+
+
+def test_sigstorm(env):
+    # one trial per handler order (before/after the writer, with/without tierckpt.drain()):
+    # SIGTERM every 30 ms, the job stops after its handler counted 1-30 of them and exits 0
+    res = chaos.case_sigstorm(env, 4, SEED)
+    check(res, 4)
+    assert res.lost == 0
+
+
 def test_new_cases_are_registered():
     for name in ("filetimes", "backlog", "gcload", "killloop", "deleterace"):
         assert name in chaos.CASES and name in chaos.CASE_FUNCS
     assert {"loss-loader", "loss-digests", "race-deleter"} <= set(chaos.CHILDREN)
+    assert {"hungs3term", "sigstorm"} <= set(chaos.CASES)
+    assert {"sigterm-first", "sigterm-storm"} <= set(chaos.CHILDREN)
 
 
 def test_resource_checks_tell_a_leak_from_noise():

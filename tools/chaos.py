@@ -1,7 +1,8 @@
 """Chaos harness for tierckpt: kills, faults, corruption, races, leaks and a flaky S3, over many trials.
 
     python tools/chaos.py --trials N [--cases crash,faults,corrupt,concurrency,resources,s3faults,
-                                              filetimes,backlog,gcload,killloop,deleterace]
+                                              filetimes,backlog,gcload,killloop,deleterace,
+                                              hungs3term,sigstorm]
                           [--s3 moto|seaweedfs|none] [--json out.json] [--seed S] [--keep]
 
 Prints one row per case (case | trials | failures | lost | seconds | notes) and exits non-zero on
@@ -44,6 +45,16 @@ s3faults
     Promotions through a proxy failing 10% of S3 requests (5% 500/503 answers, 5% dropped
     connections): each promotion completes or fails with a tierckpt error; every checkpoint
     committed on S3 loads bit-exact from S3 alone; every reported success is committed on S3.
+hungs3term
+    ``[s3]`` at a loopback port that accepts connections and never answers, ``drain_timeout = 8``:
+    SIGTERM 0-0.5 s after the first ``dcp.save`` returned. The job ends by the signal within the
+    drain timeout (else *hung*) and step-000001 is ``latest`` on the local tier, bit-exact (else
+    lost): the first commit never waits on S3 (``tools/chaoslib/sigterm.py``).
+sigstorm
+    SIGTERM every 30 ms at a job saving every step with ``wait_captured()``, whose own "stop after
+    this step" handler is installed before the writer (tierckpt chains to it) or after it, calling
+    ``tierckpt.drain()`` or not: it stops after 1-30 signals, ``wait()``s and exits 0 (else
+    *hung* after 60 s of storm); its last checkpoint is ``latest`` and bit-exact.
 filetimes, backlog, gcload, killloop, deleterace
     No committed checkpoint is ever lost: file-time changes, a restart with an unpromoted
     backlog, gc racing loads, a trainer SIGKILLed and restarted from latest + 1 in a loop, and
@@ -130,11 +141,24 @@ from chaoslib.faults import (  # noqa: E402,F401
     save_wait,
 )
 from chaoslib.resources import _growth, _resources_child, case_resources, case_s3faults  # noqa: E402,F401
+from chaoslib.sigterm import CHILDREN as SIGTERM_CHILDREN  # noqa: E402
+from chaoslib.sigterm import case_hungs3term, case_sigstorm  # noqa: E402,F401
 
 from tierckpt.testing import clone_state, errors_in, find_error, raw  # noqa: E402,F401
 from tierckpt.testing import compare as diff  # noqa: E402,F401
 
-CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults", "damagedsource", "missingsource")
+CASES = (
+    "crash",
+    "faults",
+    "corrupt",
+    "concurrency",
+    "resources",
+    "s3faults",
+    "damagedsource",
+    "missingsource",
+    "hungs3term",
+    "sigstorm",
+)
 
 
 # == driver ========================================================================================
@@ -148,9 +172,11 @@ CASE_FUNCS: dict[str, Callable[..., CaseResult]] = {
     "s3faults": case_s3faults,
     "damagedsource": case_damagedsource,
     "missingsource": case_missingsource,
+    "hungs3term": case_hungs3term,
+    "sigstorm": case_sigstorm,
 }
 # zygote child kinds (``_child_main`` dispatches to them; other modules add theirs)
-CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child})
+CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child, **SIGTERM_CHILDREN})
 
 
 def register_cases(

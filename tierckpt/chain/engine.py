@@ -62,6 +62,8 @@ __all__ = [
 
 log = logging.getLogger("tierckpt")
 
+LATER_FLOOR_GRACE_S = 2.0  # the most the first commit waits for the later tiers' commit order (rank 0)
+
 
 class Engine:
     """Process-wide pipeline for one configuration. Obtain it with :func:`get_engine`."""
@@ -79,6 +81,9 @@ class Engine:
         self.history: list[SaveStats] = []
         self._seq_floor: int | None = None  # highest commit seq seen on the tiers (see _floor)
         self._seq_lock = threading.Lock()
+        self._later_seq: int | None = None  # the later tiers' highest seq, once listed (rank 0)
+        self._later_started = False
+        self._later_ready = threading.Event()  # the later tiers were listed, or a drain hurries the commits
         self._closed = False
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
@@ -118,6 +123,8 @@ class Engine:
         """Queue a checkpoint for capture. Returns at once (the copies are only enqueued)."""
         if self._closed:
             raise TierckptError("the tierckpt engine is closed")
+        if job.assign.rank == 0:
+            self._start_later_floor()  # S3's commit order, listed while this save is captured
         with self._jobs_lock:
             self._jobs.append(job)
         self.history.append(job.stats)
@@ -126,8 +133,9 @@ class Engine:
         self._commit_q.put(job)
 
     def in_flight_ids(self) -> set[str]:
-        with self._jobs_lock:
-            return {j.id for j in self._jobs}
+        """The ids of :meth:`pending` (no lock: retention on the commit thread calls it while a
+        signal handler may stop the main thread holding ``_jobs_lock``)."""
+        return {j.id for j in self.pending()}
 
     # -- commit ---------------------------------------------------------------------------
     def channel(self, job: RankSave) -> Channel:
@@ -238,21 +246,63 @@ class Engine:
             )
 
     def _floor(self, rank: int) -> int:
-        """The highest commit seq this rank can see: its first tier (when listing it is cheap) and,
-        on rank 0, every other configured tier; listed once per engine, then tracked."""
+        """The highest commit seq this rank can see, never held back by a slower tier for long.
+
+        The first tier is listed once per engine, on the commit path (rank 0 always, other ranks
+        when listing it is cheap): the commit is made there anyway. On rank 0 the later tiers
+        (S3) are listed once on a thread of their own (:meth:`_later_floor`, started by the first
+        save), so that a checkpoint committed on a fresh first tier is still numbered after what
+        S3 holds. The first commit waits for that listing at most ``LATER_FLOOR_GRACE_S`` seconds,
+        and not at all once a preemption drain started (:meth:`hurry`); a commit numbered without
+        it is logged, and the listing, when it comes, raises the floor of every later commit.
+        Then tracked through :meth:`_note_seq`.
+        """
+        if rank == 0 and self._seq_floor is None and len(self.chain) > 1:
+            self._start_later_floor()
+            if not self._later_ready.wait(LATER_FLOOR_GRACE_S):
+                log.warning(
+                    "numbering checkpoints from %s alone: %s did not list its commit order within %.0f s (a commit "
+                    "never waits longer for a slower tier; its answer counts from the next commit on)",
+                    self.first_tier.name,
+                    ", ".join(self.chain.names[1:]),
+                    LATER_FLOOR_GRACE_S,
+                )
         with self._seq_lock:
             if self._seq_floor is None:
                 floor = 0
-                tiers = [self.first_tier] if self.first_tier.cheap_listing else []
-                if rank == 0:
-                    tiers = [self.chain[i] for i in range(len(self.chain))]
-                for t in tiers:
-                    try:
-                        floor = max(floor, max_seq(t))
-                    except TierckptError as e:
-                        log.warning("cannot read the commit order on %s (numbering from what is known): %s", t.url, e)
-                self._seq_floor = floor
+                if rank == 0 or self.first_tier.cheap_listing:
+                    floor = self._listed_seq(self.first_tier)
+                self._seq_floor = max(floor, self._later_seq or 0)
             return self._seq_floor
+
+    def hurry(self) -> None:
+        """A preemption drain started: the commit path waits for nothing optional any more (the
+        later tiers' commit order, see :meth:`_floor`). Any thread but a signal handler's."""
+        self._later_ready.set()
+
+    def _start_later_floor(self) -> None:
+        """List the later tiers' commit order once, on the ``tierckpt-seq-floor`` thread (rank 0)."""
+        with self._seq_lock:
+            if self._later_started or len(self.chain) < 2:
+                return
+            self._later_started = True
+        threading.Thread(target=self._later_floor, name="tierckpt-seq-floor", daemon=True).start()
+
+    def _later_floor(self) -> None:
+        floor = max((self._listed_seq(self.chain[i]) for i in range(1, len(self.chain))), default=0)
+        with self._seq_lock:
+            self._later_seq = floor
+            if self._seq_floor is not None:
+                self._seq_floor = max(self._seq_floor, floor)
+        self._later_ready.set()
+
+    def _listed_seq(self, tier: Tier) -> int:
+        """``max_seq(tier)``; 0 (logged) when the tier cannot be listed."""
+        try:
+            return max_seq(tier)
+        except Exception as e:  # noqa: BLE001 - numbering goes on from what is known
+            log.warning("cannot read the commit order on %s (numbering from what is known): %s", tier.url, e)
+            return 0
 
     def _note_seq(self, seq: int) -> None:
         with self._seq_lock:
@@ -371,8 +421,12 @@ class Engine:
 
     # -- waiting (training thread) ----------------------------------------------------------
     def pending(self) -> list[RankSave]:
-        """The checkpoints in flight (submitted, not yet done with every hop), oldest first."""
-        return self._pending()
+        """The checkpoints in flight (submitted, not yet done with every hop), oldest first.
+
+        Takes no lock (a snapshot of the list, atomic in CPython): a signal handler interrupting
+        the main thread while it holds ``_jobs_lock``, and a preemption drain waiting for that
+        handler, call it (see :mod:`tierckpt.save.preempt`)."""
+        return list(self._jobs)
 
     def _pending(self) -> list[RankSave]:
         with self._jobs_lock:
@@ -533,9 +587,11 @@ def get_engine(cfg: Config) -> Engine:
 
 
 def live_engines() -> list[Engine]:
-    """Every engine of this process not closed yet (a preemption drain walks them)."""
-    with _engines_lock:
-        return [e for e in _engines.values() if not e._closed]
+    """Every engine of this process not closed yet (a preemption drain walks them).
+
+    Takes no lock (a snapshot of the registry, atomic in CPython): a signal handler may call it
+    while the main thread it interrupted holds ``_engines_lock``."""
+    return [e for e in list(_engines.values()) if not e._closed]
 
 
 def close_all() -> None:

@@ -106,9 +106,11 @@ class AsyncTickets:
 
     def pending(self) -> list[Future]:
         """The futures of the open tickets (each completes once its save's capture is enqueued or
-        the save ended): a preemption drain waits for them."""
-        with self._lock:
-            return [t.future for t in self._open]
+        the save ended): a preemption drain waits for them.
+
+        Takes no lock (copying the list is atomic in CPython): the drain runs while a signal
+        handler stops the main thread, which may hold ``_lock``."""
+        return [t.future for t in list(self._open)]
 
     def bound_here(self) -> bool:
         """Whether a ticket (a ``stage`` call of this writer) is bound to the calling thread's save."""
