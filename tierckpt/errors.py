@@ -8,6 +8,9 @@ Messages name the file, key, rank or checkpoint at fault.
 
 from __future__ import annotations
 
+import collections
+import threading
+
 __all__ = [
     "TierckptError",
     "ConfigError",
@@ -148,11 +151,37 @@ class TierAccessDenied(TierError, PermissionError):
     """
 
 
+_metadata_errors: collections.deque[tuple[str, BaseException]] = collections.deque(maxlen=4)
+_metadata_errors_lock = threading.Lock()
+
+
+def note_metadata_error(exc: BaseException) -> None:
+    """The reader's ``read_metadata`` (any thread) records what it raised: ``dcp.load`` (torch
+    2.13+) replaces that error with an ``AssertionError`` carrying only its text ("metadata is
+    None; global metadata read failed: ..."), which :func:`find_error` then maps back to it. The
+    last four are kept, without their tracebacks' frames being needed by anyone."""
+    text = str(exc)
+    if text:
+        with _metadata_errors_lock:
+            _metadata_errors.append((text, exc))
+
+
+def _named_in(e: BaseException) -> list[BaseException]:
+    """The recorded metadata errors whose text ``e``'s message quotes (see :func:`note_metadata_error`)."""
+    if e.__cause__ is not None or not e.args or not isinstance(e.args[0], str):
+        return []
+    with _metadata_errors_lock:
+        known = list(_metadata_errors)
+    return [x for text, x in reversed(known) if x is not e and text in e.args[0]]
+
+
 def find_error(exc: BaseException, cls: type | tuple[type, ...] = TierckptError) -> BaseException | None:
     """``exc`` itself, or the first ``cls`` inside it: DCP wraps what a storage reader or writer
     raises in its ``CheckpointException`` (``failures``: per rank), and errors chain through
-    ``__cause__``/``__context__``. None if there is none. For callers of ``dcp.load``/``dcp.save``
-    that must tell a damaged checkpoint (:class:`CorruptCheckpoint`) from an outage."""
+    ``__cause__``/``__context__``; a metadata error that ``dcp.load`` kept only the text of is
+    found by that text (:func:`note_metadata_error`). None if there is none. For callers of
+    ``dcp.load``/``dcp.save`` that must tell a damaged checkpoint (:class:`CorruptCheckpoint`)
+    from an outage."""
     seen: list[BaseException] = []
     todo: list = [exc]
     while todo:
@@ -164,5 +193,5 @@ def find_error(exc: BaseException, cls: type | tuple[type, ...] = TierckptError)
             return e
         for v in (getattr(e, "failures", None) or {}).values():
             todo.append(v[0] if isinstance(v, tuple) else v)
-        todo += [e.__cause__, e.__context__]
+        todo += [e.__cause__, e.__context__, *_named_in(e)]
     return None

@@ -26,7 +26,7 @@ from ..chain import peers
 from ..chain.checkin import Group, check_in, dcp_group
 from ..chain.commit import default_channel
 from ..config import TierConfig
-from ..errors import CheckpointNotFound, CorruptCheckpoint
+from ..errors import CheckpointNotFound, CorruptCheckpoint, note_metadata_error
 from ..tiers.base import Tier
 from . import agreement
 
@@ -141,6 +141,7 @@ class MetadataResolution:
             return self._finish_metadata(cid, self._read_local_metadata(cid))
         except BaseException as e:
             self._failed = e
+            note_metadata_error(e)  # dcp.load keeps only its text: find_error maps it back
             loading.end(self)
             raise
 
