@@ -1,7 +1,7 @@
 """Chaos harness for tierckpt: kills, faults, corruption, races, leaks and a flaky S3, over many trials.
 
     python tools/chaos.py --trials N [--cases crash,faults,corrupt,concurrency,resources,s3faults,
-                                              filetimes,backlog,gcload,killloop,deleterace]
+                                              earlykill,filetimes,backlog,gcload,killloop,deleterace]
                           [--s3 moto|seaweedfs|none] [--json out.json] [--seed S] [--keep]
 
 Prints one row per case (case | trials | failures | lost | seconds | notes) and exits non-zero on
@@ -44,6 +44,11 @@ s3faults
     Promotions through a proxy failing 10% of S3 requests (5% 500/503 answers, 5% dropped
     connections): each promotion completes or fails with a tierckpt error; every checkpoint
     committed on S3 loads bit-exact from S3 alone; every reported success is committed on S3.
+earlykill
+    A loop saving ~14 MiB every step (``dcp.save`` + ``wait_captured()``, one local tier) is
+    SIGKILLed 0.5-3 s after its first capture: ``latest`` must exist and load bit-exact the state
+    of its step (else ``lost``), and trail the saves whose data files were durable by at most a few
+    steps (commits keep up with the disk; ``tools/chaoslib/earlykill.py``).
 filetimes, backlog, gcload, killloop, deleterace
     No committed checkpoint is ever lost: file-time changes, a restart with an unpromoted
     backlog, gc racing loads, a trainer SIGKILLed and restarted from latest + 1 in a loop, and
@@ -109,6 +114,8 @@ from chaoslib.crash import (  # noqa: E402,F401
     reference,
     trainer_argv,
 )
+from chaoslib.earlykill import CHILDREN as _EARLYKILL_CHILDREN  # noqa: E402
+from chaoslib.earlykill import case_earlykill  # noqa: E402,F401
 from chaoslib.env import CHILDREN, Child, Env, Zygote, _child_main, _zygote_main, tail, wait_proc  # noqa: E402,F401
 from chaoslib.faults import (  # noqa: E402,F401
     FAULT_OPS,
@@ -125,7 +132,7 @@ from chaoslib.resources import _growth, _resources_child, case_resources, case_s
 from tierckpt.testing import clone_state, errors_in, find_error, raw  # noqa: E402,F401
 from tierckpt.testing import compare as diff  # noqa: E402,F401
 
-CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults")
+CASES = ("crash", "faults", "corrupt", "concurrency", "resources", "s3faults", "earlykill")
 
 
 # == driver ========================================================================================
@@ -137,9 +144,10 @@ CASE_FUNCS: dict[str, Callable[..., CaseResult]] = {
     "concurrency": case_concurrency,
     "resources": case_resources,
     "s3faults": case_s3faults,
+    "earlykill": case_earlykill,
 }
 # zygote child kinds (``_child_main`` dispatches to them; other modules add theirs)
-CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child})
+CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child, **_EARLYKILL_CHILDREN})
 
 
 def register_cases(

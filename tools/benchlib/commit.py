@@ -1,0 +1,132 @@
+"""Section ``commit``: how fast a small single-tier checkpoint commits, and whether commits keep up
+with a save-every-step loop (issue #32, item 8).
+
+One process saves a ~14 MiB state (``make_state``) every step: ``dcp.save`` with a
+``TieredWriter`` on one local tier (``keep = 3``, fsync on, a 512 MiB host pool: 256 MiB with
+``--quick``, so captures can run far ahead of commits if commits are slow), then
+``wait_captured()``, as a training loop with ``attach(optimizer)`` does, for ``N`` steps (200;
+60 with ``--quick``). Per save it records when it was captured, durable (its file written) and
+committed (its metadata written), from the futures of ``writer.last``; after each
+``wait_captured()`` it counts the saves captured but not committed yet (the *lag*, in steps).
+
+Rows: commit latency (durable -> committed, per save: median and p99 in ms), capture ->
+committed, and the loop (wall time, captures and commits per second, the largest and the final
+lag, CPU seconds of the process per save). Only the public API and the save's futures are used,
+so the same section runs against an older tierckpt (``PYTHONPATH``) for a before/after.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from benchlib.common import Ctx, GiB, MiB, cpu_seconds, log, make_state, now, rm, row, tensor_bytes
+from tierckpt import HostConfig, LocalConfig, TierConfig, TieredWriter
+
+STATE = 14 * MiB
+
+
+def _p(xs: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of ``xs`` by nearest rank; None when empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def section_commit(ctx: Ctx) -> dict:
+    steps = 60 if ctx.quick else 200
+    pool = (256 if ctx.quick else 512) * MiB
+    d = ctx.work / "commit"
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=pool, chunk_size=16 * MiB),
+        local=LocalConfig(path=str(d), keep=3, flush_threads=2, fsync=True),
+    )
+    sd = make_state(STATE, seed=11)
+    nbytes = tensor_bytes(sd)
+    w = TieredWriter(cfg)
+    marks: list[dict[str, float]] = []
+    lock = threading.Lock()
+
+    def mark(rec: dict[str, float], what: str) -> Any:
+        def done(_f: Any) -> None:
+            with lock:
+                rec[what] = now()
+
+        return done
+
+    log(f"commit: {steps} saves of {nbytes / MiB:.1f} MiB, one every step (pool {pool // MiB} MiB, fsync on)")
+    # warm-up save (pool allocation, DCP's first-call costs); not counted
+    dcp.save(sd, checkpoint_id="warm-0", storage_writer=w)
+    w.wait()
+    lags: list[int] = []
+    cpu0, t0 = cpu_seconds(), now()
+    for s in range(1, steps + 1):
+        sd["step"] = s
+        dcp.save(sd, checkpoint_id=f"step-{s}", storage_writer=w)
+        w.wait_captured()
+        job = w.last
+        rec: dict[str, float] = {"captured": now()}
+        marks.append(rec)
+        job.durable.add_done_callback(mark(rec, "durable"))
+        job.committed.add_done_callback(mark(rec, "committed"))
+        with lock:
+            lags.append(sum(1 for r in marks if "committed" not in r))
+    loop_s = now() - t0
+    with lock:
+        lag_end = sum(1 for r in marks if "committed" not in r)
+    w.wait()
+    all_s = now() - t0
+    cpu = cpu_seconds() - cpu0
+    rm(d)
+    with lock:
+        commit = [r["committed"] - r["durable"] for r in marks]
+        e2e = [r["committed"] - r["captured"] for r in marks]
+        in_loop = sum(1 for r in marks if r["committed"] <= t0 + loop_s)
+    p50, p99 = statistics.median(commit), _p(commit, 0.99)
+    rows = [
+        row(
+            "commit latency (durable -> committed)",
+            commit,
+            note=f"per save, {steps} saves: median {p50 * 1e3:.1f} ms, p99 {(p99 or 0) * 1e3:.1f} ms",
+            p50_ms=p50 * 1e3,
+            p99_ms=(p99 or 0) * 1e3,
+        ),
+        row(
+            "capture -> committed",
+            e2e,
+            note=f"median {statistics.median(e2e) * 1e3:.1f} ms, p99 {(_p(e2e, 0.99) or 0) * 1e3:.1f} ms",
+            p50_ms=statistics.median(e2e) * 1e3,
+            p99_ms=(_p(e2e, 0.99) or 0) * 1e3,
+        ),
+        row(
+            "save-every-step loop (until the last capture)",
+            [loop_s],
+            nbytes * steps,
+            note=(
+                f"{steps / loop_s:.1f} captures/s, {in_loop / loop_s:.1f} commits/s; lag max {max(lags)} "
+                f"steps, at the last capture {lag_end}; all committed after {all_s:.2f} s; "
+                f"CPU {cpu:.2f} s ({cpu / steps * 1e3:.1f} ms/save)"
+            ),
+            captures_per_s=steps / loop_s,
+            commits_per_s=in_loop / loop_s,
+            lag_max_steps=max(lags),
+            lag_end_steps=lag_end,
+            cpu_s=cpu,
+            cpu_s_per_gib=cpu / (nbytes * steps / GiB),
+        ),
+    ]
+    notes = [
+        f"one local tier (keep 3, fsync on), pool {pool // MiB} MiB, state {nbytes / MiB:.1f} MiB; "
+        "dcp.save + wait_captured() every step; lag = saves captured but not committed, counted "
+        "after each wait_captured(); CPU = this process, all threads, over the loop and the final wait()"
+    ]
+    return {
+        "rows": rows,
+        "notes": notes,
+        "ratios": {"commits_per_capture_in_loop": in_loop / steps, "lag_max_steps": float(max(lags))},
+        "targets": {"lag_max_steps": ("<=", 5)},
+    }
