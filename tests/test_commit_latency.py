@@ -39,7 +39,11 @@ def _cfg(tmp_path, keep: int) -> TierConfig:
 
 
 def _state(step: int) -> dict:
-    return {"w": bits((MiB // 4,), torch.float32, seed=step), "b": bits((3, 5), torch.bfloat16, seed=step), "step": step}
+    return {
+        "w": bits((MiB // 4,), torch.float32, seed=step),
+        "b": bits((3, 5), torch.bfloat16, seed=step),
+        "step": step,
+    }
 
 
 @pytest.fixture

@@ -69,7 +69,9 @@ class Retainer:
         try:
             self._sweep([job for job, _then in todo])
         except Exception as e:  # noqa: BLE001 - the sweep logs its own failures; this is a bug guard
-            log.warning("retention after committing %s failed (will retry after the next commit): %s", _name(todo[-1][0]), e)
+            log.warning(
+                "retention after committing %s failed (will retry after the next commit): %s", _name(todo[-1][0]), e
+            )
         self.passes += 1
         for job, then in todo:
             if then is None:
