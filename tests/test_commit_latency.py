@@ -7,9 +7,14 @@ slowed as they fell behind (first commit after 6 s, then one a second, 300 steps
 the commit thread only commits; retention runs on a thread of its own, one pass for whatever
 committed meanwhile, and a job is settled (``wait()`` returns) only after a pass that saw it.
 
+The first commit also waited for the host pool: its first touch (1 GiB by default: 4-8 s on a
+loaded 2-core VM) ran whole before the first slot was handed out, so a job killed in its first
+seconds had nothing committed. Now the touch up front stops once a save waits, and each slot
+not touched yet is touched by its first acquire.
+
 Behaviour only, no timing: the commit thread lists nothing and reads no lease; a retention pass
 held back holds back no commit; held-back passes are served together; ``wait()`` still means
-retention ran.
+retention ran; a save made while the pool is being touched commits with most of it untouched.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierckpt import HostConfig, LocalConfig, TierConfig, TieredWriter
+from tierckpt import HostConfig, LocalConfig, TierConfig, TieredWriter, loading
 from tierckpt.catalog.listing import committed_in_order
 from tierckpt.testing import bits
 
@@ -131,3 +136,30 @@ def test_commits_go_on_while_retention_is_held(writer, tmp_path):
     tier = w.engine.first_tier
     assert [c.checkpoint_id for c in committed_in_order(tier)] == ["step-5", "step-6"]
     assert not list(tier.list("_leases/")), "a committed save's lease outlived wait()"
+
+
+def test_first_save_does_not_wait_for_the_whole_pool_touch(tmp_path):
+    """The pool's first touch is held (a load in flight pauses it, as a resume does); a save made
+    meanwhile is captured and committed, touching only the slots it takes: the rest of the pool
+    is still untouched (it used to be touched whole first: 1 GiB by default)."""
+    cfg = TierConfig(
+        host=HostConfig(buffer_size=64 * MiB, chunk_size=1 * MiB),
+        local=LocalConfig(path=str(tmp_path / "ckpt"), keep=2, fsync=False),
+    )
+    with loading.loading():  # before the engine: its capture thread starts the touch at once
+        w = TieredWriter(cfg)
+        try:
+            dcp.save(_state(1), checkpoint_id="step-1", storage_writer=w, no_dist=True)
+            w.wait_captured()
+            w.last.committed.result(timeout=60)
+            pool = w.engine.pool
+            assert pool.untouched >= pool.nslots - 8, (pool.untouched, pool.nslots)
+            left = pool.untouched
+            taken = [pool.acquire() for _ in range(pool.free_slots() - left + 1)]  # the touched ones, then one more
+            assert pool.untouched == left - 1
+            assert not pool.slot(taken[-1]).any()  # an untouched slot is zero-filled before it is handed out
+            for slot in taken:
+                pool.release(slot)
+        finally:
+            w.engine.close()
+    assert [c.checkpoint_id for c in committed_in_order(w.engine.first_tier)] == ["step-1"]
