@@ -116,7 +116,7 @@ def test_killloop(env):
 
 
 def test_earlykill(env):
-    # 2 trials: a save-every-step loop SIGKILLed 0.5-3 s after its first capture resumes from a
+    # 2 trials: a save-every-step loop SIGKILLed 1-3 s after it started resumes from a
     # committed checkpoint within a few steps of its durable saves (issue #32, item 8)
     res = chaos.CASE_FUNCS["earlykill"](env, 2, SEED)
     check(res, 2)

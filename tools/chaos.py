@@ -46,7 +46,7 @@ s3faults
     committed on S3 loads bit-exact from S3 alone; every reported success is committed on S3.
 earlykill
     A loop saving ~14 MiB every step (``dcp.save`` + ``wait_captured()``, one local tier) is
-    SIGKILLed 0.5-3 s after its first capture: ``latest`` must exist and load bit-exact the state
+    SIGKILLed 1-3 s after it created its writer: ``latest`` must exist and load bit-exact the state
     of its step (else ``lost``), and trail the saves whose data files were durable by at most a few
     steps (commits keep up with the disk; ``tools/chaoslib/earlykill.py``).
 filetimes, backlog, gcload, killloop, deleterace
