@@ -115,6 +115,14 @@ def test_killloop(env):
     assert res.lost == 0
 
 
+def test_earlykill(env):
+    # 2 trials: a save-every-step loop SIGKILLed 1-3 s after it started resumes from a
+    # committed checkpoint within a few steps of its durable saves (issue #32, item 8)
+    res = chaos.CASE_FUNCS["earlykill"](env, 2, SEED)
+    check(res, 2)
+    assert res.lost == 0
+
+
 def test_deleterace(env):
     # one trial of each set-up: a promotion, a save whose lease lapses, a re-save of the same id,
     # each racing a deleter in another process stopped between its metadata check and its deletion
@@ -154,6 +162,7 @@ def test_new_cases_are_registered():
     assert {"loss-loader", "loss-digests", "race-deleter"} <= set(chaos.CHILDREN)
     assert {"hungs3term", "sigstorm"} <= set(chaos.CASES)
     assert {"sigterm-first", "sigterm-storm"} <= set(chaos.CHILDREN)
+    assert "earlykill" in chaos.CASES and "earlykill-saver" in chaos.CHILDREN
 
 
 def test_resource_checks_tell_a_leak_from_noise():

@@ -2,7 +2,7 @@
 """Side-by-side benchmark of tierckpt against the raw disk, ``torch.save`` and DCP's own writers.
 
     python tools/bench.py [--size-gib 2] [--cpu-gib 0.75] [--out bench-out/bench.json]
-                          [--only local,cpu,lazy,e2e,rss] [--dir DIR] [--repeats 3] [--quick] [--nice N]
+                          [--only local,cpu,lazy,e2e,rss,commit] [--dir DIR] [--repeats 3] [--quick] [--nice N]
                           [--s3-gib 0.5] [--s3-data DIR] [--s3-servers moto,seaweedfs]
                                                             (sections s3, restore, peer: --only s3,restore)
                           [--lazy-mib 96,192] [--e2e-every 1,2,4] [--e2e-iters 8] [--e2e-rounds 3]   (plot series)
@@ -63,6 +63,10 @@ times something; tables show a CPU-s/GiB column when measured.
   fine-tune (``tools/benchlib/compress.py``).
 * ``rss``: peak RSS (psutil, sampled every 5 ms) of a fresh process during TieredWriter saves for
   pools of 1/4 and 1x of a ~1 GiB state (and ``dcp.async_save`` staging as a reference).
+* ``commit``: commit latency of a small (~14 MiB) checkpoint on one local tier in a save-every-step
+  loop (``dcp.save`` + ``wait_captured()``, keep 3, fsync on): durable -> committed per save
+  (median, p99 ms), captures and commits per second, the lag in steps (captured, not committed),
+  CPU seconds (``tools/benchlib/commit.py``).
 
 The ``e2e`` and ``peer`` sections also draw the timeline of their tiered saves (each phase on each
 rank against wall time, as ``tierckpt-restore timeline`` does) next to the JSON:
@@ -96,6 +100,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from benchlib.commit import section_commit  # noqa: E402
 from benchlib.common import Contention, Ctx, init_pg, log, machine_info, now, print_table  # noqa: E402
 from benchlib.compress import section_compress  # noqa: E402
 from benchlib.cpu import section_cpu  # noqa: E402
@@ -108,13 +113,14 @@ from benchlib.rss import rss_child, section_rss  # noqa: E402
 from benchlib.s3 import section_s3  # noqa: E402
 from benchlib.scale import section_scale  # noqa: E402
 
-SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "s3", "restore", "peer", "scale", "compress")
+SECTION_NAMES = ("local", "cpu", "lazy", "e2e", "rss", "commit", "s3", "restore", "peer", "scale", "compress")
 DEFAULT_SECTIONS = (
     "local",
     "cpu",
     "lazy",
     "e2e",
     "rss",
+    "commit",
 )  # s3/restore/peer/scale/compress: only with --only (need S3 servers, add minutes)
 
 
@@ -124,6 +130,7 @@ SECTIONS: dict[str, Callable[[Ctx], dict]] = {
     "lazy": section_lazy,
     "e2e": section_e2e,
     "rss": section_rss,
+    "commit": section_commit,
     "s3": section_s3,
     "restore": section_restore,
     "peer": section_peer,

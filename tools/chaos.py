@@ -1,8 +1,8 @@
 """Chaos harness for tierckpt: kills, faults, corruption, races, leaks and a flaky S3, over many trials.
 
     python tools/chaos.py --trials N [--cases crash,faults,corrupt,concurrency,resources,s3faults,
-                                              filetimes,backlog,gcload,killloop,deleterace,
-                                              hungs3term,sigstorm]
+                                              damagedsource,missingsource,earlykill,filetimes,backlog,
+                                              gcload,killloop,deleterace,hungs3term,sigstorm]
                           [--s3 moto|seaweedfs|none] [--json out.json] [--seed S] [--keep]
 
 Prints one row per case (case | trials | failures | lost | seconds | notes) and exits non-zero on
@@ -55,6 +55,11 @@ sigstorm
     this step" handler is installed before the writer (tierckpt chains to it) or after it, calling
     ``tierckpt.drain()`` or not: it stops after 1-30 signals, ``wait()``s and exits 0 (else
     *hung* after 60 s of storm); its last checkpoint is ``latest`` and bit-exact.
+earlykill
+    A loop saving ~14 MiB every step (``dcp.save`` + ``wait_captured()``, one local tier) is
+    SIGKILLed 1-3 s after it created its writer: ``latest`` must exist and load bit-exact the state
+    of its step (else ``lost``), and trail the saves whose data files were durable by at most a few
+    steps (commits keep up with the disk; ``tools/chaoslib/earlykill.py``).
 filetimes, backlog, gcload, killloop, deleterace
     No committed checkpoint is ever lost: file-time changes, a restart with an unpromoted
     backlog, gc racing loads, a trainer SIGKILLed and restarted from latest + 1 in a loop, and
@@ -129,6 +134,8 @@ from chaoslib.crash import (  # noqa: E402,F401
     reference,
     trainer_argv,
 )
+from chaoslib.earlykill import CHILDREN as _EARLYKILL_CHILDREN  # noqa: E402
+from chaoslib.earlykill import case_earlykill  # noqa: E402,F401
 from chaoslib.env import CHILDREN, Child, Env, Zygote, _child_main, _zygote_main, tail, wait_proc  # noqa: E402,F401
 from chaoslib.faults import (  # noqa: E402,F401
     FAULT_OPS,
@@ -158,6 +165,7 @@ CASES = (
     "missingsource",
     "hungs3term",
     "sigstorm",
+    "earlykill",
 )
 
 
@@ -174,9 +182,17 @@ CASE_FUNCS: dict[str, Callable[..., CaseResult]] = {
     "missingsource": case_missingsource,
     "hungs3term": case_hungs3term,
     "sigstorm": case_sigstorm,
+    "earlykill": case_earlykill,
 }
 # zygote child kinds (``_child_main`` dispatches to them; other modules add theirs)
-CHILDREN.update({"resources": _resources_child, "concurrent-save": _concurrent_save_child, **SIGTERM_CHILDREN})
+CHILDREN.update(
+    {
+        "resources": _resources_child,
+        "concurrent-save": _concurrent_save_child,
+        **SIGTERM_CHILDREN,
+        **_EARLYKILL_CHILDREN,
+    }
+)
 
 
 def register_cases(

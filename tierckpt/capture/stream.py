@@ -68,6 +68,7 @@ class CaptureStream:
                 self.chunk_size,
                 self.cfg.host.pinned,
                 pause=lambda: loading.in_flight() and self._capture_q.empty(),
+                wanted=lambda: not self._capture_q.empty(),  # a save waits: touch the rest on demand
             )
         return self._pool
 

@@ -9,7 +9,10 @@ chaos harness give it their own tiers. It owns:
 * the host pool and the capture thread and flush workers (:mod:`tierckpt.capture.stream`): chunks
   copied from live tensors into pool slots, checksummed and written into the first tier;
 * one *commit* thread: runs the commit protocol (:mod:`tierckpt.commit`) on the first tier for each
-  checkpoint in order, then its retention, then hands it to the first hop;
+  checkpoint in order, then hands it to the first hop; nothing else, so that commits keep up
+  with saves whenever the disk does;
+* one *retention* thread (:mod:`tierckpt.chain.retainer`): the first tier's retention after
+  commits and hops, one pass for whatever committed meanwhile; a job is settled after it;
 * one :class:`~tierckpt.replicate.Replicator` per later tier (its own thread), in chain order.
 
 Futures per checkpoint (:class:`~tierckpt.save.RankSave`): ``captured`` (safe to mutate state),
@@ -46,6 +49,7 @@ from ..tiers.base import Tier
 from .commit import Channel, Round, default_channel, run_commit
 from .peercopy import PeerHop
 from .replicate import Replicator
+from .retainer import Retainer
 from .retention import enforce
 from .waits import Failure, copies_pending, drain, id_order, pending_text, scope, take
 
@@ -76,6 +80,7 @@ class Engine:
         self.telemetry = EngineTelemetry(cfg, lambda: self.chain.first, self.pending, lambda: self._closed)
         self._commit_q: queue.Queue[RankSave | None] = queue.Queue()
         self._jobs: list[RankSave] = []
+        self._retiring: set[RankSave] = set()  # done but for first-tier retention: not in flight for it
         self._jobs_lock = threading.Lock()
         self._errors: list[Failure] = []  # queued for the next wait (see raise_errors)
         self.history: list[SaveStats] = []
@@ -88,6 +93,7 @@ class Engine:
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
         self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
+        self.retainer = Retainer(self._retain_after)
         self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)
         self._commit_thread.start()
         chain = self.chain
@@ -133,9 +139,12 @@ class Engine:
         self._commit_q.put(job)
 
     def in_flight_ids(self) -> set[str]:
-        """The ids of :meth:`pending` (no lock: retention on the commit thread calls it while a
-        signal handler may stop the main thread holding ``_jobs_lock``)."""
-        return {j.id for j in self.pending()}
+        """Ids of the saves not done yet; retention spares them. A save that waits only for the
+        retention pass after its commit is not one (that pass may delete what it supersedes).
+        No lock (snapshots, atomic in CPython): retention calls it while a signal handler may
+        stop the main thread holding ``_jobs_lock``."""
+        retiring = frozenset(self._retiring)
+        return {j.id for j in self.pending() if j not in retiring}
 
     # -- commit ---------------------------------------------------------------------------
     def channel(self, job: RankSave) -> Channel:
@@ -166,10 +175,19 @@ class Engine:
                 if job.durable.done() and job.durable.exception() is None:
                     job.stats.phases.add("commit", job.t_durable, error=str(e))
                 self.fail(job, e, "commit")
-            if self.hops and not job.failed:
-                self.hops[0].submit(job)
-            else:
+            if job.failed:
                 self._settle(job)
+            elif self.hops:
+                self.hops[0].submit(job)
+                self.retainer.after(job)
+            else:
+                self._retire(job)
+
+    def _retire(self, job: RankSave) -> None:
+        """``job`` is done on every tier: settle it once a first-tier retention pass saw it."""
+        with self._jobs_lock:
+            self._retiring.add(job)
+        self.retainer.after(job, self._settle)
 
     def _commit(self, job: RankSave) -> None:
         """Run the commit protocol for ``job`` on the first tier (see :mod:`tierckpt.commit`).
@@ -209,10 +227,7 @@ class Engine:
             on_reported=reported,
             before_put=lambda: self._check_lease(job),
         )
-        self._note_seq(job.seq)
-        job.release_lease()
-        if a.meta_writer_rank == a.rank:
-            self.retain_first_tier(job)
+        self._note_seq(job.seq)  # its lease goes on the retention thread (off the commit path)
 
     def _check_file(self, job: RankSave) -> None:
         """A save never commits a file it cannot still see: this rank's data file must be on the
@@ -308,9 +323,19 @@ class Engine:
         with self._seq_lock:
             self._seq_floor = max(self._seq_floor or 0, seq)
 
+    def _retain_after(self, jobs: list[RankSave]) -> None:
+        """The retention thread: release the save leases of ``jobs`` (committed, oldest first), then
+        one first-tier pass for the newest of them this rank writes the metadata of (the pass
+        sees the others too)."""
+        for j in jobs:
+            j.release_lease()
+        mine = [j for j in jobs if j.assign.meta_writer_rank == j.assign.rank and _ok(j.committed)]
+        if mine:
+            self.retain_first_tier(mine[-1])
+
     def retain_first_tier(self, job: RankSave) -> None:
         """Retention on the first tier after ``job`` committed there (its metadata writer only;
-        called by the commit thread, and again after each hop).
+        called by the retention thread after the commit, and again after each hop).
 
         Best effort: a failure is logged and never fails the committed checkpoint; the next
         commit retries. Checkpoints still owed to a later tier are protected (and nothing is
@@ -342,15 +367,16 @@ class Engine:
             log.info("removed %d leftovers of interrupted writes on %s", aborted, tier.url)
 
     def hop_done(self, hop: Replicator, job: RankSave) -> None:
-        """A hop thread is done with ``job``: retention on the first tier (it may have waited for
-        this copy), then the next hop, or the job is settled."""
-        self.retain_first_tier(job)  # committed on the first tier, even if this hop failed
+        """A hop thread is done with ``job``: the next hop takes it, and retention on the first
+        tier runs (it may have waited for this copy; the job is committed there even if this hop
+        failed); after the last hop the job is settled once that retention ran."""
         job.hop_done(hop.name).set()
         i = self.hops.index(hop)
         if i + 1 < len(self.hops):
             self.hops[i + 1].submit(job)
+            self.retainer.after(job)
         else:
-            self._settle(job)
+            self._retire(job)
 
     def _settle(self, job: RankSave) -> None:
         # Settled after retention, so that wait() returning means retention on every tier ran;
@@ -361,6 +387,7 @@ class Engine:
         with self._jobs_lock:
             if job in self._jobs:
                 self._jobs.remove(job)
+            self._retiring.discard(job)
 
     def fail(self, job: RankSave, exc: BaseException, stage: str) -> None:
         """Fail ``job`` once: the error is queued for the next wait *before* any future is set,
@@ -553,6 +580,11 @@ class Engine:
             self._commit_q.put(None)
             for hop in self.hops:
                 hop.close()
+            self.retainer.close()
+
+
+def _ok(fut: Any) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is None
 
 
 _engines: dict[str, Engine] = {}
