@@ -16,7 +16,7 @@ from chaoslib.crash import read_events
 from chaoslib.env import Env, tail, wait_proc
 from chaoslib.loss import expect_only, save_series, state_digest, with_keep
 from restore import gc_checkpoints
-from tierckpt import CorruptCheckpoint, TieredReader
+from tierckpt import CheckpointBeingDeleted, CorruptCheckpoint, TieredReader
 from tierckpt.config import config_from_dict
 from tierckpt.testing import errors_in, find_error
 
@@ -34,6 +34,8 @@ def classify(exc: BaseException) -> str:
     texts = [str(e) for e in errors_in(exc)]
     if any(re.search(r"was deleted from .* while it was being read", t) for t in texts):
         return "deleted under the reader"
+    if find_error(exc, CheckpointBeingDeleted) is not None:
+        return "gone"  # a CorruptCheckpoint too (the resume loop's fallback), but no damage
     if find_error(exc, CorruptCheckpoint) is not None or (
         any(_TIERCKPT_TEXT.search(t) for t in texts) and not any(GONE.search(t) for t in texts)
     ):
