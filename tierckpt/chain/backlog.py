@@ -90,13 +90,14 @@ class BacklogPasses:
                 0,
                 1,
                 self.owner.cfg.job.commit_timeout,
-                f"backlog of {self.name} at start",
+                f"copying the checkpoints still missing on {self.name} (left by an earlier job or an outage) at start",
             )
             try:
                 self._backlog_pass(rnd, None, "")
             except BaseException as e:  # noqa: BLE001 - retried before the first copy
                 log.warning(
-                    "replicating the backlog to %s at start failed (retried before the first copy): %s", self.name, e
+                    "copying the checkpoints still missing on %s at start failed; they stay committed on the first tier, "
+                    "and the copy is retried before the next checkpoint's copy: %s", self.name, e
                 )
                 return
             finally:
@@ -116,7 +117,7 @@ class BacklogPasses:
             a.rank,
             a.world,
             self.owner.cfg.job.commit_timeout,
-            f"backlog of {self.name} before {job.id}",
+            f"copying the checkpoints still missing on {self.name} before {job.id}",
         )
         try:
             if a.rank == 0:
@@ -246,7 +247,7 @@ class BacklogPasses:
             try:
                 self.owner.retain(dst, set(outcome["promoted"]))
             except Exception as e:  # noqa: BLE001
-                log.warning("retention on %s after the backlog failed: %s", dst.url, e)
+                log.warning("deleting old checkpoints on %s (retention) after copying the missing ones failed: %s", dst.url, e)
 
     def _plan_backlog(self, have: list[dict], world: int) -> dict:
         """Coordinator: union the ranks' holdings, compare with ``dst``, assign every file to one rank."""
@@ -321,7 +322,7 @@ class BacklogPasses:
                     )
                 else:
                     failed[cid] = why
-                    log.warning("%s: %s stays owed to %s: %s", rnd.what, cid, dst.url, why)
+                    log.warning("%s: %s is not on %s yet (it stays committed on the first tier; the copy is retried later): %s", rnd.what, cid, dst.url, why)
                 continue
             if cid in stored:
                 md = add_stored(md, stored[cid])

@@ -276,11 +276,12 @@ class Engine:
             self._start_later_floor()
             if not self._later_ready.wait(LATER_FLOOR_GRACE_S):
                 log.warning(
-                    "numbering checkpoints from %s alone: %s did not list its commit order within %.0f s (a commit "
-                    "never waits longer for a slower tier; its answer counts from the next commit on)",
-                    self.first_tier.name,
+                    "%s did not answer within %.0f s, so this checkpoint is numbered from what %s holds alone; nothing "
+                    "to do: the checkpoint is committed, and %s's answer is used from the next checkpoint on",
                     ", ".join(self.chain.names[1:]),
                     LATER_FLOOR_GRACE_S,
+                    self.first_tier.name,
+                    ", ".join(self.chain.names[1:]),
                 )
         with self._seq_lock:
             if self._seq_floor is None:
@@ -316,7 +317,8 @@ class Engine:
         try:
             return max_seq(tier)
         except Exception as e:  # noqa: BLE001 - numbering goes on from what is known
-            log.warning("cannot read the commit order on %s (numbering from what is known): %s", tier.url, e)
+            log.warning("cannot list the checkpoints on %s to number the next one after them; numbering from what the "
+                "other tiers hold: %s", tier.url, e)
             return 0
 
     def _note_seq(self, seq: int) -> None:

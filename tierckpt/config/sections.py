@@ -263,7 +263,9 @@ class JobConfig:
     Attributes:
         commit_timeout: seconds the coordinator waits for every rank to report its data durable
             before it gives up on a checkpoint (it then stays uncommitted).
-        log_level: level for the ``tierckpt`` logger ("" leaves logging alone).
+        log_level: level for the ``tierckpt`` logger ("" leaves its level alone: WARNING and
+            above print). Where the application configured no logging, tierckpt prints on stderr
+            as ``tierckpt.<module> LEVEL [rank R] message``; where it did, through its handlers.
         background_nice: niceness added to the flush, promotion and cleanup threads (Linux), so
             that they use the cycles training leaves idle; the capture thread, which training
             may wait for, keeps the process's priority. 0 turns it off.
