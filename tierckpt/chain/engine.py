@@ -171,6 +171,7 @@ class Engine:
                     job.stats.capture_s or 0.0,
                     job.stats.flush_s or 0.0,
                 )
+                self.telemetry.committed(job)  # its history record, written now by the telemetry thread
             except BaseException as e:  # noqa: BLE001
                 if job.durable.done() and job.durable.exception() is None:
                     job.stats.phases.add("commit", job.t_durable, error=str(e))

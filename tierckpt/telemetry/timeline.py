@@ -21,6 +21,7 @@ safe inside a training process or a benchmark. matplotlib is an optional extra
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,26 +177,39 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
                 if p.error:
                     style.update(hatch="xx", edgecolor="black", linewidth=1.0)
                 ax.barh(lanes[(r.rank, p.name)], max(xb - xa, min_w), left=xa, height=0.8, **style)
-    for _i, run in enumerate(runs):
+    # Checkpoint names: vertical when many; one at most every 1/45 of the axis (the others keep their line).
+    label_gap = x_end / 45 if len(runs) > 12 else 0.0
+    last_label = -math.inf
+    for run in runs:
         xs = tmap.x(run.start - t0)
         ax.axvline(xs, color="#555555", linestyle=":", linewidth=0.8)
+        if xs - last_label < label_gap:
+            continue
+        last_label = xs
         ax.text(
             xs,
             1.005,
             run.checkpoint_id + (" (failed)" if run.failed else ""),
             transform=ax.get_xaxis_transform(),
-            fontsize=7,
-            rotation=25 if len(runs) > 6 else 0,
-            ha="left",
+            fontsize=7 if len(runs) <= 12 else 6,
+            rotation=0 if len(runs) <= 6 else 30 if len(runs) <= 12 else 90,
+            ha="left" if len(runs) <= 12 else "center",
             va="bottom",
         )
+    restarts = [(a.end - t0, b.start - t0) for a, b in zip(runs, runs[1:]) if b.restarted_after(a)]
+    for a, b in restarts:
+        xb = tmap.x(b)
+        ax.axvline(xb, color="#b00000", linewidth=1.4)
+        ax.text(xb, 0.02, " restart (new process)", transform=ax.get_xaxis_transform(), fontsize=7,
+                color="#b00000", ha="left", va="bottom", rotation=90)
     for a, b in tmap.gaps:
         xa, xb = tmap.x(a), tmap.x(b)
-        ax.axvspan(xa, xb, color="#eeeeee", zorder=0)
+        crash = any(ra <= b and rb >= a for ra, rb in restarts)
+        ax.axvspan(xa, xb, color="#f4dede" if crash else "#eeeeee", zorder=0)
         ax.text(
             (xa + xb) / 2,
             0.5,
-            f"idle {_fmt(b - a)}",
+            f"{'stopped and restarted' if crash else 'idle'} {_fmt(b - a)}",
             transform=ax.get_xaxis_transform(),
             rotation=90,
             ha="center",
@@ -210,9 +224,15 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
     ax.set_xlim(0, x_end * 1.01)
     ax.xaxis.set_major_locator(MaxNLocator(12))
 
-    def tick(x: float, _pos: Any) -> str:
+    def tick(x: float, pos: Any) -> str:
         t = tmap.real(x)
-        return "" if t is None else _fmt(t)
+        if t is None:
+            return ""
+        locs = ax.xaxis.get_majorticklocs()
+        step = min((b - a for a, b in zip(locs, locs[1:]) if b > a), default=1.0)
+        if t < 120 and step < 10:  # as many decimals as the spacing needs: no "33s 33s 33s"
+            return f"{t:.{max(0, -math.floor(math.log10(step)))}f}s"
+        return _fmt(t)
 
     ax.xaxis.set_major_formatter(FuncFormatter(tick))
     ax.grid(axis="x", color="#dddddd", linewidth=0.5)
@@ -239,5 +259,6 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
         "ranks": drawn,
         "all_ranks": all_ranks,
         "gaps": [b - a for a, b in tmap.gaps],
+        "restarts": len(restarts),
         "out": str(out),
     }

@@ -1,0 +1,91 @@
+"""The history survives a SIGKILL and tells a restart from training (issue 33, item 9).
+
+A real job saves three checkpoints and is SIGKILLed while it trains on; a new process saves three
+more. The first job's records are on disk although it never closed (written at commit time),
+``advise`` counts no training across the restart, and ``timeline`` marks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from restore.cli import main
+from tierckpt.telemetry.history import group_checkpoints, read_history
+from tierckpt.tiers.local import LocalTier
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def _child(root: Path, first: int, n: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "history_child.py"), str(root), str(first), str(n), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ids(root: Path) -> list[str]:
+    return [r.checkpoint_id for r in group_checkpoints(read_history([LocalTier(root)]))]
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("crash") / "ckpt"
+    p = _child(root, 1, 3, "hang")
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "SAVED"
+        deadline = time.monotonic() + 60  # a bound on a hung job, not a timing assertion
+        while _ids(root) != ["step-1", "step-2", "step-3"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        assert _ids(root) == ["step-1", "step-2", "step-3"]  # written while the job ran, without close()
+        p2 = _child(root, 4, 3)
+        assert p2.wait(120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    toml = root.parent / "tiers.toml"
+    toml.write_text(f'[local]\npath = "{root}"\n')
+    return toml
+
+
+def test_a_killed_job_keeps_the_history_of_its_committed_checkpoints(crashed):
+    root = crashed.parent / "ckpt"
+    runs = group_checkpoints(read_history([LocalTier(root)]))
+    assert [r.checkpoint_id for r in runs] == [f"step-{i}" for i in range(1, 7)]
+    assert [r.restarted_after(a) for a, r in zip(runs, runs[1:])] == [False, False, True, False, False]
+
+
+def test_advise_counts_no_training_across_the_restart(crashed, capsys):
+    root = crashed.parent / "ckpt"
+    runs = group_checkpoints(read_history([LocalTier(root)]))
+    across = runs[3].start - runs[2].start  # the kill and the restart (the new process's import)
+    assert main(["advise", "--config", str(crashed), "--mtbf", "2d", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["inputs"]
+    assert got["restarts"] == 1
+    within = [b.start - a.start for a, b in zip(runs, runs[1:]) if not b.restarted_after(a)]
+    assert got["s_per_step"] == pytest.approx(sum(within) / len(within))
+    assert got["s_per_step"] < across and got["interval_s"] <= max(within)
+    assert main(["advise", "--config", str(crashed), "--mtbf", "2d"]) == 0
+    assert "1 restart(s) of the job" in capsys.readouterr().out
+
+
+def test_timeline_marks_the_restart(crashed, tmp_path):
+    pytest.importorskip("matplotlib")
+    from tierckpt.telemetry.timeline import draw
+
+    runs = group_checkpoints(read_history([LocalTier(crashed.parent / "ckpt")]))
+    got = draw(runs, tmp_path / "t.png")
+    assert got["restarts"] == 1 and (tmp_path / "t.png").stat().st_size > 0
