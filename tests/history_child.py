@@ -22,7 +22,9 @@ from tierckpt.config import config_from_dict  # noqa: E402
 
 def main() -> int:
     root, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    cfg = config_from_dict({"host": {"buffer_size": "4MiB", "chunk_size": "256KiB"}, "local": {"path": root, "keep": 20}})
+    cfg = config_from_dict(
+        {"host": {"buffer_size": "4MiB", "chunk_size": "256KiB"}, "local": {"path": root, "keep": 20}}
+    )
     w = TieredWriter(cfg)
     for step in range(first, first + n):
         time.sleep(0.05)  # the training between two saves

@@ -89,3 +89,35 @@ def test_timeline_marks_the_restart(crashed, tmp_path):
     runs = group_checkpoints(read_history([LocalTier(crashed.parent / "ckpt")]))
     got = draw(runs, tmp_path / "t.png")
     assert got["restarts"] == 1 and (tmp_path / "t.png").stat().st_size > 0
+
+
+def _synthetic(n: int, restart_at: int, every: float) -> list:
+    from tierckpt.telemetry.history import CheckpointRun, RankRecord
+    from tierckpt.telemetry.phases import Phase
+
+    runs, t = [], 1.7e9
+    for i in range(n):
+        if i == restart_at:
+            t += 31.0  # killed, then a new process
+        phases = [
+            Phase("blocked_in_save", t, t + 0.01, True),
+            Phase("capture", t + 0.01, t + 0.05, False),
+            Phase("flush", t + 0.02, t + 0.08, False),
+            Phase("commit", t + 0.08, t + 0.09, False),
+        ]
+        proc = "1@1" if i < restart_at else "2@2"
+        rec = RankRecord(f"step-{i:06d}", f"t{i}", i, 0, 1, 0, "n0", 1, None, {}, phases, process=proc)
+        runs.append(CheckpointRun(rec.checkpoint_id, rec.token, i, [rec]))
+        t += every
+    return runs
+
+
+@pytest.mark.parametrize("n", [12, 50])
+def test_timeline_axis_is_readable_after_a_restart(n, tmp_path):
+    pytest.importorskip("matplotlib")
+    from tierckpt.telemetry.timeline import draw
+
+    got = draw(_synthetic(n, n // 2, 0.13), tmp_path / "t.png")
+    assert got["restarts"] == 1 and len(got["gaps"]) == 1
+    assert len(got["xticks"]) >= 5 and len(set(got["xticks"])) == len(got["xticks"]), got["xticks"]  # no "33s 33s"
+    assert got["labelled"] <= 46  # names thinned so they do not overlap (one per 1/45 of the axis at most)

@@ -43,10 +43,14 @@ def test_the_readme_loop_starts_then_resumes_with_the_optimizer(tmp_path: Path) 
 
 def test_a_fresh_optimizer_state_dict_loads_nothing_and_says_so(tmp_path: Path) -> None:
     assert _run(tmp_path, _readme_loop()).returncode == 0
-    wrong = _readme_loop().replace(
-        "model_sd, optim_sd = get_state_dict(model, optimizer)",
-        "model_sd, optim_sd = model.state_dict(), optimizer.state_dict()",
-    ).replace("set_state_dict(model, optimizer, model_state_dict=sd[\"model\"], optim_state_dict=sd[\"optim\"])", "pass")
+    wrong = (
+        _readme_loop()
+        .replace(
+            "model_sd, optim_sd = get_state_dict(model, optimizer)",
+            "model_sd, optim_sd = model.state_dict(), optimizer.state_dict()",
+        )
+        .replace('set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])', "pass")
+    )
     out = _run(tmp_path, wrong)
     assert out.returncode == 0, out.stderr
     warned = [ln for ln in out.stderr.splitlines() if "NOT loaded" in ln]

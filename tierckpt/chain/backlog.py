@@ -97,7 +97,9 @@ class BacklogPasses:
             except BaseException as e:  # noqa: BLE001 - retried before the first copy
                 log.warning(
                     "copying the checkpoints still missing on %s at start failed; they stay committed on the first tier, "
-                    "and the copy is retried before the next checkpoint's copy: %s", self.name, e
+                    "and the copy is retried before the next checkpoint's copy: %s",
+                    self.name,
+                    e,
                 )
                 return
             finally:
@@ -247,7 +249,9 @@ class BacklogPasses:
             try:
                 self.owner.retain(dst, set(outcome["promoted"]))
             except Exception as e:  # noqa: BLE001
-                log.warning("deleting old checkpoints on %s (retention) after copying the missing ones failed: %s", dst.url, e)
+                log.warning(
+                    "deleting old checkpoints on %s (retention) after copying the missing ones failed: %s", dst.url, e
+                )
 
     def _plan_backlog(self, have: list[dict], world: int) -> dict:
         """Coordinator: union the ranks' holdings, compare with ``dst``, assign every file to one rank."""
@@ -322,7 +326,13 @@ class BacklogPasses:
                     )
                 else:
                     failed[cid] = why
-                    log.warning("%s: %s is not on %s yet (it stays committed on the first tier; the copy is retried later): %s", rnd.what, cid, dst.url, why)
+                    log.warning(
+                        "%s: %s is not on %s yet (it stays committed on the first tier; the copy is retried later): %s",
+                        rnd.what,
+                        cid,
+                        dst.url,
+                        why,
+                    )
                 continue
             if cid in stored:
                 md = add_stored(md, stored[cid])

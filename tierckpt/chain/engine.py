@@ -318,8 +318,12 @@ class Engine:
         try:
             return max_seq(tier)
         except Exception as e:  # noqa: BLE001 - numbering goes on from what is known
-            log.warning("cannot list the checkpoints on %s to number the next one after them; numbering from what the "
-                "other tiers hold: %s", tier.url, e)
+            log.warning(
+                "cannot list the checkpoints on %s to number the next one after them; numbering from what the "
+                "other tiers hold: %s",
+                tier.url,
+                e,
+            )
             return 0
 
     def _note_seq(self, seq: int) -> None:

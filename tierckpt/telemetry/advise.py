@@ -100,10 +100,14 @@ class Inputs:
         # (a crash, a kill, a requeue) and the first after it is no training.
         pairs = [(a, b) for a, b in zip(runs, runs[1:]) if not b.restarted_after(a)]
         gaps = [b.start - a.start for a, b in pairs]
-        stepped = [(a, b) for a, b in pairs if a.step is not None and b.step is not None and b.step > a.step]
+        stepped = [
+            (b.start - a.start, b.step - a.step)
+            for a, b in pairs
+            if a.step is not None and b.step is not None and b.step > a.step
+        ]
         per_step = None
         if stepped:
-            per_step = sum(b.start - a.start for a, b in stepped) / sum(b.step - a.step for a, b in stepped)  # type: ignore[operator]
+            per_step = sum(dt for dt, _ in stepped) / sum(ds for _, ds in stepped)
         return cls(
             [r.checkpoint_id for r in runs],
             max(len(r.ranks) for r in runs),

@@ -190,7 +190,7 @@ class HistoryLog:
         True when the caller should have :meth:`write` run (off its thread), or call :meth:`cancel`."""
         enc = _encode(record)
         with self._lock:
-            self._new.append((f'{record.get("id")}/{record.get("token")}', enc))
+            self._new.append((f"{record.get('id')}/{record.get('token')}", enc))
             del self._new[: -self.keep]
             if self._asked or time.monotonic() - self._last_write < WRITE_INTERVAL:
                 return False
