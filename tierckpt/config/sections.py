@@ -279,6 +279,13 @@ class JobConfig:
             or ``"otel"``: a span per checkpoint phase and metrics through the OpenTelemetry
             providers the application configured (``pip install "tierckpt[otel]"``; see
             docs/telemetry.md and :mod:`tierckpt.telemetry.otel`).
+        async_future: what a finished future of ``dcp.async_save`` with the thread executor and
+            this writer as stager means: ``"accepted"`` (default: DCP planned the save, its
+            capture is enqueued; training never waits longer), ``"captured"`` (the state is in
+            host memory), ``"committed_local"`` (committed on the first tier, so
+            ``tierckpt.list_checkpoints`` lists it). The stronger ones start the capture at once
+            and keep DCP's save thread until then (see docs/usage.md). Process mode: always
+            committed on every tier.
         history: checkpoints whose per-rank phases each process keeps in ``_history/`` on a
             local first tier, for ``tierckpt-restore timeline`` and ``advise``
             (:mod:`tierckpt.telemetry.history`); 0 keeps none.
@@ -291,6 +298,7 @@ class JobConfig:
     drain_timeout: float = 20.0
     telemetry: str = "none"
     history: int = 64
+    async_future: str = "accepted"
 
     def validate(self, where: str = "[job]") -> None:
         if not 0 < self.commit_timeout <= MAX_TIMEOUT_S:
@@ -299,6 +307,10 @@ class JobConfig:
             )
         if not 0 <= self.background_nice <= 19:
             raise ConfigError(f"{where} background_nice: must be between 0 and 19, got {self.background_nice}")
+        if self.async_future not in ("accepted", "captured", "committed_local"):
+            raise ConfigError(
+                f'{where} async_future: one of "accepted", "captured", "committed_local", got {self.async_future!r}'
+            )
         if self.log_level and self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"{where} log_level: one of DEBUG, INFO, WARNING, ERROR, got {self.log_level!r}")
         if self.on_sigterm not in ("drain", "ignore"):
