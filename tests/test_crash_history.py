@@ -91,6 +91,17 @@ def test_timeline_marks_the_restart(crashed, tmp_path):
     assert got["restarts"] == 1 and (tmp_path / "t.png").stat().st_size > 0
 
 
+def test_timeline_cli_says_where_the_job_restarted(crashed, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["timeline", "--config", str(crashed), "--last", "0", "--out", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("step-")]
+    assert [("restarted" in ln) for ln in rows] == [False, False, False, True, False, False], out
+    assert "1 restart(s) of the job" in out
+    assert main(["timeline", "--config", str(crashed), "--last", "0", "--json"]) == 0
+    assert [r["restarted"] for r in json.loads(capsys.readouterr().out)] == [False, False, False, True, False, False]
+
+
 def _synthetic(n: int, restart_at: int, every: float) -> list:
     from tierckpt.telemetry.history import CheckpointRun, RankRecord
     from tierckpt.telemetry.phases import Phase
