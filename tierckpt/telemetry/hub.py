@@ -1,6 +1,6 @@
 """One engine's telemetry: the history file and, with ``[job] telemetry = "otel"``, the export.
 
-Called by the engine (:mod:`tierckpt.engine`) at two points of each save's life, never per chunk,
+Called by the engine (:mod:`tierckpt.engine`) at three points of each save's life, never per chunk,
 and at close. None of them does I/O or calls an exporter on the caller's thread: what may block
 (the history file write, spans and metrics through the application's providers) is handed to the
 telemetry thread (:mod:`tierckpt.telemetry.worker`: one bounded queue per process; a full queue
@@ -11,10 +11,12 @@ drops the record and counts it), so a slow or stuck exporter never holds up a co
   hooks the save's :class:`~tierckpt.telemetry.phases.PhaseLog` to the lag gauges (in-memory
   bookkeeping under a short lock, run where the phase ends: no I/O, no application code);
   otherwise nothing.
+* :meth:`EngineTelemetry.committed` (the commit thread, once the save is committed on the first
+  tier): keeps its record so far for this rank's history file (:mod:`tierckpt.telemetry.history`)
+  and has the telemetry thread write the file at once, so a job killed later keeps it.
 * :meth:`EngineTelemetry.settled` (the engine thread that settles the save, before
-  ``writer.wait()`` returns): keeps the save's record for this rank's history file
-  (:mod:`tierckpt.telemetry.history`; written by the telemetry thread within seconds) and, with
-  OpenTelemetry on, posts its spans and metrics.
+  ``writer.wait()`` returns): keeps the save's full record (replacing the first; written by the
+  telemetry thread at once) and, with OpenTelemetry on, posts its spans and metrics.
 * :meth:`EngineTelemetry.close` (``Engine.close``, at exit): waits for the telemetry thread at most
   :data:`~tierckpt.telemetry.worker.CLOSE_WAIT` seconds, then writes what the history holds.
 
