@@ -115,6 +115,31 @@ def test_announced_reads_are_prefetched_and_buffered(direct_tier) -> None:
     assert direct
 
 
+def test_a_cached_load_starts_no_prefetch(direct_tier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranges whose first and last pages are in the page cache already (the file was just written
+    buffered, or read) are read buffered with no prefetch thread; a cold file still gets one."""
+    tier, path, data, direct = direct_tier
+    calls: list[dict] = []
+    monkeypatch.setattr(reads_mod, "willneed", lambda paths, stop: calls.append(paths))
+    assert path.read_bytes() == data  # a buffered read: the page cache holds it all
+    assert all(_cached_pages(path, len(data) - len(data) % 4096))  # mincore: the partial last page never is
+    direct.clear()
+    spans = [(0, 100 * KiB), (500 * KiB, len(data))]
+    assert tier.prefetch({"c/rank-0.data": spans}) == sum(b - a for a, b in spans)
+    time.sleep(0.05)
+    assert calls == [], "a prefetch thread ran for cached ranges"
+    for a, b in spans:
+        assert _read(tier, a, b - a) == data[a:b]
+    assert not direct
+    tier.end_prefetch()
+    _drop(path)
+    tier.prefetch({"c/rank-0.data": spans})
+    deadline = time.monotonic() + 10
+    while not calls:
+        assert time.monotonic() < deadline, "no prefetch for a cold file"
+        time.sleep(0.01)
+
+
 def test_a_large_load_is_not_prefetched(direct_tier, monkeypatch: pytest.MonkeyPatch) -> None:
     tier, path, data, direct = direct_tier
     monkeypatch.setattr(reads_mod, "PREFETCH_MAX", 256 * KiB)

@@ -77,7 +77,9 @@ class LocalReads:
         :meth:`end_prefetch`. Such a load is over before ``O_DIRECT`` pays: its cold reads
         would need fresh bounce buffers (4 x 8 MiB of huge pages: faulting them in took
         100-320 ms of system CPU in a fresh process on the test host, while reading the 37 MiB they
-        were for takes 45 ms buffered), and the page cache it fills is small. A larger load
+        were for takes 45 ms buffered), and the page cache it fills is small. When the first and
+        last page of every key's ranges are cached already (a small file is written buffered,
+        :data:`~.localfs.DIRECT_WRITE_MIN`), no prefetch thread is started. A larger load
         is not prefetched (returns 0): its cold ranges are read with ``O_DIRECT``. Replaces
         the previous announcement; absent keys are skipped (the reads report them). Returns
         the bytes announced.
@@ -86,10 +88,12 @@ class LocalReads:
         total = sum(max(0, b - a) for spans in ranges.values() for a, b in spans)
         if not total or total > PREFETCH_MAX or not hasattr(os, "posix_fadvise"):
             return 0
-        stop = threading.Event()
-        self._prefetch_stop = stop
         self._prefetched = frozenset(ranges)
         paths = {self._path(k): v for k, v in ranges.items()}
+        if all(_ends_cached(p, spans) for p, spans in paths.items()):
+            return total  # already in the page cache (written buffered, read lately): no thread to start
+        stop = threading.Event()
+        self._prefetch_stop = stop
         threading.Thread(target=willneed, args=(paths, stop), name="tierckpt-prefetch", daemon=True).start()
         return total
 
@@ -229,3 +233,24 @@ class LocalReads:
             if n == 0 or n % DIO_ALIGN:
                 break
         return got
+
+
+def _ends_cached(path: Path, spans: list[tuple[int, int]]) -> bool:
+    """Whether the first and the last page of ``spans`` (byte ranges of ``path``) are in the page
+    cache (:func:`~.localfs._cached`; of a file ending in a partial page, its last whole page);
+    False when unknown or the file cannot be opened."""
+    live = [(a, b) for a, b in spans if b > a]
+    if not live:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        first, last = min(a for a, _ in live), max(b for _, b in live) - 1
+        whole = os.fstat(fd).st_size // DIO_ALIGN * DIO_ALIGN  # mincore never reports a partial last page
+        if last >= whole:
+            last = max(first, whole - 1)
+        return _cached(fd, first) and _cached(fd, last)
+    finally:
+        os.close(fd)
