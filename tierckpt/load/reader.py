@@ -47,7 +47,7 @@ from ..tiers import make_tiers
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
 from . import agreement
-from .deliver import Item, buffer_for, deliver, direct_ok, is_whole
+from .deliver import Item, buffer_for, deliver, direct_ok, is_whole, unfilled
 from .fill import LoadFill
 from .readback import Readback, Request, hold
 from .resolve import MetadataResolution
@@ -399,7 +399,7 @@ class TieredReader(MetadataResolution, StorageReader):
         cid = self.resolved_id
 
         def flat(idx: list) -> torch.Tensor:
-            return torch.empty(sum(storage[i].length for i in idx), dtype=torch.uint8)
+            return unfilled((sum(storage[i].length for i in idx),), torch.uint8)
 
         recv_bufs = {p: flat(idx) for p, idx in recv_from.items()}
         send_bufs = {c: flat(idx) for c, idx in send_to.items()}
