@@ -99,7 +99,7 @@ def unfilled(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     50 MB). A storage allocated directly is not filled, and no global flag is touched."""
     n = math.prod(shape)
     t = torch.empty(0, dtype=dtype)
-    return t.set_(torch.UntypedStorage(n * t.element_size()), 0, tuple(shape))
+    return t.set_(torch.UntypedStorage(n * t.element_size()), 0, torch.Size(shape))  # type: ignore[call-overload]
 
 
 def is_whole(ri: ReadItem, rec: ItemRecord) -> bool:
