@@ -90,12 +90,19 @@ class LocalReads:
             return 0
         self._prefetched = frozenset(ranges)
         paths = {self._path(k): v for k, v in ranges.items()}
-        if all(_ends_cached(p, spans) for p, spans in paths.items()):
+        if self.cached(ranges):
             return total  # already in the page cache (written buffered, read lately): no thread to start
         stop = threading.Event()
         self._prefetch_stop = stop
         threading.Thread(target=willneed, args=(paths, stop), name="tierckpt-prefetch", daemon=True).start()
         return total
+
+    def cached(self, ranges: dict[str, list[tuple[int, int]]]) -> bool:
+        """Whether ``ranges`` (as for :meth:`prefetch`) look in the page cache: the first and the
+        last page of every key's ranges are (``mincore``; a file ending in a partial page: its last
+        whole page). A hint, no promise: pages in between may have been evicted (the reads then
+        take longer, nothing else). False for an absent file or when it cannot be told."""
+        return bool(ranges) and all(_ends_cached(self._path(k), v) for k, v in ranges.items())
 
     def end_prefetch(self) -> None:
         """Forget the announced load (its keys are read as any others again); stops its prefetch."""
