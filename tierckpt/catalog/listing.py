@@ -392,10 +392,11 @@ def deletion_under_way(tier: Tier, checkpoint_id: str) -> str | None:
 def order_of(tiers: list[Tier], checkpoint_id: str) -> tuple:
     """The commit order key of ``checkpoint_id`` (its newest readable commit header over
     ``tiers``); :class:`CheckpointNotFound` when no tier holds it committed with a readable header."""
+    check_checkpoint_id(checkpoint_id)  # InvalidCheckpointId before any tier is read
     keys = []
     for tier in tiers:
         try:
-            header = commit_header(tier, check_checkpoint_id(checkpoint_id))  # one size and one small read
+            header = commit_header(tier, checkpoint_id)  # one size and one small read
         except CheckpointNotFound:
             continue
         except TierckptError as e:
