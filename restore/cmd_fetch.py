@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
     p.add_argument(
         "--node",
         metavar="NAME",
-        help="with [local] path \".../{node}\": write into the directory of node NAME (torchrun's "
+        help='with [local] path ".../{node}": write into the directory of node NAME (torchrun\'s '
         "GROUP_RANK, e.g. 0); default: TIERCKPT_NODE, GROUP_RANK, NODE_RANK, else the host name",
     )
     add_json(p)

@@ -11,7 +11,17 @@ from typing import Any
 from tierckpt.errors import InvalidCheckpointId
 from tierckpt.format.layout import check_checkpoint_id
 
-__all__ = ["EXAMPLES_HEAD", "add_json", "add_tier", "checkpoint_ref", "cli_id", "human_age", "human_size", "print_json", "table"]
+__all__ = [
+    "EXAMPLES_HEAD",
+    "add_json",
+    "add_tier",
+    "checkpoint_ref",
+    "cli_id",
+    "human_age",
+    "human_size",
+    "print_json",
+    "table",
+]
 
 EXAMPLES_HEAD = "examples:\n"
 

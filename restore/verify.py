@@ -160,7 +160,8 @@ def verify_checkpoint(
         candidates = [t for t in [*tiers, *others.values()] if is_committed_on(t, cid)]
         if not candidates:
             raise CheckpointNotFound(
-                f"checkpoint {cid} is not committed on any tier: " + ", ".join(t.url for t in [*tiers, *others.values()])
+                f"checkpoint {cid} is not committed on any tier: "
+                + ", ".join(t.url for t in [*tiers, *others.values()])
             )
         holding = []
         for t in candidates:
@@ -262,9 +263,7 @@ def _run(cfg: TierConfig, tasks: list[_Task], progress: bool, cid: str, bad_file
         except (TierckptError, OSError) as e:
             return [Problem(task.label, task.fc.file, "read", f"bytes [{task.start}, {task.end}): {e}")]
         return [
-            Problem(
-                task.label, b.file, "crc", b.describe(), b.fqn, list(b.offset) if b.offset is not None else None
-            )
+            Problem(task.label, b.file, "crc", b.describe(), b.fqn, list(b.offset) if b.offset is not None else None)
             for b in task.fc.check(task.start, buf)
         ]
 

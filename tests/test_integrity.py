@@ -540,7 +540,19 @@ def test_unknown_checkpoint(saved):
 # back on), the documented characters only (no ',', ' ', ':'), the whole string (no trailing newline).
 @pytest.mark.parametrize(
     "cid",
-    ["../step-5", "step-5/../../x", ".hidden", "", "latest/..", "a/./b", "/ckpt/..", "step 1", "a:b", "a,b", "step-1\n"],
+    [
+        "../step-5",
+        "step-5/../../x",
+        ".hidden",
+        "",
+        "latest/..",
+        "a/./b",
+        "/ckpt/..",
+        "step 1",
+        "a:b",
+        "a,b",
+        "step-1\n",
+    ],
 )
 def test_invalid_checkpoint_ids_are_rejected(saved, cid):
     cfg, _sd = saved

@@ -286,6 +286,6 @@ def test_library_entry_points_raise_invalid_checkpoint_id(crashed, no_node_env):
     cfg = dataclasses.replace(config_from_dict(crashed["conf"]), s3=None)
     with pytest.raises(tierckpt.InvalidCheckpointId):
         tierckpt.TieredWriter(cfg).reset("latest")
-    assert tierckpt.TieredReader.validate_checkpoint_id("run@name") and not tierckpt.TieredReader.validate_checkpoint_id(
-        "a,b"
-    )
+    assert tierckpt.TieredReader.validate_checkpoint_id(
+        "run@name"
+    ) and not tierckpt.TieredReader.validate_checkpoint_id("a,b")

@@ -155,11 +155,14 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
             for node, t in sources:
                 try:
                     listed = list_tier(t)
-                except Exception as e:  # noqa: BLE001 - one tier's failure must not hide the others
+                except Exception as err:  # noqa: BLE001 - one tier's failure must not hide the others
                     if t is tier:
-                        failed.append(e)
+                        failed.append(err)
                         logging.getLogger("tierckpt.catalog").warning(
-                            "tier %s (%s) could not be listed, its checkpoints are left out: %s", tier.name, tier.url, e
+                            "tier %s (%s) could not be listed, its checkpoints are left out: %s",
+                            tier.name,
+                            tier.url,
+                            err,
                         )
                     continue
                 if t is tier:
@@ -169,7 +172,15 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
                         continue
                     e = found.setdefault(
                         c.checkpoint_id,
-                        {"step": c.step, "tiers": [], "times": [], "orders": [], "peer": False, "deleting": {}, "nodes": []},
+                        {
+                            "step": c.step,
+                            "tiers": [],
+                            "times": [],
+                            "orders": [],
+                            "peer": False,
+                            "deleting": {},
+                            "nodes": [],
+                        },
                     )
                     if tier.name not in e["tiers"]:
                         e["tiers"].append(tier.name)

@@ -66,11 +66,7 @@ def check_checkpoint_id(checkpoint_id: str) -> str:
     characters of :data:`ID_CHARS`, the first a letter or digit, not ``latest``; else raise
     :class:`~tierckpt.errors.InvalidCheckpointId` naming it. The whole string is checked (a
     trailing newline is refused, never kept)."""
-    if (
-        not isinstance(checkpoint_id, str)
-        or _ID_RE.fullmatch(checkpoint_id) is None
-        or checkpoint_id in _RESERVED_IDS
-    ):
+    if not isinstance(checkpoint_id, str) or _ID_RE.fullmatch(checkpoint_id) is None or checkpoint_id in _RESERVED_IDS:
         shown = repr(checkpoint_id) if isinstance(checkpoint_id, str) else f"of type {type(checkpoint_id).__name__}"
         raise InvalidCheckpointId(
             f"invalid checkpoint id {shown[:220]}: use 1-200 characters of {ID_CHARS}, "
