@@ -92,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
         peers=not args.no_peers,
         node=args.node,
     )
-    if res.node is not None and res.node_from == "host name" and res.other_nodes and res.node not in res.other_nodes:
+    if res.node is not None and res.node_from == "host name" and res.fresh_node and res.other_nodes:
         log.warning(
-            "wrote into node %s's directory (the host name: no --node, TIERCKPT_NODE or GROUP_RANK is set); "
-            "the nodes with directories here are %s: a job launched by torchrun reads the directory of its "
+            "wrote into node %s's directory (the host name: no --node, TIERCKPT_NODE or GROUP_RANK is set), "
+            "where no job had written; the nodes with directories here are %s: a job launched by torchrun reads the directory of its "
             "GROUP_RANK (fetch again with --node NAME)",
             res.node,
             ", ".join(res.other_nodes),

@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tierckpt.catalog import lease as leases
-from tierckpt.catalog.listing import find_latest, read_checkpoint_doc
+from tierckpt.catalog.listing import find_latest, list_checkpoints, read_checkpoint_doc
 from tierckpt.codec import strip_stored
 from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
@@ -111,6 +111,7 @@ class FetchResult:
     node: str | None = None  # the node whose directory was written ([local] path with {node}), else None
     node_from: str = ""  # how that node was chosen: "--node", "TIERCKPT_NODE", "GROUP_RANK", "NODE_RANK", "host name"
     other_nodes: list[str] = field(default_factory=list)  # the other node directories readable here
+    fresh_node: bool = False  # the node's directory held no committed checkpoint before this fetch
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -180,6 +181,7 @@ def fetch_checkpoint(
     held: list[leases.Lease] = []
     try:
         nodes = open_peer_nodes(cfg, tiers) if peers else []
+        fresh = local.node_local and not any(c.committed for c in list_checkpoints(local))
         if not shared and not nodes:
             where = f" {cfg.source}" if cfg.source else ""
             raise UsageError(
@@ -220,6 +222,7 @@ def fetch_checkpoint(
         res = FetchResult(cid, f"{local.url}/{cid}", f"{sources[0].tier.url}/{cid}", rank_list, sorted(selected))
         res.node, res.node_from = (node, node_from) if local.node_local else (None, "")
         res.other_nodes = [n.node for n in nodes]
+        res.fresh_node = fresh
         by_file = doc.files_items()
         sized = next((s.tier for s in sources if not s.tier.node_local), sources[0].tier)
         rsize = range_size(sized, man.chunk_size)

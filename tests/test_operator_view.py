@@ -202,6 +202,8 @@ def test_fetch_writes_into_the_node_asked_and_says_so(crashed, tmp_path, monkeyp
     assert r.returncode == 0, r
     assert f"to node {host} ({base}/{host}/step-2)" in r.stdout, r.stdout
     assert "--node" in r.stderr and "0, 1" in r.stderr, r.stderr
+    again = cli("fetch", "latest", config=toml)  # a directory a job (or fetch) wrote: no warning
+    assert again.returncode == 0 and "already there" in again.stdout and not again.stderr, again
     # --node 0: node 0's directory gets rank 1's file from node 1.
     r = cli("fetch", "latest", "--node", "0", "--json", config=toml)
     assert r.returncode == 0, r
