@@ -66,11 +66,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json([l.to_json(now) for l in listings])
     else:
-        _print_table(listings, tiers, now)
+        _print_table(listings, [t for t in tiers if t.name not in found.unreadable], now)
     return status if args.strict else 0
 
 
 def _print_table(listings: list, tiers: list, now: float) -> None:
+    """The table for people: a column per tier that was read (``tiers``), NODES and PEER COPIES when
+    any checkpoint has them."""
     if not listings:
         print("no checkpoints on " + ", ".join(f"{t.name} ({t.url})" for t in tiers))
         return
