@@ -156,6 +156,8 @@ def fetch_checkpoint(
         bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
         if bad:  # checked before any tier is contacted
             raise UsageError(f"--rank {bad[0]!r}: ranks are integers from 0")
+    if checkpoint_id != "latest":
+        check_checkpoint_id(checkpoint_id)  # InvalidCheckpointId before any tier is contacted
     if node is not None and not is_node_name(node):
         raise UsageError(f"--node {node[:60]!r}: a node name is letters, digits and ._- (no '/' or '..')")
     cfg = as_config(config)

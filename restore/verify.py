@@ -24,7 +24,7 @@ from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from tierckpt.format.layout import data_key
+from tierckpt.format.layout import check_checkpoint_id, data_key
 from tierckpt.format.metadata import CheckpointManifest
 from tierckpt.load.readback import range_size
 from tierckpt.tiers.base import Tier
@@ -146,6 +146,8 @@ def verify_checkpoint(
     import time
 
     t0 = time.perf_counter()
+    if checkpoint_id != "latest":
+        check_checkpoint_id(checkpoint_id)  # InvalidCheckpointId before any tier is contacted
     cfg = as_config(config)
     tiers = open_tiers(cfg, tier)
     held: list[leases.Lease] = []

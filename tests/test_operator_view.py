@@ -277,7 +277,7 @@ def test_cli_strips_one_trailing_newline(crashed, no_node_env):
 
 
 def test_library_entry_points_raise_invalid_checkpoint_id(crashed, no_node_env):
-    from restore import fetch_checkpoint
+    from restore import fetch_checkpoint, verify_checkpoint
 
     for bad in ("step 1", "a:b", "a,b", "step-1\n"):
         with pytest.raises(tierckpt.InvalidCheckpointId) as ei:
@@ -285,6 +285,8 @@ def test_library_entry_points_raise_invalid_checkpoint_id(crashed, no_node_env):
         assert not isinstance(ei.value, tierckpt.CorruptCheckpoint) and isinstance(ei.value, ValueError)
         with pytest.raises(tierckpt.InvalidCheckpointId):
             fetch_checkpoint(crashed["toml"], bad)
+        with pytest.raises(tierckpt.InvalidCheckpointId):
+            verify_checkpoint(crashed["toml"], bad)
     cfg = dataclasses.replace(config_from_dict(crashed["conf"]), s3=None)
     with pytest.raises(tierckpt.InvalidCheckpointId):
         tierckpt.TieredWriter(cfg).reset("latest")
