@@ -50,7 +50,7 @@ from ..chain.commit import default_channel
 from ..chain.engine import Engine, get_engine
 from ..chain.peers import PeerGroup
 from ..config import TierConfig, load_config
-from ..errors import CorruptCheckpoint, TierckptError
+from ..errors import InvalidCheckpointId, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..tiers.base import Tier
 from . import plancache, preempt
@@ -361,7 +361,7 @@ class TieredWriter(SavePlanning, StorageWriter):
         try:
             check_checkpoint_id(checkpoint_id_of(checkpoint_id))
             return True
-        except CorruptCheckpoint:
+        except InvalidCheckpointId:
             return False
 
     # -- async_save support (AsyncStager protocol) -----------------------------------------
