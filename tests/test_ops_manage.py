@@ -1,0 +1,126 @@
+"""``tierckpt-restore push`` and ``delete`` on real parts: a local tier in ``tmp_path``, a moto S3
+server over HTTP on loopback, checkpoints saved with ``dcp.save`` through ``TieredWriter``, the
+CLI's ``main()`` in this process (the same parsing, printing and exit statuses as the command).
+
+The backlog of an S3 outage is made by saving with a configuration without ``[s3]`` and then
+pushing with one that has it (the job never reached S3: exactly what an outage leaves).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_restore_cli import cli, load, sample_state, save, write_config
+
+from tierckpt import load_config
+from tierckpt.catalog import lease as leases
+from tierckpt.catalog.listing import list_checkpoints
+from tierckpt.errors import CommitConflict
+from tierckpt.tiers import make_tiers
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def committed(cfg: Path, tier: str) -> list[str]:
+    """Ids committed on the tier of section ``tier``, in listing order."""
+    tiers = make_tiers(load_config(cfg))
+    try:
+        (t,) = [t for t in tiers if t.name == tier]
+        return sorted(c.checkpoint_id for c in list_checkpoints(t) if c.committed)
+    finally:
+        for t in tiers:
+            t.close()
+
+
+@pytest.fixture
+def backlog(tmp_path: Path, moto_endpoint: str, s3cfg) -> tuple[Path, Path, dict]:
+    """Three checkpoints committed on the local tier only; returns (local-only config, local+S3
+    config with ``[s3] keep = 2``, the states saved)."""
+    local = tmp_path / "local"
+    only_local = write_config(tmp_path / "local.toml", local=local)
+    both = write_config(tmp_path / "both.toml", local=local, s3=s3cfg(moto_endpoint), s3_keep=2)
+    states = {}
+    for step in (1, 2, 3):
+        states[f"step-{step}"] = sample_state(step)
+        save(only_local, f"step-{step}", states[f"step-{step}"])
+    return only_local, both, states
+
+
+def test_push_promotes_the_backlog_then_applies_retention(backlog, tmp_path: Path) -> None:
+    _only_local, both, states = backlog
+    assert committed(both, "s3") == []
+    r = cli("push", config=both)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "pushed 3 checkpoint(s): step-1, step-2, step-3" in r.stdout
+    # [s3] keep = 2: retention ran after the push and dropped the oldest from S3 only
+    assert committed(both, "s3") == ["step-2", "step-3"]
+    assert committed(both, "local") == ["step-1", "step-2", "step-3"]
+    assert "step-1 (s3)" in r.stdout
+    # what S3 holds is bit-exact: loaded through a configuration that has S3 only
+    s3_only = tmp_path / "s3only.toml"
+    s3_only.write_text(both.read_text().split("[local]")[0] + "[s3]" + both.read_text().split("[s3]")[1])
+    got, _reader = load(s3_only, "step-3", states["step-3"])
+    assert torch.equal(got["optim"]["m"], states["step-3"]["optim"]["m"])
+    # nothing owed any more
+    again = cli("push", "--json", config=both)
+    assert again.returncode == 0 and '"needed": []' in again.stdout
+
+
+def test_push_reports_a_tier_that_is_down(tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    only_local = write_config(tmp_path / "local.toml", local=local)
+    save(only_local, "step-1", sample_state(1))
+    from tierckpt.config import S3Config
+
+    down = S3Config(bucket="gone", prefix="ckpt", endpoint_url="http://127.0.0.1:9", part_size=5 << 20)
+    cfg = write_config(tmp_path / "down.toml", local=local, s3=down)
+    r = cli("push", "--no-gc", config=cfg)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "s3 (" in r.stdout and "could not push" in r.stdout
+
+
+def test_delete_all_makes_a_fresh_start_possible(backlog, monkeypatch) -> None:
+    _only_local, both, states = backlog
+    assert cli("push", config=both).returncode == 0
+    # a rerun from scratch: its first save meets the old run
+    with pytest.raises(BaseException) as conflict:  # DCP wraps it in a CheckpointException (a BaseException)
+        save(both, "step-1", states["step-1"])
+    assert CommitConflict.__name__ in str(conflict.value) and "tierckpt-restore delete --all" in str(conflict.value)
+    # asked, answered no: nothing deleted
+    monkeypatch.setattr(sys, "stdin", io.StringIO("n\n"))
+    r = cli("delete", "--all", config=both)
+    assert r.returncode == 1 and "nothing deleted" in r.stderr and "[y/N]" in r.stderr
+    assert committed(both, "local") == ["step-1", "step-2", "step-3"]
+    # one checkpoint on one tier, confirmed on stdin
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    r = cli("delete", "step-2", "--tier", "s3", config=both)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert committed(both, "s3") == ["step-3"] and committed(both, "local") == ["step-1", "step-2", "step-3"]
+    # the whole run, everywhere
+    r = cli("delete", "--all", "--yes", config=both)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert committed(both, "local") == [] and committed(both, "s3") == []
+    save(both, "step-1", states["step-1"])  # the fresh start
+    assert committed(both, "local") == ["step-1"] and committed(both, "s3") == ["step-1"]
+
+
+def test_delete_leaves_a_checkpoint_in_use(backlog) -> None:
+    only_local, _both, _states = backlog
+    tiers = make_tiers(load_config(only_local))
+    try:
+        with leases.acquire(tiers[0], "step-3", purpose="a load in another job"):
+            r = cli("delete", "--all", "--yes", config=only_local)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert "in use on local (not deleted): step-3" in r.stdout
+        assert committed(only_local, "local") == ["step-3"]
+    finally:
+        for t in tiers:
+            t.close()
+    bad = cli("delete", config=only_local)
+    assert bad.returncode == 2 and "--all" in bad.stderr
+    missing = cli("delete", "step-9", "--yes", config=only_local)
+    assert missing.returncode == 1 and "step-9" in missing.stderr
