@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
         parents=parents,
         help="list checkpoints on every tier",
         description="List every checkpoint on every configured tier: id, step, committed or partial "
-        "per tier, size, number of rank files, age (since commit, or last write).",
+        "per tier, STORED (the bytes it occupies on a tier: data files as stored there, compressed "
+        "where the tier compresses, plus its metadata; verify reports the logical data size, as "
+        "saved, without metadata), number of rank files, age (since commit, or last write).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -71,7 +73,15 @@ def run(args: argparse.Namespace) -> int:
         )
     print(
         table(
-            ["ID", "STEP", *(n.upper() for n in names), *(["PEER COPIES"] if any_peer else []), "SIZE", "FILES", "AGE"],
+            [
+                "ID",
+                "STEP",
+                *(n.upper() for n in names),
+                *(["PEER COPIES"] if any_peer else []),
+                "STORED",
+                "FILES",
+                "AGE",
+            ],
             rows,
         )
     )
