@@ -53,7 +53,9 @@ class _Owner:
     def channel(self, job: RankSave) -> Channel:
         return LocalChannel()
 
-    def retain(self, tier: Tier, protect: set[str], *, owed: set[str] = frozenset(), need_bytes: int = 0) -> None:  # type: ignore[assignment]
+    def retain(
+        self, tier: Tier, protect: set[str], *, owed: set[str] | frozenset[str] = frozenset(), need_bytes: int = 0
+    ) -> None:
         """No retention during the pass (the caller applies it on every tier afterwards)."""
 
 
