@@ -18,7 +18,7 @@ from test_restore_cli import cli, load, sample_state, save, write_config
 
 from tierckpt import load_config
 from tierckpt.catalog import lease as leases
-from tierckpt.catalog.listing import list_checkpoints
+from tierckpt.catalog.listing import list_checkpoints, read_checkpoint_doc
 from tierckpt.errors import CommitConflict
 from tierckpt.tiers import make_tiers
 
@@ -124,3 +124,28 @@ def test_delete_leaves_a_checkpoint_in_use(backlog) -> None:
     assert bad.returncode == 2 and "--all" in bad.stderr
     missing = cli("delete", "step-9", "--yes", config=only_local)
     assert missing.returncode == 1 and "step-9" in missing.stderr
+
+
+def test_push_into_a_compressing_s3(tmp_path: Path, moto_endpoint: str, s3cfg) -> None:
+    """``[s3] compression = "zstd"``: the push stores encoded frames (the job's encoded copy) and
+    records them in S3's metadata; a load from S3 alone decodes them bit-exact."""
+    local = tmp_path / "local"
+    only_local = write_config(tmp_path / "local.toml", local=local)
+    sd = sample_state(5)
+    save(only_local, "step-5", sd)
+    both = write_config(tmp_path / "both.toml", local=local, s3=s3cfg(moto_endpoint))
+    both.write_text(both.read_text() + 'compression = "zstd"\n')  # the [s3] section is last
+    r = cli("push", config=both)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert committed(both, "s3") == ["step-5"]
+    text = both.read_text()
+    s3_only = tmp_path / "s3only.toml"
+    s3_only.write_text(text.split("[local]")[0] + "[s3]" + text.split("[s3]")[1].replace('compression = "zstd"\n', ""))
+    got, _reader = load(s3_only, "step-5", sd)
+    assert torch.equal(got["optim"]["m"], sd["optim"]["m"]) and torch.equal(got["model"]["w"], sd["model"]["w"])
+    tiers = make_tiers(load_config(both))
+    try:
+        assert read_checkpoint_doc(tiers[1], "step-5").manifest.stored  # encoded on S3
+    finally:
+        for t in tiers:
+            t.close()
