@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tierckpt.catalog.listing import list_checkpoints
-from tierckpt.chain.push import HopPush, push_backlog
 from tierckpt.chain.retention import RetentionPlan, apply_retention
 from tierckpt.config import TierConfig
 from tierckpt.format.layout import check_checkpoint_id
@@ -30,6 +30,9 @@ from tierckpt.tiers.base import Tier
 from .catalog import as_config, find_latest, open_tiers
 from .errors import NotFound, UsageError
 from .gc import GcResult, gc_checkpoints
+
+if TYPE_CHECKING:
+    from tierckpt.chain.push import HopPush
 
 __all__ = [
     "DeletePlan",
@@ -71,6 +74,8 @@ def push_checkpoints(
     """Promote what each later tier (or only ``tier``, a section name) lacks from the first tier,
     then (``gc``) apply retention on every tier. Failures per tier are in the result, not raised;
     a configuration with a single tier raises :class:`UsageError` (there is nowhere to push)."""
+    from tierckpt.chain.push import push_backlog  # imports torch (the backlog's metadata checks): push only
+
     cfg = as_config(config)
     tiers = open_tiers(cfg)
     try:

@@ -149,3 +149,24 @@ def test_push_into_a_compressing_s3(tmp_path: Path, moto_endpoint: str, s3cfg) -
     finally:
         for t in tiers:
             t.close()
+
+
+def test_delete_never_imports_torch(tmp_path: Path) -> None:
+    """``delete`` is a launcher's command too (before a fresh start): it starts at once."""
+    import os
+    import subprocess
+
+    from test_restore_cli import REPO
+
+    cfg = write_config(tmp_path / "local.toml", local=tmp_path / "local")
+    save(cfg, "step-1", sample_state(1))
+    probe = (
+        "import sys\nfrom restore.cli import main\n"
+        f"code = main(['--config', {str(cfg)!r}, 'delete', '--all', '--yes'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\nprint('code', code)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "code 0" in p.stdout, p.stdout
+    assert committed(cfg, "local") == []
