@@ -113,8 +113,23 @@ class _Formatter(logging.Formatter):
         return f"{PROG}: {record.levelname.lower()}: {redact(record.getMessage())}"
 
 
+class _Handler(logging.StreamHandler):
+    """Writes each message on a line of its own above the progress bars (``tqdm.write``: the
+    bars are cleared and drawn again below it), never into the middle of a bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bars = sys.modules.get("tqdm")  # imported by the commands that draw bars, only
+        if bars is None:
+            super().emit(record)
+            return
+        try:
+            bars.tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
+            self.handleError(record)
+
+
 def _setup_logging(verbose: bool, quiet: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     handler.setFormatter(_Formatter())
     root = logging.getLogger("tierckpt")
     root.handlers[:] = [handler]

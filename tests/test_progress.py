@@ -138,3 +138,28 @@ def test_exit_says_it_still_copies_to_s3(tmp_path: Path, moto_url: str) -> None:
     assert p.returncode == 0, p.stderr
     assert "saved" in p.stdout
     assert "at exit: 1 checkpoint(s) still copying to s3 (step-7)" in p.stderr, p.stderr
+
+
+LOG_DURING_BAR = """
+import logging
+from restore.cli import _setup_logging
+from restore.work import progress_bar
+_setup_logging(False, False)
+bar = progress_bar(100 << 20, "fetch step-1", True)
+bar.update(10 << 20)
+bar.refresh()
+logging.getLogger("tierckpt.restore").warning("a range failed its CRC32C on node n0: read from s3")
+bar.update(10 << 20)
+bar.close()
+"""
+
+
+def test_a_warning_during_a_bar_gets_a_line_of_its_own() -> None:
+    """The CLI's log handler writes above the bar (the bar is cleared, then drawn again)."""
+    code, out = in_pty([sys.executable, "-c", LOG_DURING_BAR], (24, 100))
+    assert code == 0, out
+    msg = "tierckpt-restore: warning: a range failed its CRC32C on node n0: read from s3"
+    before, _, after = out.partition(msg)
+    assert after, out
+    assert before.endswith(" \r"), out  # the bar's line was blanked before the message
+    assert after.startswith("\r\n") and "fetch step-1" in after, out  # a line of its own, then the bar again
