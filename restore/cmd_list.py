@@ -26,7 +26,9 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
         parents=parents,
         help="list checkpoints on every tier",
         description="List every checkpoint on every configured tier: id, step, committed or partial "
-        "per tier, size, number of rank files, age (since commit, or last write). With a "
+        "per tier, STORED (the bytes it occupies on a tier: data files as stored there, compressed "
+        "where the tier compresses, plus its metadata; verify reports the logical data size, as "
+        "saved, without metadata), number of rank files, age (since commit, or last write). With a "
         "node-local [local] path ({node}) every node directory readable here is listed "
         "(as 'latest' sees them) and a NODES column says which nodes hold each checkpoint. "
         "A tier that cannot be read (S3 down, no credentials) is named in a warning and the "
@@ -116,7 +118,7 @@ def _print_table(listings: list, tiers: list, now: float) -> None:
                 *(n.upper() for n in names),
                 *(["NODES"] if any_nodes else []),
                 *(["PEER COPIES"] if any_peer else []),
-                "SIZE",
+                "STORED",
                 "FILES",
                 "AGE",
             ],

@@ -640,6 +640,15 @@ def close_all() -> None:
         _engines.clear()
     for e in engines:
         try:
+            left = [j.id for j in e.pending()]
+            if left:  # the exit waits for them: say so (the copy to S3 of a large one takes seconds)
+                where = f"copying to {', '.join(e.chain.names[1:])}" if len(e.chain) > 1 else "being saved"
+                log.warning(
+                    "at exit: %d checkpoint(s) still %s (%s); the process ends once they are done",
+                    len(left),
+                    where,
+                    ", ".join(left),
+                )
             e.close()
         except TierckptError as err:
             log.error("at exit: %s", err)

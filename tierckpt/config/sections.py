@@ -380,6 +380,18 @@ class Config:
                 _coerce_section(name, section)
             for _name, section in present:
                 section.validate()
+            if self.local is None and self.s3 is not None:
+                for key, on in (
+                    ("compression", self.s3.compression != "none"),
+                    ("copy_unchanged", self.s3.copy_unchanged),
+                ):
+                    if on:
+                        raise ConfigError(
+                            f"[s3] {key}: applies to the copy into S3 from [local]; without a [local] section S3 "
+                            "is the first tier, where saves write files as written (a codec there would sit on "
+                            "the save's path): remove the key or add [local] (loading compressed checkpoints "
+                            "needs no key; docs/compression.md)"
+                        )
             if self.peer.replicas and (self.local is None or not self.local.node_local):
                 raise ConfigError(
                     "[peer] replicas: needs a node-local [local] path (with {node}), where each node "

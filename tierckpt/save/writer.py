@@ -450,7 +450,9 @@ class TieredWriter(SavePlanning, StorageWriter):
         a checkpoint committed nowhere (capture, flush or first-tier commit), with the others in its
         notes; else :class:`~tierckpt.errors.CopiesPending` when copies to the tiers waited for
         failed and are still owed: its message names what is committed where and what is pending.
-        ``timeout`` (seconds): :class:`~tierckpt.errors.CommitError` when not done by then.
+        ``timeout`` (seconds): :class:`~tierckpt.errors.CommitError` when not done by then, naming
+        the tier that is behind and the checkpoint it is on (``checkpoints in flight after 3 s: s3
+        is behind: step-90 is committed on local, still being copied to s3 (then step-100)``).
         """
         self.wait_captured()
         self.engine.wait(timeout, owner=self, tiers=tiers)
