@@ -6,6 +6,8 @@
     rep = verify_checkpoint(cfg, "step-000300")                        # rep.ok, rep.problems
     consolidate_checkpoint(cfg, "latest", out="model.safetensors", keys=["model."])
     gc_checkpoints(cfg, dry_run=True).actions
+    push_checkpoints(cfg).hops                                          # after an S3 outage
+    delete_checkpoints(cfg, every=True).deleted                         # a fresh start
 
 Every function takes a :class:`tierckpt.TierConfig`, a TOML path, or ``None`` for
 ``$TIERCKPT_CONFIG``, and raises tierckpt's errors (see :mod:`restore.errors` for how the CLI
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from .errors import NotFound, UsageError, VerificationFailed
     from .fetch import FetchResult, fetch_checkpoint
     from .gc import GcAction, GcResult, gc_checkpoints
+    from .manage import DeleteResult, PushResult, delete_checkpoints, push_checkpoints
     from .verify import Problem, VerifyReport, verify_checkpoint
 
 _LAZY: dict[str, str] = {
@@ -44,6 +47,10 @@ _LAZY: dict[str, str] = {
     "GcAction": ".gc",
     "GcResult": ".gc",
     "gc_checkpoints": ".gc",
+    "DeleteResult": ".manage",
+    "PushResult": ".manage",
+    "delete_checkpoints": ".manage",
+    "push_checkpoints": ".manage",
     "Problem": ".verify",
     "VerifyReport": ".verify",
     "verify_checkpoint": ".verify",
@@ -51,6 +58,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "ConsolidateResult",
+    "DeleteResult",
     "FetchResult",
     "GcAction",
     "GcResult",
@@ -58,15 +66,18 @@ __all__ = [
     "Listing",
     "NotFound",
     "Problem",
+    "PushResult",
     "UsageError",
     "VerificationFailed",
     "VerifyReport",
     "consolidate_checkpoint",
+    "delete_checkpoints",
     "fetch_checkpoint",
     "find_latest",
     "gc_checkpoints",
     "list_all",
     "open_tiers",
+    "push_checkpoints",
     "verify_checkpoint",
 ]
 

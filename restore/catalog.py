@@ -23,9 +23,10 @@ from tierckpt.catalog.listing import (
     read_checkpoint_doc,
     read_checkpoint_metadata,
 )
-from tierckpt.catalog.nodes import PeerNode, find_latest_here, node_files, open_peer_nodes
+from tierckpt.catalog.nodes import PeerNode, find_latest_here, node_files, open_node_dirs, open_peer_nodes
 from tierckpt.chain.retention import checkpoint_objects
 from tierckpt.config import TierConfig, load_config
+from tierckpt.config.values import node_name
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
 from tierckpt.format.layout import PEERS, check_checkpoint_id, is_data_file, metadata_key, rank_of_file
 from tierckpt.format.metadata import CheckpointManifest
@@ -40,6 +41,7 @@ __all__ = [
     "Latest",
     "Listing",
     "PeerNode",
+    "Survey",
     "find_latest_here",
     "node_files",
     "open_peer_nodes",
@@ -48,8 +50,11 @@ __all__ = [
     "checkpoint_objects",
     "find_latest",
     "holding_tiers",
+    "is_committed_on",
     "key_path",
     "list_all",
+    "open_node_dirs",
+    "survey",
     "open_tiers",
     "rank_of_file",
     "read_metadata_any",
@@ -104,6 +109,7 @@ class TierEntry:
     peer_copies: bool = False  # the peer hop committed its copies here ([peer] replicas: ID/peers.json)
     stored_bytes: int = 0  # bytes of its data files on this tier (encoded where the tier encodes)
     logical_bytes: int | None = None  # bytes of its data files as saved (None: metadata unreadable)
+    nodes: dict[str, str] = field(default_factory=dict)  # node-local tier: node -> "committed" / "partial"
 
     def to_json(self) -> dict:
         return {
@@ -115,6 +121,7 @@ class TierEntry:
             "peer_copies": self.peer_copies,
             "stored_bytes": self.stored_bytes,
             "logical_bytes": self.logical_bytes,
+            "nodes": self.nodes,
         }
 
 
@@ -183,14 +190,87 @@ def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
     )
 
 
-def list_all(tiers: list[Tier]) -> list[Listing]:
-    """Every checkpoint on every tier, in commit order (seq, commit time, step: what the commit
-    wrote, never a file time); uncommitted ones last, by file time."""
+def _merged(held: list[tuple[str, Tier, CheckpointInfo]]) -> TierEntry:
+    """One node-local tier's entry for a checkpoint over the nodes holding some of it: its data
+    files once each (a node's own files and peer copies), committed when a node committed it."""
+    committed = [h for h in held if h[2].committed]
+    node, tier, first = (committed or held)[0]
+    objects: dict = {}
+    for _n, _t, c in held:
+        for name, o in c.objects.items():
+            objects.setdefault(name, o)
+    headers = [c.header for _n, _t, c in held if c.header is not None]
+    merged = CheckpointInfo(
+        first.checkpoint_id,
+        bool(committed),
+        max(c.mtime for _n, _t, c in held),
+        sum(o.size for o in objects.values()),
+        len(objects),
+        first.step,
+        max(headers, key=lambda h: h.order_key()) if headers else None,
+        objects,
+    )
+    entry = _entry(tier, merged)
+    entry.nodes = {n: "committed" if c.committed else "partial" for n, _t, c in held}
+    return entry
+
+
+@dataclass
+class Survey:
+    """What :func:`survey` found: every checkpoint it could list, and what it could not read."""
+
+    listings: list[Listing]
+    unreadable: dict[str, BaseException] = field(default_factory=dict)  # tier section -> why it was not listed
+    nodes: list[str] = field(default_factory=list)  # the node directories read (node-local first tier)
+    urls: dict[str, str] = field(default_factory=dict)  # tier section -> its URL
+
+
+def survey(cfg: TierConfig | None, tiers: list[Tier], *, nodes: bool = True) -> Survey:
+    """Every checkpoint on every tier that answers, in :func:`list_all`'s order.
+
+    A tier that cannot be listed (S3 down, no credentials, permission denied) is left out and
+    named in :attr:`Survey.unreadable` with its error, never raised: callers decide (``list``
+    warns; ``list --strict`` fails). With a node-local first tier (``[local] path`` with
+    ``{node}``) and ``nodes``, every node directory readable here is listed too (this node's
+    under its :func:`~tierckpt.config.values.node_name`, the others by
+    :func:`tierckpt.catalog.nodes.open_node_dirs`): the tier's entry for a checkpoint covers
+    them all and :attr:`TierEntry.nodes` says which node holds it. An unreadable other node's
+    directory is skipped (debug log), as ``latest`` does.
+    """
+    others = open_node_dirs(cfg, tiers) if nodes and cfg is not None else {}
+    out = Survey([], urls={t.name: t.url for t in tiers})
     by_id: dict[str, Listing] = {}
-    for tier in tiers:
-        for c in list_checkpoints(tier):
-            lst = by_id.setdefault(c.checkpoint_id, Listing(c.checkpoint_id, c.step))
-            lst.tiers[tier.name] = _entry(tier, c)
+    try:
+        for tier in tiers:
+            if tier is tiers[0] and tier.node_local and cfg is not None:
+                sources: list[tuple[str | None, Tier]] = [(node_name(), tier), *others.items()]
+            else:
+                sources = [(None, tier)]
+            held: dict[str, list[tuple[str, Tier, CheckpointInfo]]] = {}
+            for node, t in sources:
+                try:
+                    infos = list_checkpoints(t)
+                except Exception as e:  # noqa: BLE001 - one tier's failure must not hide the others
+                    if t is not tier:
+                        log.debug("node %s: cannot list %s (%s): skipped", node, t.url, e)
+                        continue
+                    out.unreadable[tier.name] = e
+                    continue
+                if node is None:
+                    for c in infos:
+                        by_id.setdefault(c.checkpoint_id, Listing(c.checkpoint_id, c.step)).tiers[tier.name] = _entry(
+                            tier, c
+                        )
+                    continue
+                if infos:
+                    out.nodes.append(node)
+                for c in infos:
+                    held.setdefault(c.checkpoint_id, []).append((node, t, c))
+            for cid, h in held.items():
+                by_id.setdefault(cid, Listing(cid, h[0][2].step)).tiers[tier.name] = _merged(h)
+    finally:
+        for t in others.values():
+            t.close()
 
     def order(l: Listing) -> tuple:
         keys = [e.order for e in l.tiers.values() if e.order]
@@ -198,7 +278,19 @@ def list_all(tiers: list[Tier]) -> list[Listing]:
             return (1, max(keys), l.checkpoint_id)
         return (0 if l.committed_anywhere else 2, (0, l.first_seen, -1), l.checkpoint_id)
 
-    return sorted(by_id.values(), key=order)
+    out.listings = sorted(by_id.values(), key=order)
+    return out
+
+
+def list_all(tiers: list[Tier]) -> list[Listing]:
+    """Every checkpoint on every tier, in commit order (seq, commit time, step: what the commit
+    wrote, never a file time); uncommitted ones last, by file time. Only the given tiers (no
+    other nodes' directories); raises the error of the first tier that cannot be listed
+    (:func:`survey` degrades instead)."""
+    s = survey(None, tiers, nodes=False)
+    if s.unreadable:
+        raise next(iter(s.unreadable.values()))
+    return s.listings
 
 
 # -- latest ------------------------------------------------------------------------------------
@@ -209,6 +301,11 @@ def resolve_id(tiers: list[Tier], checkpoint_id: str) -> str:
     if checkpoint_id == "latest":
         return find_latest(tiers).checkpoint_id
     return check_checkpoint_id(checkpoint_id)
+
+
+def is_committed_on(tier: Tier, checkpoint_id: str) -> bool:
+    """Whether ``tier`` holds ``checkpoint_id`` committed (its ``metadata.json`` exists there)."""
+    return tier.exists(metadata_key(checkpoint_id))
 
 
 def holding_tiers(tiers: list[Tier], checkpoint_id: str) -> list[Tier]:

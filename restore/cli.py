@@ -16,12 +16,34 @@ from typing import NoReturn
 
 from tierckpt.config.redact import redact
 
-from . import cmd_advise, cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_timeline, cmd_verify
+from . import (
+    cmd_advise,
+    cmd_consolidate,
+    cmd_delete,
+    cmd_fetch,
+    cmd_gc,
+    cmd_latest,
+    cmd_list,
+    cmd_push,
+    cmd_timeline,
+    cmd_verify,
+)
 from .errors import EXIT_OK, EXIT_USAGE, PROG, report
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS = (cmd_list, cmd_latest, cmd_verify, cmd_fetch, cmd_consolidate, cmd_gc, cmd_timeline, cmd_advise)
+COMMANDS = (
+    cmd_list,
+    cmd_latest,
+    cmd_verify,
+    cmd_fetch,
+    cmd_consolidate,
+    cmd_gc,
+    cmd_push,
+    cmd_delete,
+    cmd_timeline,
+    cmd_advise,
+)
 
 EPILOG = """examples:
   export TIERCKPT_CONFIG=tiers.toml
@@ -31,6 +53,8 @@ EPILOG = """examples:
   tierckpt-restore fetch latest --rank 0
   tierckpt-restore consolidate latest --out model.safetensors --keys model.
   tierckpt-restore gc --dry-run
+  tierckpt-restore push
+  tierckpt-restore delete --all --yes
   tierckpt-restore timeline --last 5 --out timeline.png
   tierckpt-restore advise --mtbf 8h
 
@@ -89,8 +113,23 @@ class _Formatter(logging.Formatter):
         return f"{PROG}: {record.levelname.lower()}: {redact(record.getMessage())}"
 
 
+class _Handler(logging.StreamHandler):
+    """Writes each message on a line of its own above the progress bars (``tqdm.write``: the
+    bars are cleared and drawn again below it), never into the middle of a bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bars = sys.modules.get("tqdm")  # imported by the commands that draw bars, only
+        if bars is None:
+            super().emit(record)
+            return
+        try:
+            bars.tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
+            self.handleError(record)
+
+
 def _setup_logging(verbose: bool, quiet: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     handler.setFormatter(_Formatter())
     root = logging.getLogger("tierckpt")
     root.handlers[:] = [handler]

@@ -90,6 +90,11 @@ def lines(a: Advice) -> list[str]:
     ]
     if i.safe_s is not None:
         out.append(f"      (a save is committed on the first tier {_t(i.safe_s)} after it starts)")
+    if i.restarts:
+        out.append(
+            f"      ({i.restarts} restart(s) of the job among these checkpoints: the time across a restart "
+            "is not counted as training)"
+        )
     out += [
         "",
         "formulas (τ: seconds of training between checkpoints):",

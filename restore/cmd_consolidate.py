@@ -7,7 +7,8 @@ import argparse
 from .fmt import add_json, checkpoint_ref, human_size, print_json
 
 EPILOG = """examples:
-  tierckpt-restore consolidate latest --out model.safetensors --keys model.
+  tierckpt-restore consolidate latest --out model.safetensors --keys model. --strip-prefix model.
+  tierckpt-restore consolidate --keys model. --keys ema. latest --out k.pt   # options anywhere
   tierckpt-restore consolidate step-000300 --out full.pt          # everything, optimizer included
   tierckpt-restore consolidate latest --out model.pt --exclude optim. --exclude extra.
   python -c "import torch; sd = torch.load('full.pt', weights_only=True)"
@@ -32,17 +33,20 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
     p.add_argument("--out", "-o", required=True, metavar="PATH", help="output file: *.pt or *.safetensors")
     p.add_argument(
         "--keys",
-        nargs="+",
-        action="extend",
+        action="append",
         metavar="PREFIX",
-        help="keep only keys starting with one of these prefixes (e.g. model.)",
+        help="keep only keys starting with this prefix (e.g. model.); repeat for several",
     )
     p.add_argument(
         "--exclude",
-        nargs="+",
-        action="extend",
+        action="append",
         metavar="PREFIX",
-        help="leave out keys starting with one of these prefixes",
+        help="leave out keys starting with this prefix; repeat for several",
+    )
+    p.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        help="write keys without this prefix (--strip-prefix model.: model.layer.w is written as layer.w)",
     )
     p.add_argument("--format", choices=("pt", "safetensors"), help="output format (default: from the --out suffix)")
     add_json(p)
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         fmt=args.format,
         progress=not args.quiet,
+        strip_prefix=args.strip_prefix,
     )
     if args.json:
         print_json(res.to_json())

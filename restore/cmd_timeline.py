@@ -48,7 +48,7 @@ def _ranks(text: str | None) -> list[int] | None:
         raise UsageError(f"--ranks {text!r}: expected rank numbers separated by commas") from None
 
 
-def _row(run: CheckpointRun) -> list[str]:
+def _row(run: CheckpointRun, before: CheckpointRun | None) -> list[str]:
     def worst(name: str) -> float:
         return max(r.seconds(name) for r in run.ranks)
 
@@ -60,7 +60,8 @@ def _row(run: CheckpointRun) -> list[str]:
         *cells,
         " ".join(f"{h[4:]}={worst(h):.2f}" for h in hops) or "-",
         f"{run.end - run.start:.2f}",
-        "failed" if run.failed else "ok",
+        ("failed" if run.failed else "ok")
+        + (", job restarted before it" if before and run.restarted_after(before) else ""),
     ]
 
 
@@ -75,15 +76,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(
             [
-                {"id": r.checkpoint_id, "token": r.token, "step": r.step, "ranks": [x.to_json() for x in r.ranks]}
-                for r in runs
+                {
+                    "id": r.checkpoint_id,
+                    "token": r.token,
+                    "step": r.step,
+                    "restarted": bool(i and r.restarted_after(runs[i - 1])),
+                    "ranks": [x.to_json() for x in r.ranks],
+                }
+                for i, r in enumerate(runs)
             ]
         )
         return 0
     print(
         table(
             ["ID", "RANKS", "BLOCKED", "PRESTEP", "CAPTURE", "FLUSH", "COMMIT", "HOPS", "TOTAL", ""],
-            [_row(r) for r in runs],
+            [_row(r, runs[i - 1] if i else None) for i, r in enumerate(runs)],
         )
     )
     print("(seconds, slowest rank; CAPTURE and FLUSH count from the start of the save)")
@@ -96,5 +103,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     shown = "" if len(got["ranks"]) == len(got["all_ranks"]) else f" (ranks {got['ranks']} of {len(got['all_ranks'])})"
-    print(f"wrote {got['out']}: {len(runs)} checkpoint(s){shown}")
+    restarts = f", {got['restarts']} restart(s) of the job (red lines)" if got["restarts"] else ""
+    print(f"wrote {got['out']}: {len(runs)} checkpoint(s){shown}{restarts}")
     return 0

@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
         help="check sizes and CRC32C of a checkpoint on every tier",
         description="Check a committed checkpoint on every tier holding it: metadata, the size of "
         "every data file, and the CRC32C of every byte (files are read in large "
-        "sequential ranges). Prints what is bad (tier, file, item) and exits 1 on any "
-        "problem.",
+        "sequential ranges). Sizes are logical (the data files as saved, decoded where the tier "
+        "compresses, metadata not counted); list shows what is stored. Prints what is bad "
+        "(tier, file, item) and exits 1 on any problem.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             absent = f", {len(t.absent)} file(s) not on this tier" if t.absent else ""
             print(
                 f"{rep.checkpoint_id} on {t.tier} ({t.url}): {t.files_checked} file(s), "
-                f"{human_size(t.bytes_checked)} checked{absent}: {state}"
+                f"{human_size(t.bytes_checked)} of data checked (logical size, as saved){absent}: {state}"
             )
             for p in t.problems:
                 print(f"  BAD {p.describe()}")

@@ -28,6 +28,7 @@ The output is written to a temporary name in the same directory and renamed at t
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -148,6 +149,7 @@ def consolidate_checkpoint(
     exclude: list[str] | None = None,
     fmt: str | None = None,
     progress: bool = True,
+    strip_prefix: str | None = None,
 ) -> ConsolidateResult:
     """Write checkpoint ``checkpoint_id`` (or ``"latest"``) as one full state dict file ``out``.
 
@@ -158,6 +160,9 @@ def consolidate_checkpoint(
         exclude: drop keys starting with one of these prefixes.
         fmt: ``"pt"`` or ``"safetensors"`` (default: from the suffix of ``out``).
         progress: show a progress bar on a terminal.
+        strip_prefix: removed from the start of every key that has it, in the file written
+            (``"model."``: ``model.layer.w`` is written as ``layer.w``); two keys that would get
+            the same name raise :class:`UsageError`.
 
     Reads from the fastest tier holding each data file (local, else S3), verifying every CRC32C.
     See the module docstring for the memory bound and the file layouts.
@@ -197,15 +202,16 @@ def consolidate_checkpoint(
                     "write a .pt file or --exclude it"
                 )
         values = _load_objects(src, objects)
+        order = [f for f in chosen if f in values or f in {t.fqn for t in tensors}]
+        if strip_prefix:
+            tensors, values, order = _strip(src.checkpoint_id, strip_prefix, tensors, values, order)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
         try:
             if fmt == "safetensors":
                 writer: _Writer = _SafetensorsWriter(tmp, tensors, src.checkpoint_id)
             else:
-                writer = _TorchSaveWriter(
-                    tmp, tensors, values, [f for f in chosen if f in values or f in {t.fqn for t in tensors}]
-                )
+                writer = _TorchSaveWriter(tmp, tensors, values, order)
             try:
                 _copy_tensors(src, tensors, writer, res, progress)
                 writer.finish()
@@ -224,6 +230,33 @@ def consolidate_checkpoint(
         res.served = dict(sorted(src.served.items()))
         res.seconds = time.perf_counter() - t0
         return res
+
+
+def _strip(
+    cid: str, prefix: str, tensors: list[_Tensor], values: dict[str, Any], order: list[str]
+) -> tuple[list[_Tensor], dict[str, Any], list[str]]:
+    """The keys to write with ``prefix`` removed where they start with it (see
+    :func:`consolidate_checkpoint`); the reads still go by each item's stored record."""
+
+    def name(fqn: str) -> str:
+        return fqn[len(prefix) :] if fqn.startswith(prefix) else fqn
+
+    seen: dict[str, str] = {}
+    for fqn in order:
+        new = name(fqn)
+        if not new:
+            raise UsageError(f"checkpoint {cid}: --strip-prefix {prefix}: key {fqn!r} would have no name left")
+        if new in seen:
+            raise UsageError(
+                f"checkpoint {cid}: --strip-prefix {prefix}: keys {seen[new]!r} and {fqn!r} would both be "
+                f"written as {new!r}; select one with --keys or --exclude"
+            )
+        seen[new] = fqn
+    return (
+        [dataclasses.replace(t, fqn=name(t.fqn)) for t in tensors],
+        {name(k): v for k, v in values.items()},
+        [name(f) for f in order],
+    )
 
 
 def _plan(src: CheckpointSource, chosen: list[str]) -> tuple[list[_Tensor], list[tuple[str, ItemRecord]]]:

@@ -31,6 +31,7 @@ from tierckpt.errors import (
     CommitConflict,
     ConfigError,
     CorruptCheckpoint,
+    InvalidCheckpointId,
     TierAccessDenied,
     TierckptError,
     TierError,
@@ -112,7 +113,7 @@ def classify(e: BaseException) -> tuple[str, int]:
 def _classify(e: BaseException) -> tuple[str, int]:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", EXIT_INTERRUPTED
-    if isinstance(e, (UsageError, ConfigError)):
+    if isinstance(e, (UsageError, ConfigError, InvalidCheckpointId)):
         return str(e), EXIT_USAGE
     if isinstance(e, (CheckpointNotFound, NotFound)):
         return str(e), EXIT_FAILED

@@ -49,10 +49,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tierckpt.catalog import lease as leases
-from tierckpt.catalog.listing import find_latest, read_checkpoint_doc
+from tierckpt.catalog.listing import find_latest, list_checkpoints, read_checkpoint_doc
 from tierckpt.codec import strip_stored
 from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
+from tierckpt.config.values import node_name
 from tierckpt.errors import (
     CheckpointNotFound,
     CommitConflict,
@@ -67,6 +68,7 @@ from tierckpt.format.layout import (
 )
 from tierckpt.format.metadata import CheckpointDoc, parse_metadata
 from tierckpt.load.readback import range_size
+from tierckpt.tiers import is_node_name, tier_kinds
 from tierckpt.tiers.base import Tier
 
 from .catalog import (
@@ -92,7 +94,7 @@ class FetchResult:
     """What :func:`fetch_checkpoint` did."""
 
     checkpoint_id: str
-    local_url: str
+    local_url: str  # where the checkpoint was written: the local tier's (the node's) directory / ID
     source_url: str  # the first source (another node's directory or the shared tier), for messages
     ranks: list[int] | None
     files: list[str]  # the data files selected
@@ -106,6 +108,10 @@ class FetchResult:
     ranges_retried: int = 0
     committed: bool = False  # the local metadata.json is in place
     seconds: float = 0.0
+    node: str | None = None  # the node whose directory was written ([local] path with {node}), else None
+    node_from: str = ""  # how that node was chosen: "--node", "TIERCKPT_NODE", "GROUP_RANK", "NODE_RANK", "host name"
+    other_nodes: list[str] = field(default_factory=list)  # the other node directories readable here
+    fresh_node: bool = False  # the node's directory held no committed checkpoint before this fetch
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -119,6 +125,7 @@ def fetch_checkpoint(
     ranks: Iterable[int] | None = None,
     progress: bool = True,
     peers: bool = True,
+    node: str | None = None,
 ) -> FetchResult:
     """Copy committed checkpoint ``checkpoint_id`` (or ``"latest"``) into the local tier from
     other nodes' directories readable here and from the shared tiers (S3).
@@ -130,6 +137,10 @@ def fetch_checkpoint(
         ranks: fetch only the data files written by these ranks (None: all files).
         progress: show a progress bar on a terminal.
         peers: take files from other nodes' directories where readable (False: shared tiers only).
+        node: with a node-local ``[local]`` path (``{node}``), the node whose directory receives
+            the checkpoint (None: this process's node name, :func:`tierckpt.config.values.node_name`:
+            ``TIERCKPT_NODE``, else torchrun's ``GROUP_RANK``, else ``NODE_RANK``, else the host
+            name); :attr:`FetchResult.local_url` and :attr:`FetchResult.node` say where it went.
 
     Blocks until the files and the metadata are in place (or the fetch failed); runs in the
     calling process, any rank or a launcher script. Returns a :class:`FetchResult`. Raises
@@ -145,14 +156,34 @@ def fetch_checkpoint(
         bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
         if bad:  # checked before any tier is contacted
             raise UsageError(f"--rank {bad[0]!r}: ranks are integers from 0")
+    if checkpoint_id != "latest":
+        check_checkpoint_id(checkpoint_id)  # InvalidCheckpointId before any tier is contacted
+    if node is not None and not is_node_name(node):
+        raise UsageError(f"--node {node[:60]!r}: a node name is letters, digits and ._- (no '/' or '..')")
     cfg = as_config(config)
     tiers = open_tiers(cfg)
+    node_from = "--node" if node is not None else _node_source()
+    if tiers[0].node_local:
+        if node is not None and node != node_name():
+            for_node = tier_kinds(cfg)[0].for_node
+            assert for_node is not None  # a node-local first tier's kind builds other nodes' tiers
+            tiers[0].close()
+            tiers[0] = for_node(cfg, node)
+        node = node if node is not None else node_name()
+    elif node is not None:
+        for t in tiers:
+            t.close()
+        raise UsageError(
+            f"--node {node}: the [local] path{(' of ' + cfg.source) if cfg.source else ''} has no {{node}}: "
+            "every process writes the same directory"
+        )
     local, shared = tiers[0], [t for t in tiers[1:] if not t.node_local]
     nodes: list[PeerNode] = []
     plans: list[FilePlan] = []
     held: list[leases.Lease] = []
     try:
         nodes = open_peer_nodes(cfg, tiers) if peers else []
+        fresh = local.node_local and not any(c.committed for c in list_checkpoints(local))
         if not shared and not nodes:
             where = f" {cfg.source}" if cfg.source else ""
             raise UsageError(
@@ -191,6 +222,9 @@ def fetch_checkpoint(
         selected = _select(man.files, man.world_size, ranks)
         rank_list = None if ranks is None else sorted(set(ranks))
         res = FetchResult(cid, f"{local.url}/{cid}", f"{sources[0].tier.url}/{cid}", rank_list, sorted(selected))
+        res.node, res.node_from = (node, node_from) if local.node_local else (None, "")
+        res.other_nodes = [n.node for n in nodes]
+        res.fresh_node = fresh
         by_file = doc.files_items()
         sized = next((s.tier for s in sources if not s.tier.node_local), sources[0].tier)
         rsize = range_size(sized, man.chunk_size)
@@ -241,6 +275,14 @@ def fetch_checkpoint(
             n.tier.close()
         for t in tiers:
             t.close()
+
+
+def _node_source() -> str:
+    """What :func:`~tierckpt.config.values.node_name` took this process's node name from."""
+    for var in ("TIERCKPT_NODE", "GROUP_RANK", "NODE_RANK"):
+        if os.environ.get(var):
+            return var
+    return "host name"
 
 
 def _resolve(cfg: TierConfig, tiers: list[Tier], shared: list[Tier], nodes: list[PeerNode], checkpoint_id: str) -> str:

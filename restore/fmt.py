@@ -8,10 +8,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tierckpt.errors import CorruptCheckpoint
+from tierckpt.errors import InvalidCheckpointId
 from tierckpt.format.layout import check_checkpoint_id
 
-__all__ = ["EXAMPLES_HEAD", "add_json", "add_tier", "checkpoint_ref", "human_age", "human_size", "print_json", "table"]
+__all__ = [
+    "EXAMPLES_HEAD",
+    "add_json",
+    "add_tier",
+    "checkpoint_ref",
+    "cli_id",
+    "human_age",
+    "human_size",
+    "print_json",
+    "table",
+]
 
 EXAMPLES_HEAD = "examples:\n"
 
@@ -47,13 +57,22 @@ def print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
+def cli_id(value: str) -> str:
+    """An id as typed or pasted (``$(tierckpt-restore latest)`` keeps no newline, but a value read
+    from a file often ends with one): ``value`` without one trailing newline. Nothing else is
+    stripped; the result is validated by :func:`check_checkpoint_id`."""
+    return value[:-1] if value.endswith("\n") else value
+
+
 def checkpoint_ref(value: str) -> str:
-    """argparse type: ``latest`` or a valid checkpoint id."""
+    """argparse type: ``latest`` or a valid checkpoint id (one trailing newline stripped first);
+    anything else is refused with the id rules (exit status 2) before any tier is contacted."""
+    value = cli_id(value)
     if value == "latest":
         return value
     try:
         return check_checkpoint_id(value)
-    except CorruptCheckpoint as e:
+    except InvalidCheckpointId as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -24,12 +24,20 @@ from tierckpt.catalog.listing import read_checkpoint_doc
 from tierckpt.codec.view import decoding
 from tierckpt.config import TierConfig
 from tierckpt.errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
-from tierckpt.format.layout import data_key
+from tierckpt.format.layout import check_checkpoint_id, data_key
 from tierckpt.format.metadata import CheckpointManifest
 from tierckpt.load.readback import range_size
 from tierckpt.tiers.base import Tier
 
-from .catalog import as_config, checkpoint_objects, holding_tiers, open_tiers, resolve_id
+from .catalog import (
+    as_config,
+    checkpoint_objects,
+    find_latest_here,
+    is_committed_on,
+    open_node_dirs,
+    open_tiers,
+    resolve_id,
+)
 from .pieces import FileCheck
 from .work import progress_bar, run_all, workers_for
 
@@ -105,6 +113,7 @@ class VerifyReport:
 @dataclass
 class _Task:
     tier: Tier
+    label: str  # the report's name: the tier's section, or "node NAME"
     report: TierReport
     fc: FileCheck
     key: str
@@ -126,24 +135,50 @@ def verify_checkpoint(
         tier: ``"local"`` or ``"s3"`` to check only that tier.
         progress: show a progress bar on a terminal.
 
+    With a node-local ``[local]`` path (``{node}``) and no ``tier``, the other nodes' directories
+    readable here are checked too (reports named ``node NAME``; a data file a node does not hold
+    is not a problem when another holder has it intact), and ``latest`` is what this node's load
+    resolves over them (:func:`restore.catalog.find_latest_here`), as ``tierckpt-restore latest``.
+
     Returns a :class:`VerifyReport`; ``report.ok`` is False on any problem. Raises
     :class:`CheckpointNotFound` when no tier holds a committed copy.
     """
     import time
 
     t0 = time.perf_counter()
+    if checkpoint_id != "latest":
+        check_checkpoint_id(checkpoint_id)  # InvalidCheckpointId before any tier is contacted
     cfg = as_config(config)
     tiers = open_tiers(cfg, tier)
     held: list[leases.Lease] = []
+    others: dict[str, Tier] = {}
     try:
-        cid = resolve_id(tiers, checkpoint_id)
+        others = {} if tier else open_node_dirs(cfg, tiers)
+        if checkpoint_id == "latest" and not tier:
+            cid = find_latest_here(cfg, tiers).checkpoint_id
+        else:
+            cid = resolve_id(tiers, checkpoint_id)
+        labels: dict[int, str] = {id(t): f"node {n}" for n, t in others.items()}
+        candidates = [t for t in [*tiers, *others.values()] if is_committed_on(t, cid)]
+        if not candidates:
+            raise CheckpointNotFound(
+                f"checkpoint {cid} is not committed on any tier: "
+                + ", ".join(t.url for t in [*tiers, *others.values()])
+            )
         holding = []
-        for t in holding_tiers(tiers, cid):
+        for t in candidates:
             try:  # held until the end: retention and gc anywhere leave the checkpoint alone
                 held.append(leases.acquire(t, cid, purpose="verify"))
-                holding.append(decoding(t, cid))  # encoded files are checked as the bytes they decode to
             except CheckpointNotFound as e:
                 log.warning("%s", e)
+                continue
+            except (TierckptError, OSError) as e:
+                if id(t) not in labels:
+                    raise
+                log.debug("no lease on %s (%s): reading it without one", t.url, e)  # another node's, read-only here
+            d = decoding(t, cid)  # encoded files are checked as the bytes they decode to
+            labels[id(d)] = labels.get(id(t), t.name)
+            holding.append(d)
         if not holding:
             raise CheckpointNotFound(f"checkpoint {cid} is no longer committed on any tier (deleted?)")
         reports: list[TierReport] = []
@@ -153,14 +188,15 @@ def verify_checkpoint(
         present: dict[str, set[str]] = {}  # file -> tiers where it is present with the right size
         all_files: dict[str, int] = {}
         for t in holding:
-            rep = TierReport(t.name, t.url)
+            name = labels[id(t)]
+            rep = TierReport(name, t.url)
             reports.append(rep)
             try:
                 doc = read_checkpoint_doc(t, cid)
             except (CorruptCheckpoint, CheckpointNotFound) as e:
-                rep.problems.append(Problem(t.name, "metadata.json", "metadata", str(e)))
+                rep.problems.append(Problem(name, "metadata.json", "metadata", str(e)))
                 continue
-            man = manifests[t.name] = doc.manifest
+            man = manifests[name] = doc.manifest
             all_files.update(man.files)
             sizes = {name: info.size for name, info in checkpoint_objects(t, cid).items()}
             by_file = doc.files_items()
@@ -171,20 +207,20 @@ def verify_checkpoint(
                     if want:
                         rep.absent.append(file)
                     else:
-                        present.setdefault(file, set()).add(t.name)
+                        present.setdefault(file, set()).add(name)
                     continue
                 if got != want:
-                    rep.problems.append(Problem(t.name, file, "size", f"{got} bytes, the manifest says {want}"))
+                    rep.problems.append(Problem(name, file, "size", f"{got} bytes, the manifest says {want}"))
                     continue
-                present.setdefault(file, set()).add(t.name)
+                present.setdefault(file, set()).add(name)
                 rep.files_checked += 1
                 fc = FileCheck(file, want, by_file.get(file, []), man.chunk_size)
                 if fc.covered != want:
                     rep.problems.append(
-                        Problem(t.name, file, "size", f"the CRC pieces cover {fc.covered} of {want} bytes")
+                        Problem(name, file, "size", f"the CRC pieces cover {fc.covered} of {want} bytes")
                     )
                 for start, end in fc.ranges(rsize):
-                    tasks.append(_Task(t, rep, fc, data_key(cid, file), start, end))
+                    tasks.append(_Task(t, name, rep, fc, data_key(cid, file), start, end))
         tokens = {name: m.save_token for name, m in manifests.items()}
         if len(set(tokens.values())) > 1:
             problems.append(
@@ -211,7 +247,7 @@ def verify_checkpoint(
     finally:
         for lease in held:
             lease.release()
-        for t in tiers:
+        for t in [*tiers, *others.values()]:
             t.close()
 
 
@@ -227,11 +263,9 @@ def _run(cfg: TierConfig, tasks: list[_Task], progress: bool, cid: str, bad_file
         try:
             task.tier.read_into(task.key, task.start, memoryview(buf))
         except (TierckptError, OSError) as e:
-            return [Problem(task.tier.name, task.fc.file, "read", f"bytes [{task.start}, {task.end}): {e}")]
+            return [Problem(task.label, task.fc.file, "read", f"bytes [{task.start}, {task.end}): {e}")]
         return [
-            Problem(
-                task.tier.name, b.file, "crc", b.describe(), b.fqn, list(b.offset) if b.offset is not None else None
-            )
+            Problem(task.label, b.file, "crc", b.describe(), b.fqn, list(b.offset) if b.offset is not None else None)
             for b in task.fc.check(task.start, buf)
         ]
 
@@ -240,13 +274,13 @@ def _run(cfg: TierConfig, tasks: list[_Task], progress: bool, cid: str, bad_file
             task.report.bytes_checked += task.end - task.start
             task.report.problems.extend(found)
             if found:
-                bad_files.add((task.tier.name, task.fc.file))
+                bad_files.add((task.label, task.fc.file))
         bar.update(task.end - task.start)
 
     try:
         by_tier: dict[str, list[_Task]] = {}
         for t in tasks:
-            by_tier.setdefault(t.tier.name, []).append(t)
+            by_tier.setdefault(t.label, []).append(t)
         # Tiers one after the other (each with its own parallelism); within one, files in order.
         for ts in by_tier.values():
             rsize = max(t.end - t.start for t in ts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -18,16 +19,37 @@ __all__ = ["BUFFER_BUDGET", "progress_bar", "run_all", "workers_for"]
 T = TypeVar("T")
 
 
+FALLBACK_COLUMNS = 80
+"""The bar's width on a terminal that reports no size (0 columns)."""
+
+
+def _columns(stream: Any) -> int:
+    """The width of the terminal ``stream`` writes to; 0 when it reports none."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> tqdm:
-    """A tqdm bar on stderr. ``enabled=True`` shows it on a terminal only; False never."""
+    """A tqdm bar on stderr (done so far, percentage, rate, time left). ``enabled=True`` shows it
+    when stderr is a terminal, never otherwise (a pipe, a file: logs stay clean); False never
+    (``-q``). A terminal that reports no size (0 columns: terminals opened by ``docker exec -t``,
+    ``script`` and many CI runners) gets a bar of :data:`FALLBACK_COLUMNS` columns: tqdm would
+    draw nothing at all there."""
     kw: dict[str, Any] = dict(unit_scale=True, unit_divisor=1024) if unit == "B" else {}
+    stream = sys.stderr
+    tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+    if tty and _columns(stream) <= 0:
+        kw["ncols"], kw["nrows"] = FALLBACK_COLUMNS, 24  # tqdm takes the reported 0 x 0 as -1 x -1: nothing drawn
+    else:
+        kw["dynamic_ncols"] = True
     return tqdm(
         total=total,
         desc=desc,
-        unit=unit,
-        file=sys.stderr,
-        disable=None if enabled else True,
-        dynamic_ncols=True,
+        unit="iB" if unit == "B" else unit,  # binary multiples: MiB/s
+        file=stream,
+        disable=not tty,
         leave=False,
         **kw,
     )

@@ -70,6 +70,13 @@ def refuse_direct(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     return refused
 
 
+@pytest.fixture(autouse=True)
+def direct_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files here are small: under ``"auto"`` they would be written buffered
+    (:data:`~tierckpt.tiers.localfs.DIRECT_WRITE_MIN`); these cases are about the direct path."""
+    monkeypatch.setattr(localfs_mod, "DIRECT_WRITE_MIN", 0)
+
+
 @pytest.fixture(params=MODES)
 def mode(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "direct" and not _fs_accepts_direct(tmp_path):
@@ -105,6 +112,41 @@ def test_pool_and_slots_are_page_aligned() -> None:
 # -- the sink -----------------------------------------------------------------------------------
 
 SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 256 * KiB, MiB + 123]
+
+
+def _cached_pages(path: Path) -> list[bool]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return [localfs_mod._cached(fd, off) for off in range(0, path.stat().st_size, 4096)]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct_io", ["auto", True])
+def test_small_files_are_written_buffered_and_stay_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: bool | str
+) -> None:
+    """Under ``"auto"`` a data file below ``DIRECT_WRITE_MIN`` is written through the page cache
+    and is all there after the sink's close (a resume soon after reads memory); a file of at least
+    that size goes ``O_DIRECT``, as does every file under ``direct_io = true``."""
+    if not _fs_accepts_direct(tmp_path):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
+    monkeypatch.setattr(localfs_mod, "DIRECT_WRITE_MIN", 1 * MiB)
+    tier = LocalTier(tmp_path / "root", fsync=True, direct_io=direct_io)
+    slot, _owner = aligned_buffer(2 * MiB)
+    arr = slot.numpy()
+    for size in (256 * KiB, 2 * MiB):
+        data = _data(size, size)
+        arr[:size] = np.frombuffer(data, np.uint8)
+        sink = tier.open_sink(f"c/rank-{size}.data", size)
+        direct = sink.direct  # type: ignore[attr-defined]
+        assert direct == (direct_io is True or size >= MiB)
+        sink.write_at(0, memoryview(arr[:size]))
+        sink.close()
+        path = tmp_path / "root" / "c" / f"rank-{size}.data"
+        if not direct:
+            assert all(_cached_pages(path))
+        assert path.read_bytes() == data
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"size{s}")

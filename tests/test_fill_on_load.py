@@ -152,11 +152,13 @@ def test_fill_writes_whole_pages_direct(saved, monkeypatch, direct_io):
     the device directly and only an item's edges are buffered; with ``direct_io = false`` every
     write is buffered. The file is byte-identical to S3's either way."""
     import tierckpt.load.fill as fill_mod
+    import tierckpt.tiers.localfs as localfs
     import tierckpt.tiers.localsinks as sinks
 
     cfg, sd, local, s3 = saved
     cfg.local.direct_io = direct_io
     monkeypatch.setattr(fill_mod, "STAGE_BYTES", 64 << 10)
+    monkeypatch.setattr(localfs, "DIRECT_WRITE_MIN", 0)  # a small file, written direct all the same
     direct: list[int] = []
     real = sinks._pwrite_direct
 

@@ -24,6 +24,7 @@ from tierckpt import (
     ChecksumMismatch,
     CorruptCheckpoint,
     HostConfig,
+    InvalidCheckpointId,
     LocalConfig,
     TierckptError,
     TierConfig,
@@ -535,7 +536,24 @@ def test_unknown_checkpoint(saved):
 
 
 # "/etc" and "a/b" are path-style ids since issue 14 (ids "etc" and "b"); a "." or ".." component is refused.
-@pytest.mark.parametrize("cid", ["../step-5", "step-5/../../x", ".hidden", "", "latest/..", "a/./b", "/ckpt/.."])
+# Issue 33: one class for a bad id (InvalidCheckpointId, never the CorruptCheckpoint a resume loop falls
+# back on), the documented characters only (no ',', ' ', ':'), the whole string (no trailing newline).
+@pytest.mark.parametrize(
+    "cid",
+    [
+        "../step-5",
+        "step-5/../../x",
+        ".hidden",
+        "",
+        "latest/..",
+        "a/./b",
+        "/ckpt/..",
+        "step 1",
+        "a:b",
+        "a,b",
+        "step-1\n",
+    ],
+)
 def test_invalid_checkpoint_ids_are_rejected(saved, cid):
     cfg, _sd = saved
     root = cfg.local.resolved_path()
@@ -544,10 +562,12 @@ def test_invalid_checkpoint_ids_are_rejected(saved, cid):
         load(cfg, target(), cid)
     assert find_error(ei.value, TierckptError) is not None or not TieredReader.validate_checkpoint_id(cid)
     r = TieredReader(cfg)
-    with pytest.raises(CorruptCheckpoint):
+    with pytest.raises(InvalidCheckpointId) as bad:
         r.reset(cid)
-    with pytest.raises(BaseException):
+    assert not isinstance(bad.value, CorruptCheckpoint) and isinstance(bad.value, ValueError)
+    with pytest.raises(BaseException) as es:
         save(cfg, {"x": torch.ones(1)}, cid)
+    assert find_error(es.value, InvalidCheckpointId) is not None, es.value
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == before
 
 

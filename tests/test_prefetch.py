@@ -115,6 +115,31 @@ def test_announced_reads_are_prefetched_and_buffered(direct_tier) -> None:
     assert direct
 
 
+def test_a_cached_load_starts_no_prefetch(direct_tier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranges whose first and last pages are in the page cache already (the file was just written
+    buffered, or read) are read buffered with no prefetch thread; a cold file still gets one."""
+    tier, path, data, direct = direct_tier
+    calls: list[dict] = []
+    monkeypatch.setattr(reads_mod, "willneed", lambda paths, stop: calls.append(paths))
+    assert path.read_bytes() == data  # a buffered read: the page cache holds it all
+    assert all(_cached_pages(path, len(data) - len(data) % 4096))  # mincore: the partial last page never is
+    direct.clear()
+    spans = [(0, 100 * KiB), (500 * KiB, len(data))]
+    assert tier.prefetch({"c/rank-0.data": spans}) == sum(b - a for a, b in spans)
+    time.sleep(0.05)
+    assert calls == [], "a prefetch thread ran for cached ranges"
+    for a, b in spans:
+        assert _read(tier, a, b - a) == data[a:b]
+    assert not direct
+    tier.end_prefetch()
+    _drop(path)
+    tier.prefetch({"c/rank-0.data": spans})
+    deadline = time.monotonic() + 10
+    while not calls:
+        assert time.monotonic() < deadline, "no prefetch for a cold file"
+        time.sleep(0.01)
+
+
 def test_a_large_load_is_not_prefetched(direct_tier, monkeypatch: pytest.MonkeyPatch) -> None:
     tier, path, data, direct = direct_tier
     monkeypatch.setattr(reads_mod, "PREFETCH_MAX", 256 * KiB)
@@ -250,3 +275,43 @@ def test_every_copy_of_a_refused_object_is_refused(tmp_path: Path) -> None:
     out = {"a": 0.0, "b": 0.0, "c": None, "d": None, "t": torch.zeros(3)}
     dcp.load(out, checkpoint_id="step-2", storage_reader=TieredReader(cfg, allow_pickle=True), no_dist=True)
     assert out == {**sd, "t": out["t"]} and torch.equal(out["t"], sd["t"])
+
+
+def test_a_load_in_the_page_cache_is_read_on_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small save is written buffered, so its load right after finds every file in the page
+    cache and reads (and verifies) it on the calling thread, starting no reader threads; once the
+    files are dropped from the cache the runs are read in parallel again. Bit-exact both ways."""
+    import tierckpt.load.readback as readback
+
+    monkeypatch.setattr(readback, "RUN_BYTES", 64 * KiB)  # several runs: threads would be used
+    monkeypatch.setattr(readback, "MAX_GAP", 0)
+    cfg = _cfg(tmp_path)
+    sd = {k: v for k, v in _state().items() if isinstance(v, torch.Tensor)}
+    w = TieredWriter(cfg)
+    dcp.save(sd, checkpoint_id="step-1", storage_writer=w, no_dist=True)
+    w.wait()
+    readers: list[threading.Thread] = []
+    real_read_run = readback.Readback._read_run
+
+    def spy(self, run):  # noqa: ANN001, ANN202
+        readers.append(threading.current_thread())
+        return real_read_run(self, run)
+
+    monkeypatch.setattr(readback.Readback, "_read_run", spy)
+
+    def load() -> None:
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, checkpoint_id="step-1", storage_reader=TieredReader(cfg, threads=4), no_dist=True)
+        assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+    load()
+    assert len(readers) > 1 and set(readers) == {threading.main_thread()}
+    root = cfg.local.resolved_path()
+    _md, man = metadata_from_json((root / metadata_key("step-1")).read_bytes(), "m")
+    for f in man.files:
+        _drop(root / data_key("step-1", f))
+    readers.clear()
+    load()
+    assert threading.main_thread() not in readers

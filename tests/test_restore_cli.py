@@ -230,7 +230,7 @@ def test_list_table_and_json(local_ckpts):
     p = cli_proc("list", config=cfg)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0].split() == ["ID", "STEP", "LOCAL", "SIZE", "FILES", "AGE"]
+    assert lines[0].split() == ["ID", "STEP", "LOCAL", "STORED", "FILES", "AGE"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert rows["step-1"][2] == "committed" and rows["step-2"][2] == "committed" and rows["step-3"][2] == "partial"
     assert rows["step-2"][5] == "1"  # one rank file

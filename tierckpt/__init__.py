@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import moved
+from . import logsetup, moved
 from .lazyexports import lazy_exports
 
+logsetup.install()  # WARNINGs (and [job] log_level) print with name, level and rank when the app configures no logging
 moved.install()  # the old flat module paths (tierckpt.writer, ...) keep importing, with a warning
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
         ConfigError,
         CopiesPending,
         CorruptCheckpoint,
+        InvalidCheckpointId,
         ReplicationError,
         SaveError,
         TierckptError,
@@ -78,6 +80,7 @@ _LAZY: dict[str, str] = {
     "CheckpointNotFound": ".errors",
     "CheckpointBeingDeleted": ".errors",
     "CorruptCheckpoint": ".errors",
+    "InvalidCheckpointId": ".errors",
     "ChecksumMismatch": ".errors",
     "CommitConflict": ".errors",
     "SaveError": ".errors",

@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "CheckpointNotFound",
     "CorruptCheckpoint",
+    "InvalidCheckpointId",
     "ChecksumMismatch",
     "CheckpointBeingDeleted",
     "CommitConflict",
@@ -48,6 +49,15 @@ class CheckpointNotFound(TierckptError, FileNotFoundError):
 
 class CorruptCheckpoint(TierckptError, ValueError):
     """A checkpoint's metadata or layout is malformed, hostile or inconsistent."""
+
+
+class InvalidCheckpointId(TierckptError, ValueError):
+    """A checkpoint id that cannot name a checkpoint: not 1-200 characters of letters, digits and
+    ``._-=+@`` starting with a letter or digit, or the reserved ``latest`` where an id is needed.
+
+    Raised where ids enter (writer, reader, catalog, CLI) before any tier is touched. Not a
+    :class:`CorruptCheckpoint`: the caller's argument is wrong, nothing stored is, so a resume loop
+    that falls back on ``CorruptCheckpoint`` does not swallow it."""
 
 
 class ChecksumMismatch(CorruptCheckpoint):

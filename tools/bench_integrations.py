@@ -98,8 +98,9 @@ def main() -> None:
         "--direct-io",
         default="auto",
         choices=("auto", "true", "false"),
-        help="[local] direct_io of the tiers (auto: data files bypass the page cache, so a resume in "
-        "the same process reads them from the disk, while the default path's files are cached)",
+        help="[local] direct_io of the tiers (auto: data files under 256 MiB are written through the page "
+        "cache, as the default path's are, larger ones bypass it; true: every data file bypasses it, so a "
+        "resume in the same process reads them from the disk while the default path's files are cached)",
     )
     ap.add_argument("--json", default="")
     a = ap.parse_args()

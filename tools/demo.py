@@ -154,6 +154,21 @@ def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
+def fetch_summary(out: str) -> str:
+    """One line from ``tierckpt-restore fetch --json``'s output: what came from where (the whole
+    document is in the JSON report), never a JSON text cut in the middle."""
+    try:
+        doc = json.loads(out)
+    except ValueError:
+        return out.strip().splitlines()[-1] if out.strip() else "(no output)"
+    sources = sorted(set(doc.get("sources", {}).values()))
+    return (
+        f"{doc.get('checkpoint_id')}: {len(doc.get('files', []))} file(s), "
+        f"{doc.get('bytes_downloaded', 0) / 2**20:.1f} MiB downloaded from {', '.join(sources) or '-'} "
+        f"into {doc.get('local_url')}, committed: {'yes' if doc.get('committed') else 'NO'}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--s3", choices=["moto", "seaweedfs"], default="moto")
@@ -220,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         if fetched.returncode != 0:
             say(f"fetch failed: {fetched.stderr.strip()}")
             return 1
-        say(f"fetched in {restore_s:.2f} s: {fetched.stdout.strip()[:300]}")
+        say(f"fetched in {restore_s:.2f} s: {fetch_summary(fetched.stdout)}")
+        try:
+            report["fetch"] = json.loads(fetched.stdout)  # the whole document, in the --json report
+        except ValueError:
+            pass
 
         say("resuming from latest in a new process")
         run2_log = work / "run2.jsonl"

@@ -185,6 +185,7 @@ class RankSave:
         self.captured: Future[None] = Future()
         self.durable: Future[None] = Future()
         self.committed: Future[None] = Future()
+        self.await_commit = False  # finish() waits for the first-tier commit ([job] async_future = "committed_local")
         self.replicated: Future[None] = Future()  # committed on every tier of the chain
         self.global_md: Future[tuple[Metadata, list[list[WriteResult]]]] = Future()
         self.owner: Any = None  # weakref to the TieredWriter that saved it (whose wait() gets its error)

@@ -12,8 +12,10 @@ The answers are those of ``tierckpt-restore latest`` and ``tierckpt-restore list
 :mod:`tierckpt.catalog`: commit order from the metadata headers, never file times; ``latest``
 is the newest committed checkpoint whose metadata is valid and whose data a tier can serve).
 Any process may call these, on any rank, at any time; they list the tiers (one listing per tier,
-one small read per committed checkpoint) and block for that long. An unreachable tier raises its
-error when no other tier answers, as the CLI does.
+one small read per committed checkpoint) and block for that long. With a node-local ``[local]``
+path (``{node}``) they see every node directory readable here, as ``latest`` does. An
+unreachable tier is skipped with a warning naming it; its error is raised only when no tier
+answers, as the CLI does.
 
 It also holds :func:`checkpoint_id_of`, the mapping from what a framework passes as a checkpoint
 id (often a directory path such as ``<dump>/checkpoint/step-100``) to a tierckpt id.
@@ -46,6 +48,8 @@ class Checkpoint:
     deletes it and when the tombstone expires (``{"s3": "gc by host:123, tombstone since ...,
     expires in 588 s"}``): a deletion running, or one that crashed (the tombstone expires after
     10 minutes). Its copies there cannot be loaded and ``latest`` skips them.
+    ``nodes``: with a node-local first tier (``[local] path`` with ``{node}``), the nodes whose
+    directory (readable here) holds a committed copy; its section is in ``tiers`` when any does.
     """
 
     id: str
@@ -55,6 +59,7 @@ class Checkpoint:
     peer_copies: bool = False
     order: tuple = field(default=(), repr=False, compare=False)  # commit order (seq, time, step)
     deleting: dict[str, str] = field(default_factory=dict, compare=False)
+    nodes: tuple[str, ...] = field(default=(), compare=False)
 
 
 def checkpoint_id_of(checkpoint_id: str | os.PathLike) -> str:
@@ -127,33 +132,70 @@ def latest(cfg: Config | str | os.PathLike | None = None, *, before: str | None 
 def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Checkpoint]:
     """Every checkpoint committed on some tier, oldest commit first (the committed rows of
     ``tierckpt-restore list``, in its order); checkpoints whose headers no tier can read come
-    first (by id). Partial (uncommitted) checkpoints are left out. Besides one listing per tier and
-    one small read per checkpoint, one listing of each tier's leases (and a read per tombstone)
-    fills :attr:`Checkpoint.deleting`."""
+    first (by id). Partial (uncommitted) checkpoints are left out. Besides one listing per tier
+    (and per node directory readable here, with a node-local ``[local]`` path: ``Checkpoint.nodes``)
+    and one small read per checkpoint, one listing of each tier's leases (and a read per tombstone)
+    fills :attr:`Checkpoint.deleting`. A tier that cannot be listed is skipped with a warning naming
+    it; when no tier can be listed its error is raised."""
+    from ..config.values import node_name
     from ..format.layout import PEERS
     from .listing import list_checkpoints as list_tier
+    from .nodes import open_node_dirs
 
-    tiers = _tiers(cfg)
+    conf = _config(cfg)
+    tiers = _tiers(conf)
+    others: dict[str, Any] = {}
+    failed: list[BaseException] = []
     try:
+        others = open_node_dirs(conf, tiers)
         found: dict[str, dict[str, Any]] = {}
         for tier in tiers:
-            tombs = _tombs_of(tier)
-            for c in list_tier(tier):
-                if not c.committed:
+            sources = [(node_name(), tier), *others.items()] if tier is tiers[0] and tier.node_local else [(None, tier)]
+            tombs: dict[str, Any] = {}
+            for node, t in sources:
+                try:
+                    listed = list_tier(t)
+                except Exception as err:  # noqa: BLE001 - one tier's failure must not hide the others
+                    if t is tier:
+                        failed.append(err)
+                        logging.getLogger("tierckpt.catalog").warning(
+                            "tier %s (%s) could not be listed, its checkpoints are left out: %s",
+                            tier.name,
+                            tier.url,
+                            err,
+                        )
                     continue
-                e = found.setdefault(
-                    c.checkpoint_id,
-                    {"step": c.step, "tiers": [], "times": [], "orders": [], "peer": False, "deleting": {}},
-                )
-                e["tiers"].append(tier.name)
-                if c.checkpoint_id in tombs:
-                    e["deleting"][tier.name] = tombs[c.checkpoint_id].deleting()
-                if c.header is not None:
-                    e["times"].append(c.header.committed)
-                    e["orders"].append(c.header.order_key())
-                e["peer"] = e["peer"] or PEERS in c.objects
+                if t is tier:
+                    tombs = _tombs_of(tier)  # only a tier that answered (a dead one would cost its timeout again)
+                for c in listed:
+                    if not c.committed:
+                        continue
+                    e = found.setdefault(
+                        c.checkpoint_id,
+                        {
+                            "step": c.step,
+                            "tiers": [],
+                            "times": [],
+                            "orders": [],
+                            "peer": False,
+                            "deleting": {},
+                            "nodes": [],
+                        },
+                    )
+                    if tier.name not in e["tiers"]:
+                        e["tiers"].append(tier.name)
+                    if node is not None:
+                        e["nodes"].append(node)
+                    if c.checkpoint_id in tombs and t is tier:
+                        e["deleting"][tier.name] = tombs[c.checkpoint_id].deleting()
+                    if c.header is not None:
+                        e["times"].append(c.header.committed)
+                        e["orders"].append(c.header.order_key())
+                    e["peer"] = e["peer"] or PEERS in c.objects
+        if failed and len(failed) == len(tiers):
+            raise failed[0]
     finally:
-        for t in tiers:
+        for t in tiers + list(others.values()):
             t.close()
     out = [
         Checkpoint(
@@ -164,10 +206,11 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
             peer_copies=e["peer"],
             order=max(e["orders"]) if e["orders"] else (),
             deleting=e["deleting"],
+            nodes=tuple(sorted(e["nodes"])),
         )
         for cid, e in found.items()
     ]
-    # restore.catalog.list_all's order: unordered committed first, then by commit order.
+    # restore.catalog.survey's order: unordered committed first, then by commit order.
     return sorted(out, key=lambda c: (1, c.order, c.id) if c.order else (0, (), c.id))
 
 

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointNotFound, CorruptCheckpoint, TierckptError
+from ..errors import CheckpointNotFound, CorruptCheckpoint, InvalidCheckpointId, TierckptError
 from ..format.layout import MAX_METADATA_BYTES, METADATA, check_checkpoint_id, metadata_key, split_key, step_of
 from ..format.metadata import HEADER_MAX, CheckpointDoc, CheckpointManifest, CommitHeader, parse_metadata, read_header
 from ..tiers.base import ObjectInfo, Tier
@@ -137,7 +137,7 @@ def list_checkpoints(tier: Tier) -> list[CheckpointInfo]:
         cid, rest = split
         try:
             check_checkpoint_id(cid)
-        except CorruptCheckpoint:
+        except InvalidCheckpointId:
             continue
         c = by_id.get(cid)
         if c is None:
@@ -219,7 +219,7 @@ def committed_headers(tier: Tier) -> dict[str, tuple[CommitHeader, int]]:
     for name in tier.list_tops():
         try:
             check_checkpoint_id(name)
-        except CorruptCheckpoint:
+        except InvalidCheckpointId:
             continue
         try:
             head, size, mtime = tier.read_head(metadata_key(name), HEADER_MAX)
@@ -392,10 +392,11 @@ def deletion_under_way(tier: Tier, checkpoint_id: str) -> str | None:
 def order_of(tiers: list[Tier], checkpoint_id: str) -> tuple:
     """The commit order key of ``checkpoint_id`` (its newest readable commit header over
     ``tiers``); :class:`CheckpointNotFound` when no tier holds it committed with a readable header."""
+    check_checkpoint_id(checkpoint_id)  # InvalidCheckpointId before any tier is read
     keys = []
     for tier in tiers:
         try:
-            header = commit_header(tier, check_checkpoint_id(checkpoint_id))  # one size and one small read
+            header = commit_header(tier, checkpoint_id)  # one size and one small read
         except CheckpointNotFound:
             continue
         except TierckptError as e:

@@ -30,7 +30,7 @@ from .listing import (
     read_checkpoint_doc,
 )
 
-__all__ = ["PEER_CANDIDATES", "PeerNode", "find_latest_here", "node_files", "open_peer_nodes"]
+__all__ = ["PEER_CANDIDATES", "PeerNode", "find_latest_here", "node_files", "open_node_dirs", "open_peer_nodes"]
 
 log = logging.getLogger("tierckpt")
 
@@ -114,6 +114,26 @@ def open_peer_nodes(cfg: Config, tiers: list[Tier]) -> list[PeerNode]:
         if not names - seen:
             break
     return [out[n] for n in sorted(out)]
+
+
+def open_node_dirs(cfg: Config, tiers: list[Tier], peers: list[PeerNode] | None = None) -> dict[str, Tier]:
+    """Every other node's copy of the node-local first tier that this process can see, by node
+    name (sorted): the nodes of :func:`open_peer_nodes` (or ``peers``, whose tiers are reused) and
+    the node directories found next to this node's even when they hold no committed checkpoint
+    (a node that crashed in its first save: ``tierckpt-restore list`` shows its partial copy).
+    Empty when the first tier is not node-local. Whether a directory can be listed is for the
+    caller to find out (an unreadable one is skipped, never an error). Callers close the tiers."""
+    if not tiers or not tiers[0].node_local:
+        return {}
+    if peers is None:
+        peers = open_peer_nodes(cfg, tiers)
+    out = {p.node: p.tier for p in peers}
+    for node, tier in make_node_tiers(cfg).items():
+        if node in out or tier.url == tiers[0].url:
+            tier.close()
+            continue
+        out[node] = tier
+    return dict(sorted(out.items()))
 
 
 def node_files(info: CheckpointInfo, manifest: CheckpointManifest) -> dict[str, int]:

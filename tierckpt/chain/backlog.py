@@ -71,8 +71,6 @@ class BacklogPasses:
         @property
         def dst(self) -> Tier: ...
 
-        def _job_lease(self, rnd: Round, held: list, *ids: str) -> None: ...
-
     # -- the backlog ----------------------------------------------------------------------
     def _startup_pass(self) -> None:
         """Without a process group (one process is the whole job) the backlog is copied at once,
@@ -90,13 +88,16 @@ class BacklogPasses:
                 0,
                 1,
                 self.owner.cfg.job.commit_timeout,
-                f"backlog of {self.name} at start",
+                f"copying the checkpoints still missing on {self.name} (left by an earlier job or an outage) at start",
             )
             try:
                 self._backlog_pass(rnd, None, "")
             except BaseException as e:  # noqa: BLE001 - retried before the first copy
                 log.warning(
-                    "replicating the backlog to %s at start failed (retried before the first copy): %s", self.name, e
+                    "copying the checkpoints still missing on %s at start failed; they stay committed on the first tier, "
+                    "and the copy is retried before the next checkpoint's copy: %s",
+                    self.name,
+                    e,
                 )
                 return
             finally:
@@ -116,7 +117,7 @@ class BacklogPasses:
             a.rank,
             a.world,
             self.owner.cfg.job.commit_timeout,
-            f"backlog of {self.name} before {job.id}",
+            f"copying the checkpoints still missing on {self.name} before {job.id}",
         )
         try:
             if a.rank == 0:
@@ -149,10 +150,12 @@ class BacklogPasses:
         except TierckptError:
             return set()
 
-    def _backlog_pass(self, rnd: Round, below_seq: int | None, exclude: str) -> None:
+    def _backlog_pass(self, rnd: Round, below_seq: int | None, exclude: str) -> dict[str, Any]:
         """One backlog pass on this rank (see the module docstring); every rank of the job runs it
         in the same round. ``below_seq``: only checkpoints committed before this one (the one
-        about to be copied normally); None: all."""
+        about to be copied normally); None: all. Returns what it found and did: ``needed`` (ids
+        owed to ``dst``, oldest first), ``promoted`` (committed there by this pass) and ``failed``
+        (id -> why it stays owed); raises when the pass itself failed (``dst`` not listable)."""
         src, dst = self.src, self.dst
         rank = rnd.rank
         # 1. what this rank holds: committed on src, older than the job
@@ -181,7 +184,7 @@ class BacklogPasses:
                 self._owed -= set(mine)
                 if rank == 0:
                     self._need_pass = False
-            return
+            return {"needed": [], "promoted": [], "failed": {}}
         log.info(
             "%s: %d checkpoint(s) committed on %s are missing on %s: %s",
             rnd.what,
@@ -246,7 +249,31 @@ class BacklogPasses:
             try:
                 self.owner.retain(dst, set(outcome["promoted"]))
             except Exception as e:  # noqa: BLE001
-                log.warning("retention on %s after the backlog failed: %s", dst.url, e)
+                log.warning(
+                    "deleting old checkpoints on %s (retention) after copying the missing ones failed: %s", dst.url, e
+                )
+        return {"needed": needed, "promoted": outcome["promoted"], "failed": outcome["failed"]}
+
+    def _job_lease(self, rnd: Round, held: list, *ids: str) -> None:
+        """On a shared ``dst``: the coordinator takes the writer's lease on each of ``ids`` (one per
+        job, not one per rank: :func:`tierckpt.lease.acquire_for_write`) and publishes that it
+        holds them; every other rank waits for that before it writes. The coordinator checks the
+        leases once more before it commits (``before_put``), so a deletion that removed any rank's
+        copy can never be followed by the commit."""
+        if rnd.rank == 0:
+            try:
+                for cid in ids:
+                    held.append(leases.acquire_for_write(self.dst, cid, purpose=f"replication to {self.name} (job)"))
+            except BaseException as e:
+                rnd.put_shared("lease", b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
+                raise
+            rnd.put_shared("lease", b"OK")
+            return
+        got = rnd.get_shared("lease", f"the coordinator's lease on {self.dst.url}")
+        if got != b"OK":
+            raise TierckptError(
+                f"{rnd.what}: the coordinator could not lease it on {self.dst.url}: {got[1:].decode(errors='replace')}"
+            )
 
     def _plan_backlog(self, have: list[dict], world: int) -> dict:
         """Coordinator: union the ranks' holdings, compare with ``dst``, assign every file to one rank."""
@@ -321,7 +348,13 @@ class BacklogPasses:
                     )
                 else:
                     failed[cid] = why
-                    log.warning("%s: %s stays owed to %s: %s", rnd.what, cid, dst.url, why)
+                    log.warning(
+                        "%s: %s is not on %s yet (it stays committed on the first tier; the copy is retried later): %s",
+                        rnd.what,
+                        cid,
+                        dst.url,
+                        why,
+                    )
                 continue
             if cid in stored:
                 md = add_stored(md, stored[cid])

@@ -171,6 +171,7 @@ class Engine:
                     job.stats.capture_s or 0.0,
                     job.stats.flush_s or 0.0,
                 )
+                self.telemetry.committed(job)  # its history record, written now by the telemetry thread
             except BaseException as e:  # noqa: BLE001
                 if job.durable.done() and job.durable.exception() is None:
                     job.stats.phases.add("commit", job.t_durable, error=str(e))
@@ -276,11 +277,12 @@ class Engine:
             self._start_later_floor()
             if not self._later_ready.wait(LATER_FLOOR_GRACE_S):
                 log.warning(
-                    "numbering checkpoints from %s alone: %s did not list its commit order within %.0f s (a commit "
-                    "never waits longer for a slower tier; its answer counts from the next commit on)",
-                    self.first_tier.name,
+                    "%s did not answer within %.0f s, so this checkpoint is numbered from what %s holds alone; nothing "
+                    "to do: the checkpoint is committed, and %s's answer is used from the next checkpoint on",
                     ", ".join(self.chain.names[1:]),
                     LATER_FLOOR_GRACE_S,
+                    self.first_tier.name,
+                    ", ".join(self.chain.names[1:]),
                 )
         with self._seq_lock:
             if self._seq_floor is None:
@@ -316,7 +318,12 @@ class Engine:
         try:
             return max_seq(tier)
         except Exception as e:  # noqa: BLE001 - numbering goes on from what is known
-            log.warning("cannot read the commit order on %s (numbering from what is known): %s", tier.url, e)
+            log.warning(
+                "cannot list the checkpoints on %s to number the next one after them; numbering from what the "
+                "other tiers hold: %s",
+                tier.url,
+                e,
+            )
             return 0
 
     def _note_seq(self, seq: int) -> None:
@@ -633,6 +640,15 @@ def close_all() -> None:
         _engines.clear()
     for e in engines:
         try:
+            left = [j.id for j in e.pending()]
+            if left:  # the exit waits for them: say so (the copy to S3 of a large one takes seconds)
+                where = f"copying to {', '.join(e.chain.names[1:])}" if len(e.chain) > 1 else "being saved"
+                log.warning(
+                    "at exit: %d checkpoint(s) still %s (%s); the process ends once they are done",
+                    len(left),
+                    where,
+                    ", ".join(left),
+                )
             e.close()
         except TierckptError as err:
             log.error("at exit: %s", err)

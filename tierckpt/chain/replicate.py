@@ -265,27 +265,6 @@ class Replicator(BacklogPasses):
                     e,
                 )
 
-    def _job_lease(self, rnd: Round, held: list, *ids: str) -> None:
-        """On a shared ``dst``: the coordinator takes the writer's lease on each of ``ids`` (one per
-        job, not one per rank: :func:`tierckpt.lease.acquire_for_write`) and publishes that it
-        holds them; every other rank waits for that before it writes. The coordinator checks the
-        leases once more before it commits (``before_put``), so a deletion that removed any rank's
-        copy can never be followed by the commit."""
-        if rnd.rank == 0:
-            try:
-                for cid in ids:
-                    held.append(leases.acquire_for_write(self.dst, cid, purpose=f"replication to {self.name} (job)"))
-            except BaseException as e:
-                rnd.put_shared("lease", b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
-                raise
-            rnd.put_shared("lease", b"OK")
-            return
-        got = rnd.get_shared("lease", f"the coordinator's lease on {self.dst.url}")
-        if got != b"OK":
-            raise TierckptError(
-                f"{rnd.what}: the coordinator could not lease it on {self.dst.url}: {got[1:].decode(errors='replace')}"
-            )
-
     def _copy_encoded(self, job: RankSave, src: Tier, dst: Tier) -> dict:
         """This rank's file of ``job`` copied encoded (:mod:`tierckpt.encodedhop`); its stored index."""
         mkey = metadata_key(job.id)

@@ -150,20 +150,26 @@ def drain(
     def gone(j: RankSave, h: Any) -> bool:
         return retired(j) or down(h)
 
+    behind = ""  # what the wait is on now, in words (the timeout names it)
     try:
         for h in hops:  # a backlog replicated at start is part of "everything done"
+            behind = f"{h.name} is behind: it is still checking for checkpoints an earlier run did not copy there"
             _await(h.started.wait, deadline, partial(down, h))
-        for j in jobs:
+        for i, j in enumerate(jobs):
+            later = [k.id for k in jobs[i + 1 :]]
+            rest = f" (then {_ids(later)})" if later else ""
+            behind = f"{first} is behind: {j.id} is not committed there yet{rest}"
             _await(partial(_settled, j.committed), deadline)
             if j.committed.exception() is not None:
                 continue  # committed nowhere: no hop sees it
             for h in hops:
+                behind = f"{h.name} is behind: {j.id} is committed on {first}, still being copied to {h.name}{rest}"
                 _await(j.hop_done(h.name).wait, deadline, partial(gone, j, h))
             if every and patient:
+                behind = f"{j.id} is on every tier; its retention and history are not done yet{rest}"
                 _await(partial(_settled, j.replicated), deadline)
     except TimeoutError:
-        what = ", ".join([first, *(h.name for h in hops)])
-        raise CommitError(f"checkpoints in flight: not done on {what} after {timeout} s") from None
+        raise CommitError(f"checkpoints in flight after {timeout} s: {behind}") from None
 
 
 def _settled(fut: Future, timeout: float | None) -> bool:

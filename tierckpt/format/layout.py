@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import CorruptCheckpoint
+from ..errors import InvalidCheckpointId
 
 __all__ = [
     "FORMAT",
@@ -30,6 +30,7 @@ __all__ = [
     "ALIGN",
     "MAX_METADATA_BYTES",
     "MAX_HEADER_BYTES",
+    "ID_CHARS",
     "check_checkpoint_id",
     "is_valid_checkpoint_id",
     "data_key",
@@ -53,16 +54,22 @@ ALIGN = 64  # every item starts at a multiple of this (cache line; any dtype's a
 MAX_METADATA_BYTES = 1 << 30
 MAX_HEADER_BYTES = 64 * 1024  # the header line of metadata.json (a few fields)
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-=+@,]{0,199}$")
+ID_CHARS = "letters, digits and ._-=+@"
+"""The characters of a checkpoint id, as messages and docs state them (:func:`check_checkpoint_id`)."""
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-=+@]{0,199}")
 _FILE_RE = re.compile(r"^rank-\d{5,7}(-[0-9a-f]{8})?\.data$")
 _RESERVED_IDS = {"latest"}
 
 
 def check_checkpoint_id(checkpoint_id: str) -> str:
-    """Return ``checkpoint_id`` if it is usable as a directory/prefix name, else raise ``CorruptCheckpoint``."""
-    if not isinstance(checkpoint_id, str) or not _ID_RE.match(checkpoint_id) or checkpoint_id in _RESERVED_IDS:
-        raise CorruptCheckpoint(
-            f"invalid checkpoint id {checkpoint_id!r}: use 1-200 characters of letters, digits and ._-=+@, "
+    """Return ``checkpoint_id`` if it can name a checkpoint (a directory / key prefix): 1-200
+    characters of :data:`ID_CHARS`, the first a letter or digit, not ``latest``; else raise
+    :class:`~tierckpt.errors.InvalidCheckpointId` naming it. The whole string is checked (a
+    trailing newline is refused, never kept)."""
+    if not isinstance(checkpoint_id, str) or _ID_RE.fullmatch(checkpoint_id) is None or checkpoint_id in _RESERVED_IDS:
+        shown = repr(checkpoint_id) if isinstance(checkpoint_id, str) else f"of type {type(checkpoint_id).__name__}"
+        raise InvalidCheckpointId(
+            f"invalid checkpoint id {shown[:220]}: use 1-200 characters of {ID_CHARS}, "
             "starting with a letter or digit (and not 'latest')"
         )
     return checkpoint_id
@@ -73,7 +80,7 @@ def is_valid_checkpoint_id(checkpoint_id: str) -> bool:
     try:
         check_checkpoint_id(checkpoint_id)
         return True
-    except CorruptCheckpoint:
+    except InvalidCheckpointId:
         return False
 
 

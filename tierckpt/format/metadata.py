@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..checksum import crc32c
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, InvalidCheckpointId
 from . import safejson
 from .jsonvalues import (
     DTYPE_SIZES,
@@ -362,7 +362,10 @@ def parse_metadata(raw: bytes, where: str) -> CheckpointDoc:
 def _parse(doc: Any, where: str) -> CheckpointDoc:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{where}: not a {FORMAT} metadata file")
-    cid = check_checkpoint_id(_str(_req(doc, "checkpoint_id", "the document"), "checkpoint_id", 200))
+    try:
+        cid = check_checkpoint_id(_str(_req(doc, "checkpoint_id", "the document"), "checkpoint_id", 200))
+    except InvalidCheckpointId as e:  # stored metadata naming an impossible id: the file is corrupt
+        raise CorruptCheckpoint(f"metadata: {e}") from None
     chunk_size = _int(_req(doc, "chunk_size", "the document"), "chunk_size", 4096)
     files_raw = _obj(_req(doc, "files", "the document"), "'files'")
     files: dict[str, int] = {}

@@ -49,8 +49,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 try:
@@ -65,6 +67,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from ..config import TierConfig
+from ..load.deliver import unfilled
 from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
 from .pathmap import PathMap, check_run
@@ -157,7 +160,7 @@ class TierckptCheckpointIO(CheckpointIO):
         reader = TieredReader(self.paths.cfg)  # the tensors and the pickled skeleton (bytes)
         reader.reset(got.id)
         flat: dict[str, Any] = {}
-        _load_state_dict(flat, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(flat, storage_reader=reader, planner=_SkeletonPlanner(), no_dist=True)
         return join(flat, weights_only=not trusted)
 
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -168,6 +171,28 @@ class TierckptCheckpointIO(CheckpointIO):
         """Every rank: wait for this process's saves to commit and its deletions to run."""
         if self._paths is not None:
             self._paths.close(quietly=sys.exc_info()[0] is not None or sys.is_finalizing())
+
+
+class _SkeletonPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's ``_EmptyStateDictLoadPlanner`` (rebuild the whole state from the checkpoint's
+    metadata), each tensor allocated by :func:`~tierckpt.load.deliver.unfilled` instead of
+    ``torch.empty``, which under Lightning's ``deterministic=True`` first fills every byte the load
+    then overwrites (every tensor is read whole and verified, or the load raises and the state is
+    dropped). The base's loop, with that one change; then ``DefaultLoadPlanner.set_up_planner``."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        if state_dict or metadata is None:
+            raise AssertionError("a skeleton load starts from an empty state dict and needs the metadata")
+        for k, v in metadata.state_dict_metadata.items():
+            if not self._should_include_key(k, metadata):
+                continue
+            if isinstance(v, TensorStorageMetadata):
+                v = unfilled(tuple(v.size), v.properties.dtype)
+            if metadata.planner_data is not None and k in metadata.planner_data:
+                set_element(state_dict, metadata.planner_data[k], v)
+            else:
+                state_dict[k] = v
+        DefaultLoadPlanner.set_up_planner(self, state_dict, metadata, is_coordinator)
 
 
 def load_from_checkpoint(

@@ -56,6 +56,7 @@ class MetadataResolution:
     _decision: agreement.Decision | None
     _roots: list[str]
     _failed: BaseException | None
+    _latest: str | None
 
     def resolve(self) -> str:
         """The concrete id to load: ``latest`` is the newest committed checkpoint over all tiers,
@@ -70,6 +71,8 @@ class MetadataResolution:
             return self._agree(group).checkpoint_id
         if self.checkpoint_id != "latest":
             return self.checkpoint_id
+        if self._latest is not None:  # resolved by reset() for this load
+            return self._latest
         return find_latest(self.tiers).checkpoint_id
 
     def _peer_group(self) -> peers.PeerGroup | None:

@@ -172,11 +172,15 @@ class SavePlanning:
             if i.committed_here:
                 raise CommitConflict(
                     f"checkpoint {cid} is already committed at {i.root} (rank {r}); "
-                    "use a new checkpoint_id (ids are never overwritten)"
+                    "use a new checkpoint_id (ids are never overwritten), or remove the old run first "
+                    "to start again from scratch: tierckpt-restore delete --all"
                 )
         first = self.engine.first_tier
         if self._local is None and is_committed(first, cid):
-            raise CommitConflict(f"checkpoint {cid} is already committed at {first.url}")
+            raise CommitConflict(
+                f"checkpoint {cid} is already committed at {first.url}; use a new checkpoint_id, or remove "
+                "the old run first to start again from scratch: tierckpt-restore delete --all"
+            )
         token = uuid.uuid4().hex
         with session.lock:
             if session.channel is None:

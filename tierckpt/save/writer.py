@@ -50,7 +50,7 @@ from ..chain.commit import default_channel
 from ..chain.engine import Engine, get_engine
 from ..chain.peers import PeerGroup
 from ..config import TierConfig, load_config
-from ..errors import CorruptCheckpoint, TierckptError
+from ..errors import InvalidCheckpointId, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..tiers.base import Tier
 from . import plancache, preempt
@@ -280,6 +280,13 @@ class TieredWriter(SavePlanning, StorageWriter):
             and threading.current_thread() is not threading.main_thread()
             and not self._tickets.bound_here()
         )
+        # dcp.async_save staged by this writer, [job] async_future stronger than "accepted": the
+        # capture starts at once and DCP's thread waits for it here (and, for "committed_local",
+        # the coordinator waits in finish for the first-tier commit), so DCP's future means that.
+        stronger = self.cfg.job.async_future != "accepted" and not self._detached and self._tickets.bound_here()
+        if stronger:
+            foreign = True
+            job.await_commit = self.cfg.job.async_future == "committed_local"
         if not (self._detached or foreign):  # those start the capture at once (nothing to hold back for)
             job.hold = hold(assign, coordinator=ctx.own_assign is not None)
             job.hold_timeout = HOLD_TIMEOUT
@@ -319,12 +326,24 @@ class TieredWriter(SavePlanning, StorageWriter):
         _results.submit(job, metadata, results)
         if self._detached:
             self._wait_committed(job)
+        elif job.await_commit:
+            self._wait_first_commit(job)
         elif len(results) > 1:
             metadata.storage_data = Release(job.assign.token)  # see savehold.Release
         else:
             release(job.assign.token)  # one rank: DCP broadcasts nothing (or to itself) after this
         job.stats.save_blocked_s = time.perf_counter() - ctx.t0
         job.stats.phases.add("blocked_in_save", ctx.t0, replace=True)
+
+    def _wait_first_commit(self, job: RankSave) -> None:
+        """``[job] async_future = "committed_local"``, coordinator, in ``finish`` (DCP's save thread):
+        block until ``job`` is committed on the first tier, or raise its failure (DCP then fails
+        the future on every rank)."""
+        try:
+            job.committed.result()
+        except BaseException:
+            self.engine.raise_errors(owner=self, tiers=())
+            raise
 
     def _wait_committed(self, job: RankSave) -> None:
         """Detached writer, coordinator, in ``finish``: block until ``job`` is committed on every
@@ -342,7 +361,7 @@ class TieredWriter(SavePlanning, StorageWriter):
         try:
             check_checkpoint_id(checkpoint_id_of(checkpoint_id))
             return True
-        except CorruptCheckpoint:
+        except InvalidCheckpointId:
             return False
 
     # -- async_save support (AsyncStager protocol) -----------------------------------------
@@ -431,7 +450,9 @@ class TieredWriter(SavePlanning, StorageWriter):
         a checkpoint committed nowhere (capture, flush or first-tier commit), with the others in its
         notes; else :class:`~tierckpt.errors.CopiesPending` when copies to the tiers waited for
         failed and are still owed: its message names what is committed where and what is pending.
-        ``timeout`` (seconds): :class:`~tierckpt.errors.CommitError` when not done by then.
+        ``timeout`` (seconds): :class:`~tierckpt.errors.CommitError` when not done by then, naming
+        the tier that is behind and the checkpoint it is on (``checkpoints in flight after 3 s: s3
+        is behind: step-90 is committed on local, still being copied to s3 (then step-100)``).
         """
         self.wait_captured()
         self.engine.wait(timeout, owner=self, tiers=tiers)

@@ -80,8 +80,9 @@ class Inputs:
     blocked_s: float
     background_cpu_s: float
     safe_s: float | None  # save start until committed on the first tier (slowest rank)
-    interval_s: float | None  # between consecutive saves' starts (wall)
-    s_per_step: float | None
+    interval_s: float | None  # between consecutive saves' starts (wall), restarts excluded
+    s_per_step: float | None  # over consecutive saves of one process (restarts excluded)
+    restarts: int = 0  # saves that a new process made after an earlier one's (CheckpointRun.restarted_after)
 
     @classmethod
     def from_runs(cls, runs: list[CheckpointRun]) -> Inputs:
@@ -95,11 +96,18 @@ class Inputs:
             for r in runs
             if all(any(c.name == "commit" for c in x.phases) for x in r.ranks)
         ]
-        gaps = [b.start - a.start for a, b in zip(runs, runs[1:])]
-        stepped = [r for r in runs if r.step is not None]
+        # Consecutive saves of one process only: the time between the last save before a restart
+        # (a crash, a kill, a requeue) and the first after it is no training.
+        pairs = [(a, b) for a, b in zip(runs, runs[1:]) if not b.restarted_after(a)]
+        gaps = [b.start - a.start for a, b in pairs]
+        stepped = [
+            (b.start - a.start, b.step - a.step)
+            for a, b in pairs
+            if a.step is not None and b.step is not None and b.step > a.step
+        ]
         per_step = None
-        if len(stepped) >= 2 and stepped[-1].step != stepped[0].step:
-            per_step = (stepped[-1].start - stepped[0].start) / (stepped[-1].step - stepped[0].step)  # type: ignore[operator]
+        if stepped:
+            per_step = sum(dt for dt, _ in stepped) / sum(ds for _, ds in stepped)
         return cls(
             [r.checkpoint_id for r in runs],
             max(len(r.ranks) for r in runs),
@@ -108,6 +116,7 @@ class Inputs:
             statistics.median(safe) if safe else None,
             statistics.median(gaps) if gaps else None,
             per_step if per_step and per_step > 0 else None,
+            sum(1 for a, b in zip(runs, runs[1:]) if b.restarted_after(a)),
         )
 
 

@@ -16,11 +16,14 @@ one per checkpoint, oldest first::
                   "bytes": 123, "error": null, "stats": {SaveStats.as_dict() without prefix},
                   "phases": [{"name": "capture", "start": 1718000000.12, "end": …, "blocked": true?}, …]}]}
 
-Times are wall-clock seconds (``time.time``) of the writing process. The file is replaced
-atomically (a temp file renamed, no fsync), at most every :data:`WRITE_INTERVAL` seconds: records
-of saves in between are written with the next save after that, or at the engine's ``close`` (at
-exit). A crash may lose those records, never a checkpoint; so may a telemetry thread stuck in
-an OpenTelemetry exporter (the records are then written at ``close``).
+Times are wall-clock seconds (``time.time``) of the writing process. A record is kept twice:
+when the checkpoint is committed on the first tier (``"settled": false``, the phases so far) and
+when it settles (the same token: it replaces the first). Each time the telemetry thread replaces
+the file atomically (a temp file renamed, no fsync) as soon as it gets to it, so a SIGKILL loses
+at most the records of checkpoints not committed yet (and of one a telemetry thread stuck in an
+OpenTelemetry exporter holds back; those are written at ``close``). ``"process"`` (pid and start
+time, :data:`PROCESS`) tells a restarted job's records from its predecessor's
+(:meth:`CheckpointRun.restarted_after`).
 A process appends to the records found in the file when it first writes (a restarted job
 continues its history). Writing never fails a checkpoint: an error is logged once per process.
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -64,8 +68,13 @@ HISTORY_DIR = "_history"
 FORMAT = "tierckpt-history/1"
 MAX_FILE_BYTES = 16 << 20
 """A history file larger than this is not read (1024 records of a few KB each fit)."""
-WRITE_INTERVAL = 5.0
-"""Seconds between two writes of one history file at most (see :class:`HistoryLog`)."""
+WRITE_INTERVAL = 0.0
+"""Seconds between two writes of one history file at least (see :class:`HistoryLog`): 0, every
+record is written as soon as the telemetry thread gets to it (records appended while a write is
+asked for and not run yet go with that write)."""
+PROCESS = f"{os.getpid()}@{time.time():.3f}"
+"""This process's identity in its records (pid and the time tierckpt was imported): a record with
+another one was written by another process, so a change between two checkpoints is a restart."""
 
 
 def history_key(global_rank: int) -> str:
@@ -87,6 +96,8 @@ class RankRecord:
     error: str | None
     stats: dict[str, float]
     phases: list[Phase]
+    process: str | None = None  # who wrote it (:data:`PROCESS`); None in files written before it was kept
+    settled: bool = True  # False: recorded at its first-tier commit, before its copies to later tiers ended
 
     @property
     def start(self) -> float:
@@ -110,6 +121,8 @@ class RankRecord:
             "error": self.error,
             "stats": self.stats,
             "phases": [p.to_json() for p in self.phases],
+            "process": self.process,
+            "settled": self.settled,
         }
 
 
@@ -134,6 +147,16 @@ class CheckpointRun:
     def failed(self) -> bool:
         return any(r.error for r in self.ranks)
 
+    @property
+    def processes(self) -> frozenset[str]:
+        """The processes that wrote its records (empty for records without one)."""
+        return frozenset(r.process for r in self.ranks if r.process)
+
+    def restarted_after(self, before: CheckpointRun) -> bool:
+        """Whether the job was restarted between ``before`` and this save: no process wrote both."""
+        a, b = before.processes, self.processes
+        return bool(a and b and not (a & b))
+
 
 class HistoryLog:
     """One process's history file on one tier (see the module docstring). Thread-safe.
@@ -153,8 +176,8 @@ class HistoryLog:
         self.global_rank = global_rank
         self.node = node
         self.keep = keep
-        self._records: list[bytes] | None = None  # encoded; read from the file on the first write
-        self._new: list[bytes] = []  # appended since the last write
+        self._records: list[tuple[str, bytes]] | None = None  # (token, encoded); read from the file on the first write
+        self._new: list[tuple[str, bytes]] = []  # appended since the last write
         self._lock = threading.Lock()  # _new, _asked, _last_write: held for list operations only
         self._io = threading.Lock()  # _records and the file: held by the one writing it
         self._warned = False
@@ -162,11 +185,12 @@ class HistoryLog:
         self._last_write = -WRITE_INTERVAL
 
     def append(self, record: dict) -> bool:
-        """Keep one checkpoint's record (in memory). Returns True when the caller should have
-        :meth:`write` run (off its thread), or call :meth:`cancel`."""
+        """Keep one checkpoint's record (in memory); a record with the id and token of one kept before
+        replaces it (the settled record replaces the one kept at the first-tier commit). Returns
+        True when the caller should have :meth:`write` run (off its thread), or call :meth:`cancel`."""
         enc = _encode(record)
         with self._lock:
-            self._new.append(enc)
+            self._new.append((f"{record.get('id')}/{record.get('token')}", enc))
             del self._new[: -self.keep]
             if self._asked or time.monotonic() - self._last_write < WRITE_INTERVAL:
                 return False
@@ -187,13 +211,13 @@ class HistoryLog:
                 self._last_write = time.monotonic()
                 new, self._new = self._new, []
             if self._records is None:
-                self._records = [_encode(r.to_json()) for r in self._read_own()]
+                self._records = [(f"{r.checkpoint_id}/{r.token}", _encode(r.to_json())) for r in self._read_own()]
             if not new:
                 return
-            self._records += new
+            self._records = _merge(self._records + new)
             del self._records[: -self.keep]
             head = _encode({"format": FORMAT, "global_rank": self.global_rank, "node": self.node})
-            body = head[:-1] + b',"records":[' + b",".join(self._records) + b"]}"
+            body = head[:-1] + b',"records":[' + b",".join(enc for _, enc in self._records) + b"]}"
             try:
                 self.tier.put_volatile(history_key(self.global_rank), body)
             except (TierckptError, OSError) as e:
@@ -227,6 +251,16 @@ class HistoryLog:
                 "%s/%s is unreadable; starting a new history: %s", self.tier.url, history_key(self.global_rank), e
             )
             return []
+
+
+def _merge(records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """One record per save (id and token), at its first place, with its last content."""
+    last = dict(records)
+    out: list[tuple[str, bytes]] = []
+    for token, _ in records:
+        if token in last:
+            out.append((token, last.pop(token)))
+    return out
 
 
 def _encode(obj: dict) -> bytes:
@@ -332,6 +366,8 @@ def _record(r: Any, global_rank: int, node: str, what: str) -> RankRecord:
         error=_str(r.get("error"), f"{what}: error", none=True),
         stats={k: _num(v, float, f"{what}: stats {k[:40]}") for k, v in stats.items()},
         phases=phases,
+        process=_str(r.get("process"), f"{what}: process", none=True),
+        settled=r.get("settled") is not False,
     )
 
 

@@ -1,6 +1,6 @@
 """One engine's telemetry: the history file and, with ``[job] telemetry = "otel"``, the export.
 
-Called by the engine (:mod:`tierckpt.engine`) at two points of each save's life, never per chunk,
+Called by the engine (:mod:`tierckpt.engine`) at three points of each save's life, never per chunk,
 and at close. None of them does I/O or calls an exporter on the caller's thread: what may block
 (the history file write, spans and metrics through the application's providers) is handed to the
 telemetry thread (:mod:`tierckpt.telemetry.worker`: one bounded queue per process; a full queue
@@ -11,10 +11,12 @@ drops the record and counts it), so a slow or stuck exporter never holds up a co
   hooks the save's :class:`~tierckpt.telemetry.phases.PhaseLog` to the lag gauges (in-memory
   bookkeeping under a short lock, run where the phase ends: no I/O, no application code);
   otherwise nothing.
+* :meth:`EngineTelemetry.committed` (the commit thread, once the save is committed on the first
+  tier): keeps its record so far for this rank's history file (:mod:`tierckpt.telemetry.history`)
+  and has the telemetry thread write the file at once, so a job killed later keeps it.
 * :meth:`EngineTelemetry.settled` (the engine thread that settles the save, before
-  ``writer.wait()`` returns): keeps the save's record for this rank's history file
-  (:mod:`tierckpt.telemetry.history`; written by the telemetry thread within seconds) and, with
-  OpenTelemetry on, posts its spans and metrics.
+  ``writer.wait()`` returns): keeps the save's full record (replacing the first; written by the
+  telemetry thread at once) and, with OpenTelemetry on, posts its spans and metrics.
 * :meth:`EngineTelemetry.close` (``Engine.close``, at exit): waits for the telemetry thread at most
   :data:`~tierckpt.telemetry.worker.CLOSE_WAIT` seconds, then writes what the history holds.
 
@@ -32,7 +34,7 @@ from ..config import Config
 from ..config.values import node_name
 from ..errors import ConfigError
 from ..tiers.base import Tier
-from .history import HistoryLog
+from .history import PROCESS, HistoryLog
 from .worker import CLOSE_WAIT, telemetry_queue
 
 __all__ = ["EngineTelemetry", "flush_history"]
@@ -100,17 +102,31 @@ class EngineTelemetry:
         if self._gauges is not None:
             job.stats.phases.listener = self._gauges.listener(self._first().name, job.id, job.assign.step)
 
+    def committed(self, job: Any) -> None:
+        """The save is committed on the first tier (the commit thread, after the commit): its record
+        so far goes to the history file now (written by the telemetry thread, never on the commit's
+        path), so a job killed later still has it. :meth:`settled` replaces it."""
+        try:
+            self._keep(job, settled=False)
+        except Exception as e:  # noqa: BLE001 - telemetry never fails a checkpoint
+            if not self._warned:
+                self._warned = True
+                log.warning("checkpoint %s: telemetry failed (the checkpoint is not affected): %s", job.id, e)
+
+    def _keep(self, job: Any, settled: bool) -> None:
+        if self.keep:
+            tier = self._first()
+            if tier.cheap_listing:
+                h = _history_log(tier, _global_rank(job.assign.rank), self.keep)
+                self._logs.add(h)
+                if h.append(record_of(job, settled)) and not telemetry_queue().post(f"history of {job.id}", h.write):
+                    h.cancel()
+
     def settled(self, job: Any) -> None:
         """The save is committed on every tier, or failed (an engine thread). Never blocks: the
         record is kept in memory and the work handed to the telemetry thread."""
         try:
-            if self.keep:
-                tier = self._first()
-                if tier.cheap_listing:
-                    h = _history_log(tier, _global_rank(job.assign.rank), self.keep)
-                    self._logs.add(h)
-                    if h.append(record_of(job)) and not telemetry_queue().post(f"history of {job.id}", h.write):
-                        h.cancel()
+            self._keep(job, settled=True)
             if self._otel is not None:
                 telemetry_queue().post(
                     f"spans of {job.id}", self._otel.save, job.stats, job.assign.step, job.assign.world
@@ -135,8 +151,9 @@ class EngineTelemetry:
         self.flush()
 
 
-def record_of(job: Any) -> dict:
-    """The history record of one settled save on this rank."""
+def record_of(job: Any, settled: bool = True) -> dict:
+    """The history record of one save on this rank (``settled``: committed on every tier, or failed;
+    else committed on the first tier so far)."""
     st = job.stats
     return {
         "id": job.id,
@@ -148,4 +165,6 @@ def record_of(job: Any) -> dict:
         "error": st.error[:300] if st.error else None,
         "stats": {k: round(v, 6) if isinstance(v, float) else v for k, v in st.as_dict(prefix="").items()},
         "phases": [p.to_json() for p in st.phases.snapshot()],
+        "process": PROCESS,
+        "settled": settled,
     }

@@ -21,6 +21,7 @@ safe inside a training process or a benchmark. matplotlib is an optional extra
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,12 +85,14 @@ class TimeMap:
             else:
                 merged.append([a, b])
         longest = max((b - a for a, b in merged), default=1.0) or 1.0
+        long_gaps = [(b0, a1) for (_a0, b0), (a1, _b1) in zip(merged, merged[1:]) if a1 - b0 > factor * longest]
+        kept = (merged[-1][1] - merged[0][0] if merged else 0.0) - sum(b - a for a, b in long_gaps)
+        width = max(0.6 * longest, 0.05 * kept)  # wide enough to read its label among many checkpoints
         pieces: list[tuple[float, float, float]] = [(0.0, 0.0, 1.0)]
         gaps: list[tuple[float, float]] = []
         x_of = lambda t: cls(pieces, gaps).x(t)  # noqa: E731
         for (_a0, b0), (a1, _b1) in zip(merged, merged[1:]):
             if a1 - b0 > factor * longest:
-                width = 0.6 * longest
                 gaps.append((b0, a1))
                 xb = x_of(b0)
                 pieces.append((b0, xb, width / (a1 - b0)))
@@ -137,7 +140,8 @@ def _matplotlib() -> Any:
 
 def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None = None, title: str = "") -> dict:
     """Draw ``runs`` (oldest first) into ``out``; ``ranks``: which ranks (default: the first
-    :data:`MAX_RANKS`). Returns what was drawn: ``{"checkpoints", "ranks", "all_ranks", "gaps", "out"}``."""
+    :data:`MAX_RANKS`). Returns what was drawn: ``{"checkpoints", "ranks", "all_ranks", "gaps", "restarts", "labelled"
+    (checkpoint names written), "xticks" (the axis labels), "out"}``."""
     Figure, Patch, FuncFormatter, MaxNLocator = _matplotlib()
     if not runs:
         raise ValueError("no checkpoints to draw")
@@ -176,26 +180,52 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
                 if p.error:
                     style.update(hatch="xx", edgecolor="black", linewidth=1.0)
                 ax.barh(lanes[(r.rank, p.name)], max(xb - xa, min_w), left=xa, height=0.8, **style)
-    for _i, run in enumerate(runs):
+    # Checkpoint names: vertical when many; one at most every 1/45 of the axis (the others keep their line).
+    label_gap = x_end / 45 if len(runs) > 12 else 0.0
+    last_label = -math.inf
+    labelled = 0
+    for run in runs:
         xs = tmap.x(run.start - t0)
         ax.axvline(xs, color="#555555", linestyle=":", linewidth=0.8)
+        if xs - last_label < label_gap:
+            continue
+        last_label = xs
+        labelled += 1
         ax.text(
             xs,
             1.005,
             run.checkpoint_id + (" (failed)" if run.failed else ""),
             transform=ax.get_xaxis_transform(),
+            fontsize=7 if len(runs) <= 12 else 6,
+            rotation=0 if len(runs) <= 6 else 30 if len(runs) <= 12 else 90,
+            ha="left" if len(runs) <= 12 else "center",
+            va="bottom",
+        )
+    restarts = [(a.end - t0, b.start - t0) for a, b in zip(runs, runs[1:]) if b.restarted_after(a)]
+    for a, b in restarts:
+        xb = tmap.x(b)
+        ax.axvline(xb, color="#b00000", linewidth=1.4)
+        if any(ga <= b and gb >= a for ga, gb in tmap.gaps):
+            continue  # the shortened gap's label says it
+        ax.text(
+            xb,
+            0.02,
+            " restart",
+            transform=ax.get_xaxis_transform(),
             fontsize=7,
-            rotation=25 if len(runs) > 6 else 0,
+            color="#b00000",
             ha="left",
             va="bottom",
+            rotation=90,
         )
     for a, b in tmap.gaps:
         xa, xb = tmap.x(a), tmap.x(b)
-        ax.axvspan(xa, xb, color="#eeeeee", zorder=0)
+        crash = any(ra <= b and rb >= a for ra, rb in restarts)
+        ax.axvspan(xa, xb, color="#f4dede" if crash else "#eeeeee", zorder=0)
         ax.text(
             (xa + xb) / 2,
             0.5,
-            f"idle {_fmt(b - a)}",
+            f"{'stopped, restarted' if crash else 'idle'} {_fmt(b - a)}",
             transform=ax.get_xaxis_transform(),
             rotation=90,
             ha="center",
@@ -210,15 +240,25 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
     ax.set_xlim(0, x_end * 1.01)
     ax.xaxis.set_major_locator(MaxNLocator(12))
 
-    def tick(x: float, _pos: Any) -> str:
+    def tick(x: float, pos: Any) -> str:
         t = tmap.real(x)
-        return "" if t is None else _fmt(t)
+        if t is None:
+            return ""
+        locs = ax.xaxis.get_majorticklocs()
+        step = min((b - a for a, b in zip(locs, locs[1:]) if b > a), default=1.0)
+        if t < 120 and step < 10:  # as many decimals as the spacing needs: no "33s 33s 33s"
+            return f"{t:.{max(0, 1 - math.floor(math.log10(step)))}f}s"
+        return _fmt(t)
 
     ax.xaxis.set_major_formatter(FuncFormatter(tick))
     ax.grid(axis="x", color="#dddddd", linewidth=0.5)
     ax.set_axisbelow(True)
     start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0))
-    ax.set_xlabel(f"wall time since {start}" + ("; long idle gaps shortened (grey)" if tmap.gaps else ""))
+    ax.set_xlabel(
+        f"wall time since {start}"
+        + ("; long idle gaps shortened (shaded)" if tmap.gaps else "")
+        + ("; red line: a new process (the job restarted)" if restarts else "")
+    )
     shown = f"ranks {', '.join(map(str, drawn))}" + (f" of {len(all_ranks)}" if len(drawn) < len(all_ranks) else "")
     fig.suptitle(
         title
@@ -239,5 +279,8 @@ def draw(runs: list[CheckpointRun], out: str | Path, *, ranks: list[int] | None 
         "ranks": drawn,
         "all_ranks": all_ranks,
         "gaps": [b - a for a, b in tmap.gaps],
+        "restarts": len(restarts),
+        "labelled": labelled,
+        "xticks": [t.get_text() for t in ax.get_xticklabels() if t.get_text()],
         "out": str(out),
     }

@@ -5,7 +5,9 @@ Large objects are written with ``os.pwrite`` at planned offsets by several threa
 fsync and rename (``if_absent``: ``os.link``, which fails if the target exists). The directory
 is fsynced after each rename so that the rename itself is durable.
 
-Direct I/O (``[local] direct_io``, default ``"auto"``): a sink opens the file twice, once with
+Direct I/O (``[local] direct_io``, default ``"auto"``): a sink of a file of at least
+:data:`~.localfs.DIRECT_WRITE_MIN` bytes (any size with ``direct_io = true``; smaller files are
+written buffered and stay in the page cache for a quick resume) opens the file twice, once with
 ``O_DIRECT``. Of each ``write_at`` the part that is aligned to :data:`DIO_ALIGN` in file offset,
 length and memory address (all of a pool slot but the file's last partial block) goes through
 the direct descriptor: no page-cache copy, almost no CPU. Whatever is not aligned (the file's

@@ -30,6 +30,13 @@ DIRECT_READ_MIN = 1 << 20  # reads smaller than this stay buffered (page cache, 
 BOUNCE_SIZE = 8 << 20  # bytes per direct read into the bounce buffer
 INPLACE_STEP = 64 << 20  # bytes per O_DIRECT read straight into an aligned destination (no bounce)
 PREFETCH_MAX = 256 << 20  # a load announcing at most this much is prefetched and read buffered (LocalReads.prefetch)
+DIRECT_WRITE_MIN = PREFETCH_MAX
+"""Under ``direct_io = "auto"``, a data file smaller than this is written buffered (the sink opens
+no ``O_DIRECT`` descriptor): it stays in the page cache, so a resume on this node soon after (a
+restarted job, a load in the saving process) reads it from memory, as a framework's default
+``torch.save`` file is. It is the size the loader reads buffered anyway (:data:`PREFETCH_MAX`), so
+the page cache a save leaves is what its load would take. Larger files, and every file under
+``direct_io = true``, go through ``O_DIRECT``. Read when a sink is opened (tests lower it)."""
 PREFETCH_STEP = 2 << 20  # bytes per POSIX_FADV_WILLNEED call: Linux reads at most one readahead window per call
 PREFETCH_GAP = 256 << 10  # announced ranges this close are prefetched as one
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTTY)

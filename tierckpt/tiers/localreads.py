@@ -77,7 +77,9 @@ class LocalReads:
         :meth:`end_prefetch`. Such a load is over before ``O_DIRECT`` pays: its cold reads
         would need fresh bounce buffers (4 x 8 MiB of huge pages: faulting them in took
         100-320 ms of system CPU in a fresh process on the test host, while reading the 37 MiB they
-        were for takes 45 ms buffered), and the page cache it fills is small. A larger load
+        were for takes 45 ms buffered), and the page cache it fills is small. When the first and
+        last page of every key's ranges are cached already (a small file is written buffered,
+        :data:`~.localfs.DIRECT_WRITE_MIN`), no prefetch thread is started. A larger load
         is not prefetched (returns 0): its cold ranges are read with ``O_DIRECT``. Replaces
         the previous announcement; absent keys are skipped (the reads report them). Returns
         the bytes announced.
@@ -86,12 +88,21 @@ class LocalReads:
         total = sum(max(0, b - a) for spans in ranges.values() for a, b in spans)
         if not total or total > PREFETCH_MAX or not hasattr(os, "posix_fadvise"):
             return 0
-        stop = threading.Event()
-        self._prefetch_stop = stop
         self._prefetched = frozenset(ranges)
         paths = {self._path(k): v for k, v in ranges.items()}
+        if self.cached(ranges):
+            return total  # already in the page cache (written buffered, read lately): no thread to start
+        stop = threading.Event()
+        self._prefetch_stop = stop
         threading.Thread(target=willneed, args=(paths, stop), name="tierckpt-prefetch", daemon=True).start()
         return total
+
+    def cached(self, ranges: dict[str, list[tuple[int, int]]]) -> bool:
+        """Whether ``ranges`` (as for :meth:`prefetch`) look in the page cache: the first and the
+        last page of every key's ranges are (``mincore``; a file ending in a partial page: its last
+        whole page). A hint, no promise: pages in between may have been evicted (the reads then
+        take longer, nothing else). False for an absent file or when it cannot be told."""
+        return bool(ranges) and all(_ends_cached(self._path(k), v) for k, v in ranges.items())
 
     def end_prefetch(self) -> None:
         """Forget the announced load (its keys are read as any others again); stops its prefetch."""
@@ -229,3 +240,24 @@ class LocalReads:
             if n == 0 or n % DIO_ALIGN:
                 break
         return got
+
+
+def _ends_cached(path: Path, spans: list[tuple[int, int]]) -> bool:
+    """Whether the first and the last page of ``spans`` (byte ranges of ``path``) are in the page
+    cache (:func:`~.localfs._cached`; of a file ending in a partial page, its last whole page);
+    False when unknown or the file cannot be opened."""
+    live = [(a, b) for a, b in spans if b > a]
+    if not live:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        first, last = min(a for a, _ in live), max(b for _, b in live) - 1
+        whole = os.fstat(fd).st_size // DIO_ALIGN * DIO_ALIGN  # mincore never reports a partial last page
+        if last >= whole:
+            last = max(first, whole - 1)
+        return _cached(fd, first) and _cached(fd, last)
+    finally:
+        os.close(fd)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import CorruptCheckpoint, TierError
+from . import localfs
 from .base import DataSink, ResumableSink
 from .localfs import _REFUSED, DIO_ALIGN, PARTIAL, TMP, _address, _tier_error, _unlink_quietly, fsync_dir, open_new
 
@@ -28,6 +29,7 @@ class LocalFiles(Protocol):
     than importing ``LocalTier`` keeps ``local`` -> ``localsinks`` the only import between them)."""
 
     _direct_ok: bool | None
+    direct_io: bool | str
     fsync: bool
 
     def _path(self, key: str) -> Path: ...
@@ -39,6 +41,9 @@ class LocalFiles(Protocol):
 
 class _FileSink(DataSink):
     """One ``.partial`` file written at planned offsets by several threads (see the module doc).
+
+    Direct I/O only for a file of at least :data:`~.localfs.DIRECT_WRITE_MIN` bytes (any size
+    under ``direct_io = true``): a smaller one is written buffered and stays in the page cache.
 
     ``write_at`` may run on several threads at once for disjoint ranges (the flush threads,
     restore's fetch workers) and blocks until the bytes are handed to the kernel (direct
@@ -66,7 +71,7 @@ class _FileSink(DataSink):
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                         raise
                     os.ftruncate(self._fd, size)
-            if size >= DIO_ALIGN:
+            if size >= DIO_ALIGN and (size >= localfs.DIRECT_WRITE_MIN or tier.direct_io is True):
                 self._dfd = tier._open_direct(self._partial, os.O_WRONLY)
         except OSError as e:
             created = self._fd >= 0

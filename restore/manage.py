@@ -1,0 +1,209 @@
+"""``push`` and ``delete``: move a backlog up the tier chain by hand, remove checkpoints from every tier.
+
+:func:`push_checkpoints` copies to each later tier the committed checkpoints of the first tier
+that it lacks (what an S3 outage or a job that exited early left behind) with the job's own
+backlog pass (:func:`tierckpt.chain.push.push_backlog`: same plan, leases and commit protocol),
+then applies retention on every tier (:func:`restore.gc.gc_checkpoints`).
+
+:func:`delete_checkpoints` removes checkpoints (committed or partial) from every tier, or one,
+each under the lease protocol of :mod:`tierckpt.catalog.lease` (a tombstone, the metadata first,
+then the objects listed): a checkpoint some process is loading, fetching or still writing (a live
+lease) is left alone and reported, and a writer that arrives meanwhile waits for the deletion to
+finish before its first object. Deleting every checkpoint of a run (``--all``) lets a job start
+again from step 0 with the same ids (otherwise its first commit meets the old one:
+:class:`~tierckpt.errors.CommitConflict`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tierckpt.catalog.listing import list_checkpoints
+from tierckpt.chain.retention import RetentionPlan, apply_retention
+from tierckpt.config import TierConfig
+from tierckpt.format.layout import check_checkpoint_id
+from tierckpt.tiers.base import Tier
+
+from .catalog import as_config, find_latest, open_tiers
+from .errors import NotFound, UsageError
+from .gc import GcResult, gc_checkpoints
+
+if TYPE_CHECKING:
+    from tierckpt.chain.push import HopPush
+
+__all__ = [
+    "DeletePlan",
+    "DeleteResult",
+    "PushResult",
+    "delete_checkpoints",
+    "plan_delete",
+    "push_checkpoints",
+]
+
+log = logging.getLogger("tierckpt.restore")
+
+DELETE_REASON = "tierckpt-restore delete"
+
+
+@dataclass
+class PushResult:
+    """What :func:`push_checkpoints` did: per later tier, what was owed and promoted; then retention."""
+
+    hops: list[HopPush]
+    gc: GcResult | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every owed checkpoint was promoted (nothing failed, every tier could be listed)."""
+        return all(not h.error and not h.failed for h in self.hops)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "tiers": [h.to_json() for h in self.hops],
+            "gc": self.gc.to_json() if self.gc is not None else None,
+        }
+
+
+def push_checkpoints(
+    config: TierConfig | str | os.PathLike | None, *, tier: str | None = None, gc: bool = True
+) -> PushResult:
+    """Promote what each later tier (or only ``tier``, a section name) lacks from the first tier,
+    then (``gc``) apply retention on every tier. Failures per tier are in the result, not raised;
+    a configuration with a single tier raises :class:`UsageError` (there is nowhere to push)."""
+    from tierckpt.chain.push import push_backlog  # imports torch (the backlog's metadata checks): push only
+
+    cfg = as_config(config)
+    tiers = open_tiers(cfg)
+    try:
+        if len(tiers) < 2:
+            raise UsageError(
+                f"push: the configuration{(' ' + cfg.source) if cfg.source else ''} has one tier "
+                f"({tiers[0].name}): nothing to push to"
+            )
+        if tier is not None and tier not in [t.name for t in tiers[1:]]:
+            raise UsageError(
+                f"push --tier {tier}: not a later tier of the configuration{(' ' + cfg.source) if cfg.source else ''} "
+                f"(later tiers: {', '.join(t.name for t in tiers[1:])}; checkpoints are pushed from {tiers[0].name})"
+            )
+        res = PushResult(push_backlog(cfg, tiers, tier))
+    finally:
+        for t in tiers:
+            t.close()
+    if gc:
+        res.gc = gc_checkpoints(cfg)
+    return res
+
+
+@dataclass
+class DeletePlan:
+    """What :func:`delete_checkpoints` would remove: tier name -> (id, size in bytes, committed)."""
+
+    targets: dict[str, list[tuple[str, int, bool]]] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.targets.values())
+
+    @property
+    def ids(self) -> list[str]:
+        return sorted({cid for v in self.targets.values() for cid, _s, _c in v})
+
+
+@dataclass
+class DeleteResult:
+    """What :func:`delete_checkpoints` removed, and what it left because a process uses it."""
+
+    deleted: dict[str, list[str]] = field(default_factory=dict)  # tier -> ids
+    in_use: dict[str, list[str]] = field(default_factory=dict)  # tier -> ids left (a live lease)
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.in_use.values())
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "deleted": self.deleted, "in_use": self.in_use}
+
+
+def _tiers(cfg: TierConfig, tier: str | None) -> list[Tier]:
+    return open_tiers(cfg, tier)
+
+
+def plan_delete(
+    config: TierConfig | str | os.PathLike | None,
+    ids: list[str] | None = None,
+    *,
+    every: bool = False,
+    tier: str | None = None,
+) -> DeletePlan:
+    """What would be deleted: the checkpoints ``ids`` (``latest`` resolved over the tiers) or,
+    with ``every``, every checkpoint, on every tier (or only ``tier``) that holds any object of
+    them. Raises :class:`NotFound` when nothing matches."""
+    cfg = as_config(config)
+    if bool(ids) == every:
+        raise UsageError("delete: name checkpoint ids, or --all (not both)")
+    tiers = _tiers(cfg, tier)
+    try:
+        want: set[str] | None = None
+        if ids:
+            want = {find_latest(tiers).checkpoint_id if i == "latest" else check_checkpoint_id(i) for i in ids}
+        plan = DeletePlan()
+        for t in tiers:
+            rows = [(c.checkpoint_id, c.size, c.committed) for c in list_checkpoints(t)]
+            rows = [r for r in rows if want is None or r[0] in want]
+            if rows:
+                plan.targets[t.name] = rows
+        if not plan.count:
+            where = ", ".join(t.url for t in tiers)
+            raise NotFound(
+                f"no checkpoint {', '.join(sorted(want))} on {where}" if want else f"no checkpoints on {where}"
+            )
+        return plan
+    finally:
+        for t in tiers:
+            t.close()
+
+
+def delete_checkpoints(
+    config: TierConfig | str | os.PathLike | None,
+    ids: list[str] | None = None,
+    *,
+    every: bool = False,
+    tier: str | None = None,
+) -> DeleteResult:
+    """Delete the checkpoints ``ids`` (or, with ``every``, all) from every tier (or ``tier``),
+    each under the lease protocol (see the module docstring). A checkpoint with a live lease on
+    a tier is left there and listed in :attr:`DeleteResult.in_use`. Returns once the deletions
+    are done. Raises :class:`NotFound` when nothing matches."""
+    cfg = as_config(config)
+    plan = plan_delete(cfg, ids, every=every, tier=tier)
+    tiers = _tiers(cfg, tier)
+    res = DeleteResult()
+    try:
+        for t in tiers:
+            todo = {cid for cid, _s, _c in plan.targets.get(t.name, [])}
+            if not todo:
+                continue
+            infos = [c for c in list_checkpoints(t) if c.checkpoint_id in todo]  # listed again: what is there now
+            done = apply_retention(
+                t, RetentionPlan(delete=[(c.checkpoint_id, DELETE_REASON) for c in infos], keep=[]), infos
+            )
+            res.deleted[t.name] = done
+            left = sorted({c.checkpoint_id for c in infos} - set(done))
+            if left:
+                res.in_use[t.name] = left
+                log.warning(
+                    "%s: not deleted, in use by a running process (a load, fetch or save holds a lease): %s; "
+                    "run delete again once it is done",
+                    t.url,
+                    ", ".join(left),
+                )
+        for t in tiers:
+            t.wait_deletions()
+        return res
+    finally:
+        for t in tiers:
+            t.close()
