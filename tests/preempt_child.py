@@ -99,9 +99,10 @@ def wrap(tier, point: str, go: Path):
 def lock_of(writer, name: str):
     """One of the locks tierckpt's code takes on the main thread while saving."""
     from tierckpt.chain import engine as engine_mod
+    from tierckpt.chain import registry
 
     eng = engine_mod.live_engines()[0]
-    return {"jobs": eng._jobs_lock, "engines": engine_mod._engines_lock, "tickets": writer._tickets._lock}[name]
+    return {"jobs": eng._jobs_lock, "engines": registry._engines_lock, "tickets": writer._tickets._lock}[name]
 
 
 def signal_under_lock(writer, name: str) -> None:

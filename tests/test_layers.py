@@ -49,6 +49,7 @@ BASE = {
     "tierckpt.lazyexports",
     "tierckpt.moved",
     "tierckpt.loading",
+    "tierckpt.logsetup",  # the stderr handler for the tierckpt logger (imported by the package root)
 }
 LEVEL = {stage: level for level, stages in enumerate(LAYERS) for stage in stages}
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -38,19 +37,19 @@ from typing import Any
 from ..capture.pool import HostPool
 from ..capture.ranksave import RankAssign, RankSave, SaveStats, build_metadata
 from ..capture.stream import CaptureStream
-from ..catalog.lease import live_leases
-from ..catalog.listing import max_seq
 from ..config import Config
 from ..errors import CaptureError, CheckpointNotFound, CommitError, ReplicationError, TierckptError
 from ..format.layout import data_key, metadata_key
 from ..telemetry.hub import EngineTelemetry
 from ..tiers import Chain
 from ..tiers.base import Tier
+from . import registry
 from .commit import Channel, Round, default_channel, run_commit
 from .peercopy import PeerHop
+from .registry import close_all, live_engines, register_engine
 from .replicate import Replicator
-from .retainer import Retainer
-from .retention import enforce
+from .retainer import FirstTierRetention, Retainer
+from .seqfloor import SeqFloor
 from .waits import Failure, copies_pending, drain, id_order, pending_text, scope, take
 
 __all__ = [
@@ -66,10 +65,8 @@ __all__ = [
 
 log = logging.getLogger("tierckpt")
 
-LATER_FLOOR_GRACE_S = 2.0  # the most the first commit waits for the later tiers' commit order (rank 0)
 
-
-class Engine:
+class Engine(FirstTierRetention):
     """Process-wide pipeline for one configuration. Obtain it with :func:`get_engine`."""
 
     def __init__(self, cfg: Config, tiers: list[Tier] | None = None) -> None:
@@ -84,11 +81,7 @@ class Engine:
         self._jobs_lock = threading.Lock()
         self._errors: list[Failure] = []  # queued for the next wait (see raise_errors)
         self.history: list[SaveStats] = []
-        self._seq_floor: int | None = None  # highest commit seq seen on the tiers (see _floor)
-        self._seq_lock = threading.Lock()
-        self._later_seq: int | None = None  # the later tiers' highest seq, once listed (rank 0)
-        self._later_started = False
-        self._later_ready = threading.Event()  # the later tiers were listed, or a drain hurries the commits
+        self.seq = SeqFloor(self.chain)  # the commit order's floor on this rank
         self._closed = False
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
@@ -130,7 +123,7 @@ class Engine:
         if self._closed:
             raise TierckptError("the tierckpt engine is closed")
         if job.assign.rank == 0:
-            self._start_later_floor()  # S3's commit order, listed while this save is captured
+            self.seq.start_later()  # S3's commit order, listed while this save is captured
         with self._jobs_lock:
             self._jobs.append(job)
         self.history.append(job.stats)
@@ -208,7 +201,7 @@ class Engine:
             job.durable.result(timeout=None)
             self._check_file(job)
             self._check_lease(job)
-            return {"size": job.size, "crcs": job.crcs, "seq": self._floor(a.rank)}
+            return {"size": job.size, "crcs": job.crcs, "seq": self.seq.floor(a.rank)}
 
         def merge(reports: list[dict]) -> bytes:
             md, results = job.global_md.result(timeout=timeout)
@@ -228,7 +221,7 @@ class Engine:
             on_reported=reported,
             before_put=lambda: self._check_lease(job),
         )
-        self._note_seq(job.seq)  # its lease goes on the retention thread (off the commit path)
+        self.seq.note(job.seq)  # its lease goes on the retention thread (off the commit path)
 
     def _check_file(self, job: RankSave) -> None:
         """A save never commits a file it cannot still see: this rank's data file must be on the
@@ -261,117 +254,10 @@ class Engine:
                 "judged the save dead, so it is not committed"
             )
 
-    def _floor(self, rank: int) -> int:
-        """The highest commit seq this rank can see, never held back by a slower tier for long.
-
-        The first tier is listed once per engine, on the commit path (rank 0 always, other ranks
-        when listing it is cheap): the commit is made there anyway. On rank 0 the later tiers
-        (S3) are listed once on a thread of their own (:meth:`_later_floor`, started by the first
-        save), so that a checkpoint committed on a fresh first tier is still numbered after what
-        S3 holds. The first commit waits for that listing at most ``LATER_FLOOR_GRACE_S`` seconds,
-        and not at all once a preemption drain started (:meth:`hurry`); a commit numbered without
-        it is logged, and the listing, when it comes, raises the floor of every later commit.
-        Then tracked through :meth:`_note_seq`.
-        """
-        if rank == 0 and self._seq_floor is None and len(self.chain) > 1:
-            self._start_later_floor()
-            if not self._later_ready.wait(LATER_FLOOR_GRACE_S):
-                log.warning(
-                    "%s did not answer within %.0f s, so this checkpoint is numbered from what %s holds alone; nothing "
-                    "to do: the checkpoint is committed, and %s's answer is used from the next checkpoint on",
-                    ", ".join(self.chain.names[1:]),
-                    LATER_FLOOR_GRACE_S,
-                    self.first_tier.name,
-                    ", ".join(self.chain.names[1:]),
-                )
-        with self._seq_lock:
-            if self._seq_floor is None:
-                floor = 0
-                if rank == 0 or self.first_tier.cheap_listing:
-                    floor = self._listed_seq(self.first_tier)
-                self._seq_floor = max(floor, self._later_seq or 0)
-            return self._seq_floor
-
     def hurry(self) -> None:
         """A preemption drain started: the commit path waits for nothing optional any more (the
-        later tiers' commit order, see :meth:`_floor`). Any thread but a signal handler's."""
-        self._later_ready.set()
-
-    def _start_later_floor(self) -> None:
-        """List the later tiers' commit order once, on the ``tierckpt-seq-floor`` thread (rank 0)."""
-        with self._seq_lock:
-            if self._later_started or len(self.chain) < 2:
-                return
-            self._later_started = True
-        threading.Thread(target=self._later_floor, name="tierckpt-seq-floor", daemon=True).start()
-
-    def _later_floor(self) -> None:
-        floor = max((self._listed_seq(self.chain[i]) for i in range(1, len(self.chain))), default=0)
-        with self._seq_lock:
-            self._later_seq = floor
-            if self._seq_floor is not None:
-                self._seq_floor = max(self._seq_floor, floor)
-        self._later_ready.set()
-
-    def _listed_seq(self, tier: Tier) -> int:
-        """``max_seq(tier)``; 0 (logged) when the tier cannot be listed."""
-        try:
-            return max_seq(tier)
-        except Exception as e:  # noqa: BLE001 - numbering goes on from what is known
-            log.warning(
-                "cannot list the checkpoints on %s to number the next one after them; numbering from what the "
-                "other tiers hold: %s",
-                tier.url,
-                e,
-            )
-            return 0
-
-    def _note_seq(self, seq: int) -> None:
-        with self._seq_lock:
-            self._seq_floor = max(self._seq_floor or 0, seq)
-
-    def _retain_after(self, jobs: list[RankSave]) -> None:
-        """The retention thread: release the save leases of ``jobs`` (committed, oldest first), then
-        one first-tier pass for the newest of them this rank writes the metadata of (the pass
-        sees the others too)."""
-        for j in jobs:
-            j.release_lease()
-        mine = [j for j in jobs if j.assign.meta_writer_rank == j.assign.rank and _ok(j.committed)]
-        if mine:
-            self.retain_first_tier(mine[-1])
-
-    def retain_first_tier(self, job: RankSave) -> None:
-        """Retention on the first tier after ``job`` committed there (its metadata writer only;
-        called by the retention thread after the commit, and again after each hop).
-
-        Best effort: a failure is logged and never fails the committed checkpoint; the next
-        commit retries. Checkpoints still owed to a later tier are protected (and nothing is
-        deleted before every hop has looked for a backlog left by an earlier run).
-        """
-        if job.assign.meta_writer_rank != job.assign.rank:
-            return
-        tier = self.first_tier
-        try:
-            owed: set[str] = set()
-            for hop in self.hops:
-                if not hop.settled:
-                    log.debug("retention on %s after %s waits for the backlog check of %s", tier.url, job.id, hop.name)
-                    return
-                owed |= hop.owed()
-            self.retain(tier, {job.id}, owed=owed, need_bytes=2 * job.size)
-        except Exception as e:  # noqa: BLE001 - see docstring
-            log.warning("retention after committing %s failed (will retry after the next commit): %s", job.id, e)
-
-    def retain(
-        self, tier: Tier, protect: set[str], *, owed: set[str] | frozenset[str] = frozenset(), need_bytes: int = 0
-    ) -> None:
-        """``tier``'s retention (its ``keep``/``keep_every``) now, sparing ``protect``, saves in flight
-        and (unless the disk would fill) ``owed``; then remove the leftovers of interrupted writes
-        (:meth:`Tier.abort_stale`: multipart uploads, half-written files of dead processes)."""
-        enforce(tier, tier.keep, tier.keep_every, self.in_flight_ids() | protect, owed=owed, need_bytes=need_bytes)
-        aborted = tier.abort_stale(self.cfg.job.commit_timeout, set(live_leases(tier)) | self.in_flight_ids())
-        if aborted:
-            log.info("removed %d leftovers of interrupted writes on %s", aborted, tier.url)
+        later tiers' commit order, see :mod:`.seqfloor`). Any thread but a signal handler's."""
+        self.seq.hurry()
 
     def hop_done(self, hop: Replicator, job: RankSave) -> None:
         """A hop thread is done with ``job``: the next hop takes it, and retention on the first
@@ -590,70 +476,11 @@ class Engine:
             self.retainer.close()
 
 
-def _ok(fut: Any) -> bool:
-    return fut.done() and not fut.cancelled() and fut.exception() is None
-
-
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
-
-
-def _engine_key(cfg: Config) -> str:
-    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, cfg.peer, sorted(cfg.sections.items()), os.getpid()))
-
-
-def register_engine(engine: Engine) -> Engine:
-    """Make ``engine`` the one :func:`get_engine` returns for its configuration (the seam through
-    which tests and the chaos harness give writers and readers an ``Engine(cfg, tiers=...)``).
-    A previous engine of that configuration is closed first."""
-    key = _engine_key(engine.cfg)
-    with _engines_lock:
-        old = _engines.get(key)
-        _engines[key] = engine
-    if old is not None and old is not engine:
-        old.close()
-    return engine
-
-
 def get_engine(cfg: Config) -> Engine:
-    """The process-wide engine for ``cfg`` (equal configurations share one)."""
-    key = _engine_key(cfg)
-    with _engines_lock:
-        eng = _engines.get(key)
-        if eng is None or eng._closed:
-            eng = _engines[key] = Engine(cfg)
+    """The process-wide engine for ``cfg`` (equal configurations share one; see :mod:`.registry`)."""
+    key = registry.engine_key(cfg)
+    with registry._engines_lock:
+        eng = registry._engines.get(key)
+        if not isinstance(eng, Engine) or eng.closed:
+            eng = registry._engines[key] = Engine(cfg)
         return eng
-
-
-def live_engines() -> list[Engine]:
-    """Every engine of this process not closed yet (a preemption drain walks them).
-
-    Takes no lock (a snapshot of the registry, atomic in CPython): a signal handler may call it
-    while the main thread it interrupted holds ``_engines_lock``."""
-    return [e for e in list(_engines.values()) if not e._closed]
-
-
-def close_all() -> None:
-    """Close every engine (waits for in-flight checkpoints). Registered with ``atexit``."""
-    with _engines_lock:
-        engines = list(_engines.values())
-        _engines.clear()
-    for e in engines:
-        try:
-            left = [j.id for j in e.pending()]
-            if left:  # the exit waits for them: say so (the copy to S3 of a large one takes seconds)
-                where = f"copying to {', '.join(e.chain.names[1:])}" if len(e.chain) > 1 else "being saved"
-                log.warning(
-                    "at exit: %d checkpoint(s) still %s (%s); the process ends once they are done",
-                    len(left),
-                    where,
-                    ", ".join(left),
-                )
-            e.close()
-        except TierckptError as err:
-            log.error("at exit: %s", err)
-
-
-import atexit  # noqa: E402
-
-atexit.register(close_all)

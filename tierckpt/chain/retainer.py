@@ -25,7 +25,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Retainer"]
+from ..capture.ranksave import RankSave
+from ..catalog.lease import live_leases
+from ..config import Config
+from ..tiers import Chain
+from ..tiers.base import Tier
+from .retention import enforce
+
+__all__ = ["FirstTierRetention", "Retainer"]
 
 log = logging.getLogger("tierckpt")
 
@@ -84,3 +91,62 @@ class Retainer:
 
 def _name(job: Any) -> str:
     return str(getattr(job, "id", job))
+
+
+class FirstTierRetention:
+    """The :class:`~tierckpt.chain.engine.Engine`'s retention calls (a base class of it): the pass
+    that :class:`Retainer` runs after commits and hops, and :meth:`retain`, which hops and the
+    backlog pass call for their own tier. Runs on the retention thread or a hop thread, never on
+    the commit path."""
+
+    cfg: Config
+    chain: Chain
+    hops: list[Any]
+    in_flight_ids: Callable[[], set[str]]  # the Engine's: ids of the saves not done yet (spared)
+
+    def _retain_after(self, jobs: list[RankSave]) -> None:
+        """The retention thread: release the save leases of ``jobs`` (committed, oldest first), then
+        one first-tier pass for the newest of them this rank writes the metadata of (the pass
+        sees the others too)."""
+        for j in jobs:
+            j.release_lease()
+        mine = [j for j in jobs if j.assign.meta_writer_rank == j.assign.rank and _ok(j.committed)]
+        if mine:
+            self.retain_first_tier(mine[-1])
+
+    def retain_first_tier(self, job: RankSave) -> None:
+        """Retention on the first tier after ``job`` committed there (its metadata writer only;
+        called by the retention thread after the commit, and again after each hop).
+
+        Best effort: a failure is logged and never fails the committed checkpoint; the next
+        commit retries. Checkpoints still owed to a later tier are protected (and nothing is
+        deleted before every hop has looked for a backlog left by an earlier run).
+        """
+        if job.assign.meta_writer_rank != job.assign.rank:
+            return
+        tier = self.chain.first
+        try:
+            owed: set[str] = set()
+            for hop in self.hops:
+                if not hop.settled:
+                    log.debug("retention on %s after %s waits for the backlog check of %s", tier.url, job.id, hop.name)
+                    return
+                owed |= hop.owed()
+            self.retain(tier, {job.id}, owed=owed, need_bytes=2 * job.size)
+        except Exception as e:  # noqa: BLE001 - see docstring
+            log.warning("retention after committing %s failed (will retry after the next commit): %s", job.id, e)
+
+    def retain(
+        self, tier: Tier, protect: set[str], *, owed: set[str] | frozenset[str] = frozenset(), need_bytes: int = 0
+    ) -> None:
+        """``tier``'s retention (its ``keep``/``keep_every``) now, sparing ``protect``, saves in flight
+        and (unless the disk would fill) ``owed``; then remove the leftovers of interrupted writes
+        (:meth:`Tier.abort_stale`: multipart uploads, half-written files of dead processes)."""
+        enforce(tier, tier.keep, tier.keep_every, self.in_flight_ids() | protect, owed=owed, need_bytes=need_bytes)
+        aborted = tier.abort_stale(self.cfg.job.commit_timeout, set(live_leases(tier)) | self.in_flight_ids())
+        if aborted:
+            log.info("removed %d leftovers of interrupted writes on %s", aborted, tier.url)
+
+
+def _ok(fut: Any) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is None

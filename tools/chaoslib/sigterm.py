@@ -101,9 +101,10 @@ def _first_child(payload: dict) -> int:
 def locks(writer: Any) -> list[Any]:
     """Locks of tierckpt's that the main thread takes while saving (a signal may land inside)."""
     from tierckpt.chain import engine as engine_mod
+    from tierckpt.chain import registry
 
     eng = engine_mod.live_engines()[0]
-    return [eng._jobs_lock, engine_mod._engines_lock, writer._tickets._lock]
+    return [eng._jobs_lock, registry._engines_lock, writer._tickets._lock]
 
 
 def _storm_child(payload: dict) -> int:
