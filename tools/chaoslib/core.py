@@ -199,4 +199,7 @@ def only(cfg: TierConfig, tier: str) -> TierConfig | None:
     """``cfg`` restricted to one tier (``local`` or ``s3``), or None if it has no such tier."""
     if tier == "local":
         return None if cfg.local is None else dataclasses.replace(cfg, s3=None)
-    return None if cfg.s3 is None else dataclasses.replace(cfg, local=None)
+    if cfg.s3 is None:
+        return None
+    # the hop's codec keys apply to the copy from [local] only (refused without it); loads need none
+    return dataclasses.replace(cfg, local=None, s3=dataclasses.replace(cfg.s3, compression="none", copy_unchanged=False))
