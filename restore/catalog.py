@@ -104,6 +104,7 @@ class TierEntry:
     peer_copies: bool = False  # the peer hop committed its copies here ([peer] replicas: ID/peers.json)
     stored_bytes: int = 0  # bytes of its data files on this tier (encoded where the tier encodes)
     logical_bytes: int | None = None  # bytes of its data files as saved (None: metadata unreadable)
+    bad: bool = False  # marked bad here (ID/bad.json: tierckpt.catalog.health)
 
     def to_json(self) -> dict:
         return {
@@ -115,6 +116,7 @@ class TierEntry:
             "peer_copies": self.peer_copies,
             "stored_bytes": self.stored_bytes,
             "logical_bytes": self.logical_bytes,
+            "bad": self.bad,
         }
 
 
@@ -180,6 +182,7 @@ def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
         peer_copies=PEERS in c.objects,
         stored_bytes=stored,
         logical_bytes=logical,
+        bad=c.bad,
     )
 
 

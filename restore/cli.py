@@ -16,12 +16,12 @@ from typing import NoReturn
 
 from tierckpt.config.redact import redact
 
-from . import cmd_advise, cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_timeline, cmd_verify
+from . import cmd_advise, cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_mark, cmd_timeline, cmd_verify
 from .errors import EXIT_OK, EXIT_USAGE, PROG, report
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS = (cmd_list, cmd_latest, cmd_verify, cmd_fetch, cmd_consolidate, cmd_gc, cmd_timeline, cmd_advise)
+COMMANDS = (cmd_list, cmd_latest, cmd_verify, cmd_fetch, cmd_consolidate, cmd_gc, cmd_timeline, cmd_advise, cmd_mark)
 
 EPILOG = """examples:
   export TIERCKPT_CONFIG=tiers.toml

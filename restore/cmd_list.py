@@ -56,7 +56,12 @@ def run(args: argparse.Namespace) -> int:
             if len(counts) == 1
             else "/".join(str(l.tiers[n].rank_files) if n in l.tiers else "-" for n in names)
         )
-        states = [("committed" if l.tiers[n].committed else "partial") if n in l.tiers else "-" for n in names]
+        states = [
+            ("committed" + (", bad" if l.tiers[n].bad else "") if l.tiers[n].committed else "partial")
+            if n in l.tiers
+            else "-"
+            for n in names
+        ]
         peer = ["yes" if any(e.peer_copies for e in l.tiers.values()) else "-"] if any_peer else []
         rows.append(
             [

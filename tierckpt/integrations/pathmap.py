@@ -74,8 +74,9 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import list_checkpoints
+from ..catalog.health import unhealthy
 from ..catalog.listing import is_committed
-from ..errors import CheckpointNotFound, CommitConflict, TierckptError
+from ..errors import CheckpointMarkedBad, CheckpointNotFound, CommitConflict, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..save.writer import TieredWriter
 from .deletions import Deletions
@@ -550,6 +551,15 @@ class PathMap:
         return removed
 
     # -- loading (any rank) --------------------------------------------------------------------
+    healthy: bool = True  # resolve() skips unhealthy checkpoints (tierckpt.catalog.health)
+
+    def unhealthy(self, checkpoint_id: str) -> str | None:
+        """Why ``checkpoint_id`` is unfit to resume from (None: fit, or ``healthy`` is False)."""
+        if not self.healthy:
+            return None
+        chain = self.writer.engine.chain
+        return unhealthy([chain[i] for i in range(len(chain))], checkpoint_id)
+
     def committed(self, checkpoint_id: str) -> bool:
         """Whether some tier of the chain holds ``checkpoint_id`` committed."""
         chain = self.writer.engine.chain
@@ -570,7 +580,7 @@ class PathMap:
             if ptr is not None:
                 named.add(ptr.id)
         for c in reversed(list_checkpoints(self.cfg)):
-            if c.id.startswith(prefix) or c.id in named:
+            if (c.id.startswith(prefix) or c.id in named) and self.unhealthy(c.id) is None:
                 return c.id
         return None
 
@@ -588,8 +598,14 @@ class PathMap:
         else:
             wanted = self.id_for(path)
             candidates = [wanted, name]  # then an id saved before namespacing
+        skipped: list[str] = []
         for cid in dict.fromkeys(c for c in candidates if c):
             if self.committed(cid):
+                why = self.unhealthy(cid)
+                if why is not None:
+                    log.warning("%s: skipping checkpoint %s: %s", path, cid, why)
+                    skipped.append(f"{cid}: {why}")
+                    continue
                 if ptr is not None and cid != wanted:
                     log.warning(
                         "%s: checkpoint %s was never committed (the job stopped first); loading %s instead",
@@ -613,6 +629,11 @@ class PathMap:
                 self._note_loaded(newest)
                 return Resolved(newest)
         where = self.cfg.source or "the configuration"
+        if skipped:
+            raise CheckpointMarkedBad(
+                f"{path}: no healthy checkpoint to load ({'; '.join(skipped)}); mark it good with "
+                "tierckpt-restore mark ID good, or set healthy = False to load it anyway"
+            )
         if last and ptr is not None:
             fs, p = _fs(path)
             try:
