@@ -9,8 +9,9 @@ Two checks ride on the capture, each chosen in ``[job]``:
   difference (a flip in the device-to-host copy or in the pinned buffer, or the source changed
   while it was being copied without moving its version counter) fails the checkpoint with
   :class:`~tierckpt.errors.CaptureMismatch`: it is never committed.
-* ``nonfinite`` (``"ignore"``, ``"warn"``, ``"refuse"``): a floating tensor's sum is taken on its
-  device in the same place (one reduction pass); only when that sum is not finite are the NaN/Inf
+* ``nonfinite`` (``"ignore"``, ``"warn"``, ``"refuse"``): a floating tensor is reduced on its
+  device in the same place (one pass: its sum, or min/max for 16-bit types); only when that is not
+  finite are the NaN/Inf
   elements counted exactly, on the host copy (which the digest proves equal to the source) piece
   by piece in the flush workers. The count is recorded per item in ``metadata.json``
   (``"nonfinite"``); ``refuse`` fails the checkpoint with :class:`~tierckpt.errors.NonFiniteError`.
@@ -65,12 +66,19 @@ def nonfinite_count(t: torch.Tensor) -> int:
 
 
 def _maybe_nonfinite(t: torch.Tensor) -> torch.Tensor:
-    """An int64 0/1 scalar on ``t``'s device: 1 when ``t`` may hold NaN/Inf (its float sum is not
-    finite; a sum that overflowed is cleared by the exact count later). One pass, no sync."""
+    """An int64 0/1 scalar on ``t``'s device: 1 when ``t`` may hold NaN/Inf. One reduction pass, no
+    sync: for fp32/fp64 the sum (not finite when an element is not, or when the sum overflowed:
+    the exact count later clears that), for the 16-bit types min and max (``aminmax`` propagates
+    NaN; a float32-accumulated sum of bf16 costs ~30x more CPU); other floating types are
+    converted to float32 first."""
     if t.dtype not in _SUMMABLE:
         t = t.to(torch.float32)
-    s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-    return torch.isfinite(s).logical_not().to(torch.int64)
+    if t.dtype in (torch.float32, torch.float64):
+        bad = torch.isfinite(t.sum()).logical_not()
+    else:
+        lo, hi = torch.aminmax(t.reshape(-1))
+        bad = torch.isfinite(lo).logical_not() | torch.isfinite(hi).logical_not()
+    return bad.to(torch.int64)
 
 
 class _Probe:
