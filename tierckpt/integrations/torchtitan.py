@@ -267,6 +267,7 @@ class TierckptCheckpointManager(CheckpointManager):
             self._load_one(f"step-{step}")
             return True
         cid = latest(self.tier_config, healthy=self.healthy)
+        self._note_skipped(cid)
         if cid is None:
             return super()._load(-1)  # initial_load_path / HF / fresh start, read by DCP's readers
         rejected = 0
@@ -309,6 +310,16 @@ class TierckptCheckpointManager(CheckpointManager):
             log.error("RESUME: checkpoint %s was rejected (%s); rolling back to %s", cid, why, older)
             self._bad.add(cid)
             cid = older
+
+    def _note_skipped(self, cid: str | None) -> None:
+        """The committed checkpoints newer than ``cid`` that the healthy resume skipped go to
+        ``_bad``: training saves their steps again under new ids (ids are never overwritten)."""
+        if not self.healthy:
+            return
+        newer = latest(self.tier_config)
+        while newer is not None and newer != cid:
+            self._bad.add(newer)
+            newer = latest(self.tier_config, before=newer)
 
     def _load_one(self, cid: str) -> None:
         """Every rank: load ``cid`` (``step-N``) into the trainer's states."""
