@@ -218,3 +218,51 @@ def test_read_buffer_flipped_before_delivery_is_never_delivered(tmp_path, moto_e
     with pytest.raises(BaseException) as e:  # DCP's CheckpointException is a BaseException
         dcp.load(out, checkpoint_id="step-1", storage_reader=TieredReader(cfg_local))
     assert find_error(e.value, ChecksumMismatch) is not None
+
+
+def test_lightning_resumes_healthy_by_default(tmp_path) -> None:
+    """``ckpt_path="last"`` naming a checkpoint marked bad loads the run's newest healthy one; a
+    path naming a bad one raises (``healthy = False`` loads it anyway)."""
+    pytest.importorskip("lightning")
+    from tierckpt.integrations.lightning import TierckptCheckpointIO
+
+    cfg, _ = make(tmp_path)
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    io = TierckptCheckpointIO(cfg)
+    for step, name in ((2, "epoch=0-step=2.ckpt"), (4, "epoch=0-step=4.ckpt"), (5, "last.ckpt")):
+        io.save_checkpoint({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}, str(ck / name))
+    io.teardown()
+    for c in tierckpt.list_checkpoints(cfg):
+        if not c.id.endswith("step=2.ckpt"):
+            tierckpt.mark_bad(cfg, c.id, "diverged")
+    io = TierckptCheckpointIO(cfg)
+    assert io.load_checkpoint(str(ck / "last.ckpt"))["global_step"] == 2
+    with pytest.raises(CheckpointMarkedBad, match="no healthy checkpoint to load"):
+        io.load_checkpoint(str(ck / "epoch=0-step=4.ckpt"))
+    io.paths.healthy = False
+    assert io.load_checkpoint(str(ck / "epoch=0-step=4.ckpt"))["global_step"] == 4
+    io.teardown()
+
+
+def test_accelerate_load_state_picks_the_newest_healthy_checkpoint(tmp_path) -> None:
+    """``load_state()`` with automatic naming resolves through ``TierckptState.latest()``: the
+    run's newest ``checkpoint_<n>`` that is healthy (``healthy = False``: the newest)."""
+    pytest.importorskip("accelerate")
+    from types import SimpleNamespace
+
+    from tierckpt.integrations.accelerate import TierckptState
+
+    cfg, _ = make(tmp_path, nonfinite="warn")
+    w = TieredWriter(cfg)
+    for n in range(3):
+        sd = state(n)
+        if n == 2:
+            sd["w"][0, 0] = float("inf")  # the newest diverged
+        dcp.save(sd, checkpoint_id=f"run1@checkpoint_{n}", storage_writer=w)
+    w.wait()
+    tierckpt.mark_bad(cfg, "run1@checkpoint_1", "bad batch")
+    st = TierckptState(accelerator=SimpleNamespace(project_dir=str(tmp_path)), writer=w, run="run1")
+    assert st.latest() == "run1@checkpoint_0"
+    st.healthy = False
+    assert st.latest() == "run1@checkpoint_2"
