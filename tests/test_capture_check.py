@@ -204,3 +204,18 @@ def test_host_buffer_changed_before_the_crc_is_caught(tmp_path: Path, monkeypatc
     w = save(cfg, state(1), "step-1")
     w.wait()
     assert hit and tierckpt.latest(cfg) == "step-1"
+
+
+def test_sample_checks_a_rotating_eighth_of_the_items() -> None:
+    from tierckpt.capture.copier import Piece, Source
+    from tierckpt.capture.verify import SAMPLE_EVERY, CaptureCheck
+
+    sources = [Source(item=i, fqn=f"t{i}", pos=i * 64, length=64, tensor=torch.zeros(16)) for i in range(16)]
+    chunks = [[Piece(s, 0, s.pos, s.length) for s in sources]]
+    seen: set[int] = set()
+    for save_no in range(SAMPLE_EVERY):
+        check = CaptureCheck("c", 0, sources, chunks, 16, "sample", "ignore", save_no)
+        picked = {i for i, it in check.items.items() if it.digest}
+        assert len(picked) == 16 // SAMPLE_EVERY
+        seen |= picked
+    assert seen == set(range(16))  # every item once in eight saves
