@@ -221,8 +221,9 @@ def test_read_buffer_flipped_before_delivery_is_never_delivered(tmp_path, moto_e
 
 
 def test_lightning_resumes_healthy_by_default(tmp_path) -> None:
-    """``ckpt_path="last"`` naming a checkpoint marked bad loads the run's newest healthy one; a
-    path naming a bad one raises (``healthy = False`` loads it anyway)."""
+    """``ckpt_path="last"`` naming a checkpoint marked bad loads the run's newest healthy one (an
+    unhealthy checkpoint resolves as an uncommitted one would); a path with nothing healthy to
+    resolve to raises; ``healthy = False`` loads what the path names."""
     pytest.importorskip("lightning")
     from tierckpt.integrations.lightning import TierckptCheckpointIO
 
@@ -233,13 +234,16 @@ def test_lightning_resumes_healthy_by_default(tmp_path) -> None:
     for step, name in ((2, "epoch=0-step=2.ckpt"), (4, "epoch=0-step=4.ckpt"), (5, "last.ckpt")):
         io.save_checkpoint({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}, str(ck / name))
     io.teardown()
-    for c in tierckpt.list_checkpoints(cfg):
-        if not c.id.endswith("step=2.ckpt"):
-            tierckpt.mark_bad(cfg, c.id, "diverged")
+    ids = {c.id.rpartition("@")[2]: c.id for c in tierckpt.list_checkpoints(cfg)}
+    for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+        tierckpt.mark_bad(cfg, ids[name], "diverged")
     io = TierckptCheckpointIO(cfg)
     assert io.load_checkpoint(str(ck / "last.ckpt"))["global_step"] == 2
+    tierckpt.mark_bad(cfg, ids["epoch=0-step=2.ckpt"], "bad data")
     with pytest.raises(CheckpointMarkedBad, match="no healthy checkpoint to load"):
         io.load_checkpoint(str(ck / "epoch=0-step=4.ckpt"))
+    with pytest.raises(CheckpointMarkedBad):
+        io.load_checkpoint(str(ck / "last.ckpt"))
     io.paths.healthy = False
     assert io.load_checkpoint(str(ck / "epoch=0-step=4.ckpt"))["global_step"] == 4
     io.teardown()

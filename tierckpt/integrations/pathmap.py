@@ -31,7 +31,9 @@ committed on every tier. A save whose checkpoint dict is the very same as the la
 that path in this process (same values, tensors not modified since) is not made again.
 
 **Resolution** (:meth:`PathMap.resolve`, for loads): the pointer's id if that checkpoint is
-committed on some tier; else the one it replaced, else its fallback, if committed; else, for
+committed on some tier (and healthy, :attr:`PathMap.healthy`: not marked bad, no NaN/Inf recorded;
+an unhealthy one counts as not committed, and when only unhealthy ones are found
+:class:`~tierckpt.errors.CheckpointMarkedBad` is raised); else the one it replaced, else its fallback, if committed; else, for
 Lightning's ``last`` names (``last.ckpt``, ``last-v1.ckpt``, or a link to any pointer under such
 a name), the run's newest committed checkpoint (ids of the run, and ids named by pointers in the
 same directory), logging which. A ``last`` pointer with nothing committed to fall back to (left
@@ -608,9 +610,10 @@ class PathMap:
                     continue
                 if ptr is not None and cid != wanted:
                     log.warning(
-                        "%s: checkpoint %s was never committed (the job stopped first); loading %s instead",
+                        "%s: checkpoint %s %s; loading %s instead",
                         path,
                         wanted,
+                        "is unhealthy" if skipped else "was never committed (the job stopped first)",
                         cid,
                     )
                 self._note_loaded(cid)
@@ -620,10 +623,11 @@ class PathMap:
             newest = self.newest_of_run(path)
             if newest is not None:
                 log.warning(
-                    "%s: checkpoint %s was never committed (the job stopped first); loading the run's newest "
-                    "committed checkpoint, %s",
+                    "%s: checkpoint %s %s; loading the run's newest %s checkpoint, %s",
                     path,
                     wanted,
+                    "is unhealthy" if skipped else "was never committed (the job stopped first)",
+                    "healthy" if skipped else "committed",
                     newest,
                 )
                 self._note_loaded(newest)
