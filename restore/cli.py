@@ -24,6 +24,7 @@ from . import (
     cmd_gc,
     cmd_latest,
     cmd_list,
+    cmd_mark,
     cmd_push,
     cmd_timeline,
     cmd_verify,
@@ -43,6 +44,7 @@ COMMANDS = (
     cmd_delete,
     cmd_timeline,
     cmd_advise,
+    cmd_mark,
 )
 
 EPILOG = """examples:

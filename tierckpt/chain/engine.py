@@ -201,7 +201,7 @@ class Engine(FirstTierRetention):
             job.durable.result(timeout=None)
             self._check_file(job)
             self._check_lease(job)
-            return {"size": job.size, "crcs": job.crcs, "seq": self.seq.floor(a.rank)}
+            return {"size": job.size, "crcs": job.crcs, "seq": self.seq.floor(a.rank), "nonfinite": job.nonfinite}
 
         def merge(reports: list[dict]) -> bytes:
             md, results = job.global_md.result(timeout=timeout)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -65,6 +66,8 @@ __all__ = [
 CONFIG_ENV = "TIERCKPT_CONFIG"
 TELEMETRY_MODES = ("none", "otel")
 MAX_HISTORY = 1024
+NONFINITE_MODES = ("ignore", "warn", "refuse")
+VERIFY_CAPTURE_MODES = ("off", "sample", "all")
 
 
 @dataclass
@@ -293,6 +296,21 @@ class JobConfig:
         history: checkpoints whose per-rank phases each process keeps in ``_history/`` on a
             local first tier, for ``tierckpt-restore timeline`` and ``advise``
             (:mod:`tierckpt.telemetry.history`); 0 keeps none.
+        nonfinite: what a save does with NaN/Inf in a floating tensor (counted per item during
+            the capture and recorded in the checkpoint's metadata: :mod:`tierckpt.capture.verify`):
+            ``"ignore"`` (default: no scan), ``"warn"`` (scan, log a warning naming the items, commit),
+            ``"refuse"`` (scan; such a checkpoint is never committed and the next ``dcp.save`` or
+            ``wait_captured()`` raises :class:`~tierckpt.errors.NonFiniteError`).
+        verify_capture: ``"off"`` (default), ``"sample"`` or ``"all"``: a digest of each source
+            tensor computed with torch ops on its device is compared with the same digest of the
+            host copy before its CRC32C is taken; a mismatch fails the checkpoint
+            (:class:`~tierckpt.errors.CaptureMismatch`, never committed). ``"sample"`` checks a
+            rotating eighth of the items each save (every item once in eight saves).
+        on_resume_check: ``"module:function"`` called by :func:`tierckpt.resume` with the loaded
+            state on rank 0 before training goes on; raising marks the checkpoint bad and the
+            resume falls back to the previous healthy one ("" : no hook).
+        max_rollbacks: how many checkpoints a resume may mark bad and fall back past before it
+            gives up (:func:`tierckpt.resume`).
     """
 
     commit_timeout: float = 600.0
@@ -303,6 +321,10 @@ class JobConfig:
     telemetry: str = "none"
     history: int = 64
     async_future: str = "accepted"
+    nonfinite: str = "ignore"
+    verify_capture: str = "off"
+    on_resume_check: str = ""
+    max_rollbacks: int = 3
 
     def validate(self, where: str = "[job]") -> None:
         if not 0 < self.commit_timeout <= MAX_TIMEOUT_S:
@@ -329,6 +351,19 @@ class JobConfig:
             )
         if not 0 <= self.history <= MAX_HISTORY:
             raise ConfigError(f"{where} history: must be between 0 and {MAX_HISTORY}, got {self.history}")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ConfigError(
+                f"{where} nonfinite: one of {', '.join(map(repr, NONFINITE_MODES))}, got {_brief(self.nonfinite)}"
+            )
+        if self.verify_capture not in VERIFY_CAPTURE_MODES:
+            raise ConfigError(
+                f"{where} verify_capture: one of {', '.join(map(repr, VERIFY_CAPTURE_MODES))}, "
+                f"got {_brief(self.verify_capture)}"
+            )
+        if self.on_resume_check and not re.fullmatch(r"[\w.]+:[\w.]+", self.on_resume_check):
+            raise ConfigError(f'{where} on_resume_check: "module:function", got {_brief(self.on_resume_check)}')
+        if not 0 <= self.max_rollbacks <= 1000:
+            raise ConfigError(f"{where} max_rollbacks: must be between 0 and 1000, got {self.max_rollbacks}")
 
 
 @dataclass
