@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .catalog import Latest, Listing, find_latest, list_all, open_tiers
     from .consolidate import ConsolidateResult, consolidate_checkpoint
     from .errors import NotFound, UsageError, VerificationFailed
+    from .export import ExportResult, export_hf
     from .fetch import FetchResult, fetch_checkpoint
     from .gc import GcAction, GcResult, gc_checkpoints
     from .verify import Problem, VerifyReport, verify_checkpoint
@@ -39,6 +40,8 @@ _LAZY: dict[str, str] = {
     "NotFound": ".errors",
     "UsageError": ".errors",
     "VerificationFailed": ".errors",
+    "ExportResult": ".export",
+    "export_hf": ".export",
     "FetchResult": ".fetch",
     "fetch_checkpoint": ".fetch",
     "GcAction": ".gc",
@@ -51,6 +54,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "ConsolidateResult",
+    "ExportResult",
     "FetchResult",
     "GcAction",
     "GcResult",
@@ -62,6 +66,7 @@ __all__ = [
     "VerificationFailed",
     "VerifyReport",
     "consolidate_checkpoint",
+    "export_hf",
     "fetch_checkpoint",
     "find_latest",
     "gc_checkpoints",

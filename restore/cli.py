@@ -16,12 +16,12 @@ from typing import NoReturn
 
 from tierckpt.config.redact import redact
 
-from . import cmd_advise, cmd_consolidate, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_timeline, cmd_verify
+from . import cmd_advise, cmd_consolidate, cmd_export, cmd_fetch, cmd_gc, cmd_latest, cmd_list, cmd_timeline, cmd_verify
 from .errors import EXIT_OK, EXIT_USAGE, PROG, report
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS = (cmd_list, cmd_latest, cmd_verify, cmd_fetch, cmd_consolidate, cmd_gc, cmd_timeline, cmd_advise)
+COMMANDS = (cmd_list, cmd_latest, cmd_verify, cmd_fetch, cmd_consolidate, cmd_export, cmd_gc, cmd_timeline, cmd_advise)
 
 EPILOG = """examples:
   export TIERCKPT_CONFIG=tiers.toml
@@ -30,6 +30,7 @@ EPILOG = """examples:
   tierckpt-restore verify latest
   tierckpt-restore fetch latest --rank 0
   tierckpt-restore consolidate latest --out model.safetensors --keys model.
+  tierckpt-restore export latest --format hf --out hf-model --keys model. --strip-prefix model.
   tierckpt-restore gc --dry-run
   tierckpt-restore timeline --last 5 --out timeline.png
   tierckpt-restore advise --mtbf 8h
