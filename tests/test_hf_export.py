@@ -267,3 +267,67 @@ def shutil_rm(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path)
+
+
+# -- [export] every = N: the background worker -------------------------------------------------
+
+
+def _bg_config(saved: dict, tmp: Path, adapter: str = "") -> Path:
+    ref = saved["ref"]
+    cfg = tmp / "bg.toml"
+    cfg.write_text(
+        f'[host]\nbuffer_size = "8MiB"\nchunk_size = "1MiB"\n[local]\npath = "{tmp / "local"}"\nfsync = false\n'
+        f'[export]\nevery = 2\npath = "{tmp / "exports" / "{checkpoint_id}"}"\nkeys = ["model."]\n'
+        f'strip_prefix = "model."\nmax_shard_size = "{SHARD}"\n'
+        f'files = ["{ref / "config.json"}", "{ref / "generation_config.json"}"]\n'
+        + (f'adapter = "{adapter}"\n' if adapter else "")
+    )
+    return cfg
+
+
+def test_background_export_every_second_commit(saved, tmp_path):
+    """Three commits, ``every = 2``: the worker process exports the second (commit seq 2) only,
+    after its commit; the saves never wait for it; the folder equals save_pretrained's."""
+    from tierckpt.chain.engine import get_engine
+
+    cfg = load_config(_bg_config(saved, tmp_path))
+    state = {"model": saved["state"], "step": 0}
+    for step in (1, 2, 3):
+        state["step"] = step
+        w = TieredWriter(cfg)
+        dcp.save(state, checkpoint_id=f"step-{step}", storage_writer=w, no_dist=True)
+        w.wait()
+    exporter = get_engine(cfg).exporter
+    assert exporter is not None and exporter.idle(timeout=240)
+    assert exporter.done == ["step-2"]
+    assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["step-2"]
+    folder, ref = tmp_path / "exports" / "step-2", saved["ref"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in ref.iterdir())
+    for p in ref.iterdir():
+        assert (folder / p.name).read_bytes() == p.read_bytes(), p.name
+    w = TieredWriter(cfg)
+    with __import__("warnings").catch_warnings(record=True) as caught:
+        __import__("warnings").simplefilter("always")
+        w.wait()
+    assert not [c for c in caught if "export" in str(c.message)]
+
+
+def test_background_export_failure_is_a_warning_at_the_next_wait(saved, tmp_path):
+    from tierckpt.chain.engine import get_engine
+    from tierckpt.chain.exporter import ExportWarning
+    from tierckpt.catalog.listing import list_checkpoints
+    from tierckpt.tiers.local import LocalTier
+
+    cfg = load_config(_bg_config(saved, tmp_path, adapter="no_such_module_here.to_hf"))
+    state = {"model": saved["state"], "step": 0}
+    for step in (1, 2):
+        w = TieredWriter(cfg)
+        dcp.save(state, checkpoint_id=f"step-{step}", storage_writer=w, no_dist=True)
+        w.wait()  # the export of step-2 starts after this commit
+    assert get_engine(cfg).exporter.idle(timeout=240)
+    w = TieredWriter(cfg)
+    with pytest.warns(ExportWarning, match=r"step-2.*no_such_module_here"):
+        w.wait()
+    # the checkpoint is committed and fine; no folder, no partial folder left
+    assert [c.checkpoint_id for c in list_checkpoints(LocalTier(tmp_path / "local"))] == ["step-1", "step-2"]
+    assert not (tmp_path / "exports").exists() or list((tmp_path / "exports").iterdir()) == []

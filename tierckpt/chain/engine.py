@@ -47,6 +47,7 @@ from ..telemetry.hub import EngineTelemetry
 from ..tiers import Chain
 from ..tiers.base import Tier
 from .commit import Channel, Round, default_channel, run_commit
+from .exporter import BackgroundExporter
 from .peercopy import PeerHop
 from .replicate import Replicator
 from .retainer import Retainer
@@ -92,6 +93,8 @@ class Engine:
         self._closed = False
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
+        # [export] every = N: a worker process per node after every Nth commit (off the commit path)
+        self.exporter = BackgroundExporter(cfg) if cfg.export.every > 0 else None
         self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
         self.retainer = Retainer(self._retain_after)
         self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)
@@ -162,6 +165,8 @@ class Engine:
                 job.stats.phases.add("commit", job.t_durable)
                 if not job.committed.done():
                     job.committed.set_result(None)
+                if self.exporter is not None:  # queues only: never blocks, never raises
+                    self.exporter.after_commit(job.id, job.seq, job.assign.rank, job.assign.meta_writer_rank)
                 log.info(
                     "checkpoint %s committed on %s (rank %d, %d bytes, capture %.3fs, flush %.3fs)",
                     job.id,
@@ -533,6 +538,8 @@ class Engine:
         for t in self.chain.built():
             t.wait_deletions()  # deferred deletions (retention) are part of "everything done"
         self.telemetry.flush()  # and the history records of what settled (bounded: a stuck exporter once)
+        if self.exporter is not None:
+            self.exporter.warn()  # failed background exports: warnings, never a failed checkpoint
         self.raise_errors(owner, [h.name for h in hops])
 
     def _drain(self, timeout: float | None, hops: list[Any], *, patient: bool) -> None:

@@ -1,0 +1,156 @@
+"""``[export] every = N``: a Hugging Face folder of every Nth committed checkpoint, in the background.
+
+The engine calls :meth:`BackgroundExporter.after_commit` on its commit thread once a checkpoint
+is committed on the first tier; that only puts the id in a queue (it never blocks, never raises),
+so a commit is never delayed. On the rank that writes the checkpoint's metadata on its node (one
+per node for a node-local first tier, rank 0 for a shared one: the commit's metadata writer), for
+checkpoints whose commit sequence number is a multiple of ``every``, the ``tierckpt-export``
+thread starts one worker *process* (``python -m restore.exportworker``) and waits for it. The
+worker gets the configuration on its standard input, lowers its own CPU priority (``nice`` 19,
+and the idle I/O class where Linux offers it), and runs :func:`restore.export.export_hf`, which
+reads the committed checkpoint from the fastest tier holding it (never the training ranks'
+memory) under a lease, and publishes the folder atomically.
+
+One export runs at a time per node; when checkpoints commit faster than they export, only the
+newest waiting one is kept (the others are skipped, logged). A worker that fails (its exit status
+and the last lines of its standard error) is logged at WARNING at once and reported at the next
+``wait()`` as an :class:`ExportWarning`: the checkpoint itself is committed and unaffected. At
+exit nothing waits for a running worker: it finishes on its own (it holds its own leases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Config
+
+__all__ = ["BackgroundExporter", "ExportWarning", "config_document"]
+
+log = logging.getLogger("tierckpt.export")
+
+STDERR_TAIL = 2000  # characters of a failed worker's standard error kept in its warning
+
+
+class ExportWarning(UserWarning):
+    """A background export failed (the checkpoint it was made from is committed and fine)."""
+
+
+def config_document(cfg: Config) -> dict[str, Any]:
+    """``cfg`` as the mapping :func:`tierckpt.config.sections.config_from_dict` reads back
+    (present sections only, registered tier sections included)."""
+    doc: dict[str, Any] = {}
+    for name in ("job", "host", "local", "s3", "peer", "export"):
+        sec = getattr(cfg, name)
+        if sec is not None:
+            doc[name] = dataclasses.asdict(sec)
+    for name, sec in cfg.sections.items():
+        doc[name] = dataclasses.asdict(sec)
+    return doc
+
+
+class BackgroundExporter:
+    """The per-engine exporter (see the module docstring). ``spawn``: how a worker is started
+    (``subprocess.Popen``'s signature; tests pass their own to watch it)."""
+
+    def __init__(self, cfg: Config, spawn: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
+        self.cfg = cfg
+        self.every = cfg.export.every
+        self._spawn = spawn
+        self._cond = threading.Condition()
+        self._waiting: str | None = None  # the newest checkpoint waiting for its export
+        self._running: str | None = None
+        self._errors: list[str] = []
+        self.done: list[str] = []  # checkpoints exported by this process's workers, in order
+        self.proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def wants(self, checkpoint_id: str, seq: int, rank: int, writer: int) -> bool:
+        """Whether this rank exports ``checkpoint_id``: it is its node's metadata writer and the
+        commit sequence number ``seq`` is a multiple of ``every``."""
+        return self.every > 0 and rank == writer and seq > 0 and seq % self.every == 0
+
+    def after_commit(self, checkpoint_id: str, seq: int, rank: int, writer: int) -> None:
+        """Called on the commit thread after a commit: queue the export if this rank runs it.
+        Returns at once; never raises (an error here is logged)."""
+        try:
+            if not self.wants(checkpoint_id, seq, rank, writer):
+                return
+            with self._cond:
+                if self._waiting is not None:
+                    log.warning(
+                        "export of %s skipped: checkpoints commit faster than they export (%s is newer)",
+                        self._waiting,
+                        checkpoint_id,
+                    )
+                self._waiting = checkpoint_id
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._run, name="tierckpt-export", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+        except Exception as e:  # noqa: BLE001 - the commit path must not fail for an export
+            log.warning("could not queue the export of %s: %s", checkpoint_id, e)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None:
+                    self._cond.wait()
+                cid, self._waiting = self._waiting, None
+                self._running = cid
+            try:
+                self._export(cid)
+            except Exception as e:  # noqa: BLE001 - reported, never raised into training
+                self._fail(cid, f"{type(e).__name__}: {e}")
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def _export(self, cid: str) -> None:
+        doc = json.dumps({"config": config_document(self.cfg), "checkpoint_id": cid}).encode()
+        env = dict(os.environ)
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        proc = self._spawn(
+            [sys.executable, "-m", "restore.exportworker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # a Ctrl-C to the trainer's terminal does not reach it
+        )
+        self.proc = proc
+        _, err = proc.communicate(doc)
+        if proc.returncode != 0:
+            tail = err.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
+            self._fail(cid, f"worker exited with status {proc.returncode}: {tail}")
+            return
+        log.info("checkpoint %s exported (%s)", cid, self.cfg.export.path)
+        self.done.append(cid)
+
+    def _fail(self, cid: str, why: str) -> None:
+        msg = f"the background export of checkpoint {cid} ([export] path {self.cfg.export.path!r}) failed: {why}"
+        log.warning("%s", msg)
+        with self._cond:
+            self._errors.append(msg)
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """Wait until no export runs or waits (tests and tools; training never calls it)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._waiting is None and self._running is None, timeout)
+
+    def warn(self) -> None:
+        """Issue each export failure since the last call as an :class:`ExportWarning` (``wait()``)."""
+        with self._cond:
+            errors, self._errors = self._errors, []
+        for msg in errors:
+            warnings.warn(msg, ExportWarning, stacklevel=3)
