@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -306,16 +307,16 @@ def test_background_export_every_second_commit(saved, tmp_path):
     for p in ref.iterdir():
         assert (folder / p.name).read_bytes() == p.read_bytes(), p.name
     w = TieredWriter(cfg)
-    with __import__("warnings").catch_warnings(record=True) as caught:
-        __import__("warnings").simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         w.wait()
     assert not [c for c in caught if "export" in str(c.message)]
 
 
 def test_background_export_failure_is_a_warning_at_the_next_wait(saved, tmp_path):
+    from tierckpt.catalog.listing import list_checkpoints
     from tierckpt.chain.engine import get_engine
     from tierckpt.chain.exporter import ExportWarning
-    from tierckpt.catalog.listing import list_checkpoints
     from tierckpt.tiers.local import LocalTier
 
     cfg = load_config(_bg_config(saved, tmp_path, adapter="no_such_module_here.to_hf"))

@@ -304,7 +304,9 @@ class ExportConfig:
 
     def validate(self, where: str = "[export]") -> None:
         if self.format not in EXPORT_FORMATS:
-            raise ConfigError(f"{where} format: one of {', '.join(map(repr, EXPORT_FORMATS))}, got {_brief(self.format)}")
+            raise ConfigError(
+                f"{where} format: one of {', '.join(map(repr, EXPORT_FORMATS))}, got {_brief(self.format)}"
+            )
         if self.every < 0:
             raise ConfigError(f"{where} every: must be 0 (on request only) or positive, got {self.every}")
         if self.every and not self.path:
