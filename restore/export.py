@@ -9,7 +9,7 @@ files asked for (``config.json``, tokenizer files, ``generation_config.json``), 
 Same files as ``save_pretrained``. The tensors are split into shards by huggingface_hub's own
 ``split_torch_state_dict_into_shards`` (the function ``save_pretrained`` calls), fed with
 shape-only ``meta`` tensors in the checkpoint's key order, with ``max_shard_size`` spelled as
-transformers spells it (``"5GB"``, ``"500MiB"``, or a byte count). Inside each shard the
+transformers spells it (``"5GB"``, ``"500MB"``, or a byte count; units KB, MB, GB, TB). Inside each shard the
 header lists the tensors in the order safetensors' own writer uses (by dtype, as the installed
 safetensors orders dtypes, then by name), with the same compact JSON, space padding and
 ``{"format": "pt"}`` metadata, so a shard holding the same tensors is byte for byte the file
@@ -413,7 +413,7 @@ def export_hf(
         files: extra files (or directories whose files) to copy in: ``config.json``, tokenizer
             files, ``generation_config.json``.
         adapter: see the module docstring.
-        max_shard_size: as ``save_pretrained`` takes it (``"5GB"``, ``"200MiB"``, bytes).
+        max_shard_size: as ``save_pretrained`` takes it (``"5GB"``, ``"200MB"``, bytes).
         overwrite: replace an existing non-empty ``out`` (after the new folder is complete).
         progress: show a progress bar on a terminal.
 
