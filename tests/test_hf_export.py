@@ -38,16 +38,7 @@ SHARD = "120KB"  # the tiny model (~0.4 MB) in several shards
 
 
 def _model() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    cfg = _tiny_config()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -332,3 +323,115 @@ def test_background_export_failure_is_a_warning_at_the_next_wait(saved, tmp_path
     # the checkpoint is committed and fine; no folder, no partial folder left
     assert [c.checkpoint_id for c in list_checkpoints(LocalTier(tmp_path / "local"))] == ["step-1", "step-2"]
     assert not (tmp_path / "exports").exists() or list((tmp_path / "exports").iterdir()) == []
+
+
+# -- 2 gloo ranks, FSDP2 shards, exported in the background -------------------------------------
+
+
+def _fsdp_worker(config: str, full_out: str) -> None:
+    """One rank: the tiny Llama under FSDP2 (CPU, gloo), 3 training steps on the same batches on
+    both ranks, its sharded state (DTensors) saved through TieredWriter as ``step-3``; rank 0 also
+    writes the full state (``torch.save``) for the parent to compare with."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny_config())
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    w = TieredWriter(load_config(config))
+    dcp.save({"model": get_model_state_dict(model), "step": 3}, checkpoint_id="step-3", storage_writer=w)
+    w.wait()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save(full, full_out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _tiny_config():
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+def test_fsdp2_two_ranks_exported_in_the_background(saved, tmp_path):
+    """2 gloo ranks train under FSDP2 and save sharded; ``[export] every = 1`` exports step-3 in a
+    worker started by rank 0 (the node's metadata writer) after the commit. The folder loads with
+    from_pretrained, bit-exact to the trained weights, and its files equal save_pretrained's of a
+    model holding the same weights."""
+    import socket
+
+    cfg = _bg_config(saved, tmp_path).read_text().replace("every = 2", "every = 1")
+    (tmp_path / "bg.toml").write_text(cfg)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            TIERCKPT_NODE="node0",
+            PYTHONPATH=str(REPO),
+        )
+        log = open(tmp_path / f"rank{r}.log", "w")
+        cmd = [sys.executable, __file__, "fsdp-save", str(tmp_path / "bg.toml"), str(tmp_path / "full.pt")]
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    for p, log in procs:
+        try:
+            p.wait(timeout=240)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    assert [p.returncode for p, _ in procs] == [0, 0], [(tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1)]
+    folder = tmp_path / "exports" / "step-3"
+    deadline = time.monotonic() + 240  # the worker outlives the ranks; a bound, not a timing check
+    while not folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (folder / "model.safetensors.index.json").is_file()
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    model = transformers.LlamaForCausalLM(_tiny_config())
+    model.load_state_dict(full)
+    ref = tmp_path / "ref"
+    model.save_pretrained(ref, max_shard_size=SHARD)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in ref.iterdir())
+    for p in ref.glob("*.safetensors"):
+        assert (folder / p.name).read_bytes() == p.read_bytes(), p.name
+    assert (folder / "model.safetensors.index.json").read_bytes() == (ref / "model.safetensors.index.json").read_bytes()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert set(loaded) == set(full)
+    for k, v in full.items():
+        assert torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert not torch.equal(
+        full["model.layers.0.mlp.up_proj.weight"], saved["state"]["model.layers.0.mlp.up_proj.weight"]
+    )
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "fsdp-save":
+    _fsdp_worker(sys.argv[2], sys.argv[3])

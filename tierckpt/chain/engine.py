@@ -569,6 +569,8 @@ class Engine:
             return
         try:
             self._drain(None, self.hops, patient=False)
+            if self.exporter is not None:
+                self.exporter.close()  # the last queued export is started (not waited for)
             for t in self.chain.built():
                 t.wait_deletions()
             pending = self._backlog(self.hops)

@@ -68,6 +68,7 @@ class BackgroundExporter:
         self._cond = threading.Condition()
         self._waiting: str | None = None  # the newest checkpoint waiting for its export
         self._running: str | None = None
+        self._launching = False  # a worker is being started (its input not yet written)
         self._errors: list[str] = []
         self.done: list[str] = []  # checkpoints exported by this process's workers, in order
         self.proc: subprocess.Popen | None = None
@@ -106,6 +107,7 @@ class BackgroundExporter:
                     self._cond.wait()
                 cid, self._waiting = self._waiting, None
                 self._running = cid
+                self._launching = True
             try:
                 self._export(cid)
             except Exception as e:  # noqa: BLE001 - reported, never raised into training
@@ -113,6 +115,7 @@ class BackgroundExporter:
             finally:
                 with self._cond:
                     self._running = None
+                    self._launching = False
                     self._cond.notify_all()
 
     def _export(self, cid: str) -> None:
@@ -126,10 +129,22 @@ class BackgroundExporter:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=env,
-            start_new_session=True,  # a Ctrl-C to the trainer's terminal does not reach it
+            # its own process group: a Ctrl-C to the trainer's terminal does not reach it. Not its own
+            # session: with sched_autogroup a new session is a new scheduling group, where its nice
+            # would no longer rank it below training.
+            process_group=0,
         )
         self.proc = proc
-        _, err = proc.communicate(doc)
+        assert proc.stdin is not None and proc.stderr is not None
+        try:
+            proc.stdin.write(doc)
+        finally:
+            proc.stdin.close()
+            with self._cond:
+                self._launching = False  # on its own from here: the trainer may exit
+                self._cond.notify_all()
+        err = proc.stderr.read()
+        proc.wait()
         if proc.returncode != 0:
             tail = err.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
             self._fail(cid, f"worker exited with status {proc.returncode}: {tail}")
@@ -147,6 +162,14 @@ class BackgroundExporter:
         """Wait until no export runs or waits (tests and tools; training never calls it)."""
         with self._cond:
             return self._cond.wait_for(lambda: self._waiting is None and self._running is None, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """At exit (:meth:`Engine.close`): wait until the queued export, if any, has its worker
+        started and its input written (at most ``timeout`` seconds), so that the last checkpoint's
+        export is not lost with this process; the worker itself is not waited for."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._waiting is None and not self._launching, timeout):
+                log.warning("the export of %s was not started before exit", self._waiting or self._running)
 
     def warn(self) -> None:
         """Issue each export failure since the last call as an :class:`ExportWarning` (``wait()``)."""
