@@ -264,12 +264,13 @@ def shutil_rm(path: Path) -> None:
 # -- [export] every = N: the background worker -------------------------------------------------
 
 
-def _bg_config(saved: dict, tmp: Path, adapter: str = "") -> Path:
+def _bg_config(saved: dict, tmp: Path, adapter: str = "", every: int = 2, keep: int = 0) -> Path:
     ref = saved["ref"]
     cfg = tmp / "bg.toml"
     cfg.write_text(
         f'[host]\nbuffer_size = "8MiB"\nchunk_size = "1MiB"\n[local]\npath = "{tmp / "local"}"\nfsync = false\n'
-        f'[export]\nevery = 2\npath = "{tmp / "exports" / "{checkpoint_id}"}"\nkeys = ["model."]\n'
+        f"keep = {keep}\n"
+        f'[export]\nevery = {every}\npath = "{tmp / "exports" / "{checkpoint_id}"}"\nkeys = ["model."]\n'
         f'strip_prefix = "model."\nmax_shard_size = "{SHARD}"\n'
         f'files = ["{ref / "config.json"}", "{ref / "generation_config.json"}"]\n'
         + (f'adapter = "{adapter}"\n' if adapter else "")
@@ -323,6 +324,34 @@ def test_background_export_failure_is_a_warning_at_the_next_wait(saved, tmp_path
     # the checkpoint is committed and fine; no folder, no partial folder left
     assert [c.checkpoint_id for c in list_checkpoints(LocalTier(tmp_path / "local"))] == ["step-1", "step-2"]
     assert not (tmp_path / "exports").exists() or list((tmp_path / "exports").iterdir()) == []
+
+
+def test_retention_waits_for_the_background_export(saved, tmp_path):
+    """``keep = 1``, ``every = 1``: step-2's commit would delete step-1 while its worker is still
+    starting; the lease taken right after step-1's commit holds retention off, and both exports
+    complete. Once they are done, the next commit's retention removes the old checkpoints."""
+    from tierckpt.catalog.listing import list_checkpoints
+    from tierckpt.chain.engine import get_engine
+    from tierckpt.tiers.local import LocalTier
+
+    cfg = load_config(_bg_config(saved, tmp_path, every=1, keep=1))
+    state = {"model": saved["state"], "step": 0}
+    for step in (1, 2):
+        w = TieredWriter(cfg)
+        dcp.save(state, checkpoint_id=f"step-{step}", storage_writer=w, no_dist=True)
+        w.wait()
+    exporter = get_engine(cfg).exporter
+    assert exporter is not None and exporter.idle(timeout=240)
+    assert exporter.done == ["step-1", "step-2"]
+    for cid in ("step-1", "step-2"):
+        folder = tmp_path / "exports" / cid
+        for p in saved["ref"].iterdir():
+            assert (folder / p.name).read_bytes() == p.read_bytes(), (cid, p.name)
+    w = TieredWriter(cfg)
+    dcp.save(state, checkpoint_id="step-3", storage_writer=w, no_dist=True)
+    w.wait()
+    assert exporter.idle(timeout=240)
+    assert [c.checkpoint_id for c in list_checkpoints(LocalTier(tmp_path / "local"))] == ["step-3"]
 
 
 # -- 2 gloo ranks, FSDP2 shards, exported in the background -------------------------------------
@@ -381,8 +410,7 @@ def test_fsdp2_two_ranks_exported_in_the_background(saved, tmp_path):
     model holding the same weights."""
     import socket
 
-    cfg = _bg_config(saved, tmp_path).read_text().replace("every = 2", "every = 1")
-    (tmp_path / "bg.toml").write_text(cfg)
+    _bg_config(saved, tmp_path, every=1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

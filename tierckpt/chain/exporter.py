@@ -1,21 +1,24 @@
 """``[export] every = N``: a Hugging Face folder of every Nth committed checkpoint, in the background.
 
 The engine calls :meth:`BackgroundExporter.after_commit` on its commit thread once a checkpoint
-is committed on the first tier; that only puts the id in a queue (it never blocks, never raises),
-so a commit is never delayed. On the rank that writes the checkpoint's metadata on its node (one
+is committed on the first tier. On the rank that writes the checkpoint's metadata on its node (one
 per node for a node-local first tier, rank 0 for a shared one: the commit's metadata writer), for
-checkpoints whose commit sequence number is a multiple of ``every``, the ``tierckpt-export``
-thread starts one worker *process* (``python -m restore.exportworker``) and waits for it. The
-worker gets the configuration on its standard input, lowers its own CPU priority (``nice`` 19,
-and the idle I/O class where Linux offers it), and runs :func:`restore.export.export_hf`, which
-reads the committed checkpoint from the fastest tier holding it (never the training ranks'
-memory) under a lease, and publishes the folder atomically.
+checkpoints whose commit sequence number is a multiple of ``every``, that leases the checkpoint
+on the first tier (one small write, so that the next commit's retention cannot delete it before
+the export reads it) and queues it; it never waits for an export and never raises, so a commit is
+never failed and barely delayed. The ``tierckpt-export`` thread starts one worker *process*
+(``python -m restore.exportworker``, in its own process group) and waits for it. The worker gets
+the configuration on its standard input, lowers its own priority (``nice`` 19, and the idle I/O
+class through ``ionice`` where it exists), and runs :func:`restore.export.export_hf`, which reads
+the committed checkpoint from the fastest tier holding it (never the training ranks' memory)
+under its own leases, and publishes the folder atomically.
 
 One export runs at a time per node; when checkpoints commit faster than they export, only the
-newest waiting one is kept (the others are skipped, logged). A worker that fails (its exit status
-and the last lines of its standard error) is logged at WARNING at once and reported at the next
-``wait()`` as an :class:`ExportWarning`: the checkpoint itself is committed and unaffected. At
-exit nothing waits for a running worker: it finishes on its own (it holds its own leases).
+newest waiting one is kept (the others are skipped, logged, their leases released). A worker that
+fails (its exit status and the last lines of its standard error) is logged at WARNING at once and
+reported at the next ``wait()`` as an :class:`ExportWarning`: the checkpoint itself is committed
+and unaffected. At exit the engine waits only until a queued export's worker is started
+(:meth:`BackgroundExporter.close`); a running worker is not waited for: it finishes on its own.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..catalog import lease as leases
 from ..config import Config
+from ..errors import TierckptError
+from ..tiers.base import Tier
 
 __all__ = ["BackgroundExporter", "ExportWarning", "config_document"]
 
@@ -58,15 +64,24 @@ def config_document(cfg: Config) -> dict[str, Any]:
 
 
 class BackgroundExporter:
-    """The per-engine exporter (see the module docstring). ``spawn``: how a worker is started
-    (``subprocess.Popen``'s signature; tests pass their own to watch it)."""
+    """The per-engine exporter (see the module docstring). ``first_tier``: where checkpoints are
+    committed; a checkpoint to export is leased there right after its commit, on the commit
+    thread, and released once its worker exited (or a newer checkpoint replaced it in the queue);
+    the worker takes its own leases when it starts reading, so retention cannot delete it in
+    between. ``spawn``: how a worker is started (``subprocess.Popen``'s signature)."""
 
-    def __init__(self, cfg: Config, spawn: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        first_tier: Callable[[], Tier] | None = None,
+        spawn: Callable[..., subprocess.Popen] = subprocess.Popen,
+    ) -> None:
         self.cfg = cfg
+        self._first_tier = first_tier
         self.every = cfg.export.every
         self._spawn = spawn
         self._cond = threading.Condition()
-        self._waiting: str | None = None  # the newest checkpoint waiting for its export
+        self._waiting: tuple[str, leases.Lease | None] | None = None  # the newest waiting export, leased
         self._running: str | None = None
         self._launching = False  # a worker is being started (its input not yet written)
         self._errors: list[str] = []
@@ -80,19 +95,31 @@ class BackgroundExporter:
         return self.every > 0 and rank == writer and seq > 0 and seq % self.every == 0
 
     def after_commit(self, checkpoint_id: str, seq: int, rank: int, writer: int) -> None:
-        """Called on the commit thread after a commit: queue the export if this rank runs it.
-        Returns at once; never raises (an error here is logged)."""
+        """Called on the commit thread after a commit: if this rank exports the checkpoint, lease it
+        on the first tier (one small write, before the next commit can let retention delete it)
+        and queue it. Returns at once otherwise; never raises (an error is logged and reported)."""
         try:
             if not self.wants(checkpoint_id, seq, rank, writer):
                 return
+            lease = None
+            if self._first_tier is not None:
+                tier = self._first_tier()
+                try:
+                    lease = leases.acquire(tier, checkpoint_id, kind="export", purpose="background export")
+                except TierckptError as e:
+                    self._fail(checkpoint_id, f"cannot lease it on {tier.url}: {e}")
+                    return
             with self._cond:
                 if self._waiting is not None:
+                    old, old_lease = self._waiting
                     log.warning(
                         "export of %s skipped: checkpoints commit faster than they export (%s is newer)",
-                        self._waiting,
+                        old,
                         checkpoint_id,
                     )
-                self._waiting = checkpoint_id
+                    if old_lease is not None:
+                        old_lease.release()
+                self._waiting = (checkpoint_id, lease)
                 if self._thread is None or not self._thread.is_alive():
                     self._thread = threading.Thread(target=self._run, name="tierckpt-export", daemon=True)
                     self._thread.start()
@@ -105,7 +132,7 @@ class BackgroundExporter:
             with self._cond:
                 while self._waiting is None:
                     self._cond.wait()
-                cid, self._waiting = self._waiting, None
+                (cid, lease), self._waiting = self._waiting, None
                 self._running = cid
                 self._launching = True
             try:
@@ -113,6 +140,8 @@ class BackgroundExporter:
             except Exception as e:  # noqa: BLE001 - reported, never raised into training
                 self._fail(cid, f"{type(e).__name__}: {e}")
             finally:
+                if lease is not None:
+                    lease.release()
                 with self._cond:
                     self._running = None
                     self._launching = False
@@ -169,7 +198,9 @@ class BackgroundExporter:
         export is not lost with this process; the worker itself is not waited for."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._waiting is None and not self._launching, timeout):
-                log.warning("the export of %s was not started before exit", self._waiting or self._running)
+                log.warning(
+                    "the export of %s was not started before exit", self._waiting[0] if self._waiting else self._running
+                )
 
     def warn(self) -> None:
         """Issue each export failure since the last call as an :class:`ExportWarning` (``wait()``)."""
