@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark of the Hugging Face export (``restore/export.py``, ``[export] every``), side by side in one run.
 
-    python tools/bench_export.py [--hidden 1024] [--layers 8] [--vocab 32000] [--steps 16] [--dir DIR]
+    python tools/bench_export.py [--hidden 1024] [--layers 8] [--vocab 32000] [--steps 16] [--pairs 2] [--parts export,stall] [--dir DIR]
 
 1. A ``LlamaForCausalLM`` built from a config (float32, random init, no download) is saved with
    ``dcp.save`` through ``TieredWriter`` into a local tier (fsync on; a 256 MiB host pool, smaller
@@ -15,7 +15,8 @@
    files are compared byte for byte with the export's.
 5. *Stall*: a loop of ``--steps`` steps (a fixed amount of matmul work, then ``dcp.save`` of a
    64 MiB state + ``wait_captured``; ``wait()`` at the end) with ``[export] every = 1`` and
-   without, in fresh processes, alternated A B A B; wall time of the loop.
+   without, in fresh processes, alternated A B A B (``--pairs``); wall time of the loop, and
+   which checkpoints were exported (the last worker outlives the loop and is waited for).
 
 Prints one JSON document. Numbers depend on the machine: say which one ran them.
 """
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--pairs", type=int, default=2, help="stall: runs with and without, alternated")
     ap.add_argument("--dir", default="")
     ap.add_argument("--parts", default="export,stall", help="export (throughput, RSS, anchor), stall, or both")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         if "export" in parts:
             _bench_export(work, dims, out, dcp, TieredWriter, load_config)
         if "stall" in parts:
-            _bench_stall(work, args.steps, out)
+            _bench_stall(work, args.steps, args.pairs, out)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -242,9 +244,9 @@ def _bench_export(work: Path, dims: dict, out: dict, dcp, TieredWriter, load_con
     shutil.rmtree(work / "anchor")
 
 
-def _bench_stall(work: Path, steps: int, out: dict) -> None:
+def _bench_stall(work: Path, steps: int, pairs: int, out: dict) -> None:
     runs: dict[str, list[float]] = {"without": [], "every_1": []}
-    for i in range(2):
+    for i in range(pairs):
         for name in ("without", "every_1"):
             d = work / f"train-{name}-{i}"
             d.mkdir()
@@ -261,6 +263,7 @@ def _bench_stall(work: Path, steps: int, out: dict) -> None:
         "steps": steps,
         "seconds": runs,
         "ratio_best": min(runs["every_1"]) / min(runs["without"]),
+        "ratio_median": sorted(runs["every_1"])[pairs // 2] / sorted(runs["without"])[pairs // 2],
         "ratio_each": [a / b for a, b in zip(runs["every_1"], runs["without"])],
     }
 
