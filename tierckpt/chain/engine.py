@@ -601,7 +601,7 @@ _engines_lock = threading.Lock()
 
 
 def _engine_key(cfg: Config) -> str:
-    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, cfg.peer, sorted(cfg.sections.items()), os.getpid()))
+    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, cfg.peer, cfg.export, sorted(cfg.sections.items()), os.getpid()))
 
 
 def register_engine(engine: Engine) -> Engine:
