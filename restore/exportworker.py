@@ -3,7 +3,8 @@
 Reads ``{"config": {...}, "checkpoint_id": ID}`` (JSON) on standard input, lowers its priority
 (``nice`` 19; the idle I/O class on Linux, through the ``ionice`` command when present), and
 exports the checkpoint as ``[export]`` says (:func:`restore.export.export_hf`). A folder already
-exported under that path is left as it is. Exit status 0 when the folder is there, 1 with the
+exported under that path is left as it is. Exit status 0 when the folder is there (its figures,
+:meth:`restore.export.ExportResult.to_json`, as one JSON line on standard output), 1 with the
 error on standard error otherwise.
 """
 
@@ -40,8 +41,9 @@ def main() -> int:
         ex = cfg.export
         out = ex.path.replace("{checkpoint_id}", cid).replace("{node}", node_name())
         if "{checkpoint_id}" in ex.path and is_export(out):
+            print(json.dumps({"checkpoint_id": cid, "out": out, "already": True}))
             return 0  # exported already (a rerun); a fixed path is replaced by each newer export
-        export_hf(
+        res = export_hf(
             cfg,
             cid,
             out=out,
@@ -54,6 +56,7 @@ def main() -> int:
             overwrite=True,  # a non-empty folder without an index is an older failed attempt
             progress=False,
         )
+        print(json.dumps(res.to_json()))  # the figures, for the trainer's telemetry
     except Exception as e:  # noqa: BLE001 - the parent reports it as a warning
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1

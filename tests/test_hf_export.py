@@ -354,6 +354,57 @@ def test_retention_waits_for_the_background_export(saved, tmp_path):
     assert [c.checkpoint_id for c in list_checkpoints(LocalTier(tmp_path / "local"))] == ["step-3"]
 
 
+def test_background_export_span_and_figures(saved, tmp_path):
+    """``[job] telemetry = "otel"``: a background export is a ``tierckpt.export`` span with its
+    figures (bytes, shards, tensors) and adds its bytes to ``tierckpt.bytes`` (op ``export``)."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tierckpt.chain.engine import get_engine
+    from tierckpt.telemetry import otel
+
+    spans = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    otel.use_providers(tp, mp)
+    try:
+        path = _bg_config(saved, tmp_path, every=1)
+        path.write_text('[job]\ntelemetry = "otel"\n' + path.read_text())
+        cfg = load_config(path)
+        w = TieredWriter(cfg)
+        dcp.save({"model": saved["state"]}, checkpoint_id="step-1", storage_writer=w, no_dist=True)
+        w.wait()
+        exporter = get_engine(cfg).exporter
+        assert exporter is not None and exporter.idle(timeout=240) and exporter.done == ["step-1"]
+        TieredWriter(cfg).wait()  # flushes the telemetry thread
+        [span] = [s for s in spans.get_finished_spans() if s.name == "tierckpt.export"]
+        total = sum(v.numel() * v.element_size() for v in saved["state"].values())
+        attrs = dict(span.attributes or {})
+        assert attrs["tierckpt.checkpoint_id"] == "step-1" and attrs["tierckpt.bytes"] == total
+        assert attrs["tierckpt.export.shards"] == len(list(saved["ref"].glob("*.safetensors")))
+        assert attrs["tierckpt.export.tensors"] == len(saved["state"])
+        assert exporter.results[0]["bytes"] == total
+        points = [
+            (dict(p.attributes), p.value)
+            for rm in reader.get_metrics_data().resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+            if m.name == "tierckpt.bytes"
+            for p in m.data.data_points
+        ]
+        assert ({"tierckpt.op": "export"}, total) in points
+    finally:
+        otel.use_providers()
+        mp.shutdown()
+        tp.shutdown()
+
+
 # -- 2 gloo ranks, FSDP2 shards, exported in the background -------------------------------------
 
 

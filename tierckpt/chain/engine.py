@@ -94,7 +94,11 @@ class Engine:
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
         # [export] every = N: a worker process per node after every Nth commit (off the commit path)
-        self.exporter = BackgroundExporter(cfg, lambda: self.chain.first) if cfg.export.every > 0 else None
+        self.exporter = (
+            BackgroundExporter(cfg, lambda: self.chain.first, on_done=self.telemetry.exported)
+            if cfg.export.every > 0
+            else None
+        )
         self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
         self.retainer = Retainer(self._retain_after)
         self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)

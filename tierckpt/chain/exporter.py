@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,7 @@ from ..config import Config
 from ..errors import TierckptError
 from ..tiers.base import Tier
 
-__all__ = ["BackgroundExporter", "ExportWarning", "config_document"]
+__all__ = ["BackgroundExporter", "ExportFailed", "ExportWarning", "config_document"]
 
 log = logging.getLogger("tierckpt.export")
 
@@ -48,6 +49,10 @@ STDERR_TAIL = 2000  # characters of a failed worker's standard error kept in its
 
 class ExportWarning(UserWarning):
     """A background export failed (the checkpoint it was made from is committed and fine)."""
+
+
+class ExportFailed(TierckptError):
+    """A background export worker exited with an error (its exit status and standard error)."""
 
 
 def config_document(cfg: Config) -> dict[str, Any]:
@@ -75,8 +80,10 @@ class BackgroundExporter:
         cfg: Config,
         first_tier: Callable[[], Tier] | None = None,
         spawn: Callable[..., subprocess.Popen] = subprocess.Popen,
+        on_done: Callable[[str, float, float, dict | None, str | None], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self._on_done = on_done  # (checkpoint id, wall start, wall end, the worker's result, error): telemetry
         self._first_tier = first_tier
         self.every = cfg.export.every
         self._spawn = spawn
@@ -86,6 +93,7 @@ class BackgroundExporter:
         self._launching = False  # a worker is being started (its input not yet written)
         self._errors: list[str] = []
         self.done: list[str] = []  # checkpoints exported by this process's workers, in order
+        self.results: list[dict] = []  # their figures (restore.export.ExportResult.to_json), in order
         self.proc: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
 
@@ -135,11 +143,18 @@ class BackgroundExporter:
                 (cid, lease), self._waiting = self._waiting, None
                 self._running = cid
                 self._launching = True
+            start, result, error = time.time(), None, None
             try:
-                self._export(cid)
+                result = self._export(cid)
             except Exception as e:  # noqa: BLE001 - reported, never raised into training
-                self._fail(cid, f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+                self._fail(cid, error)
             finally:
+                if self._on_done is not None:
+                    try:
+                        self._on_done(cid, start, time.time(), result, error)
+                    except Exception as e:  # noqa: BLE001 - telemetry never fails anything
+                        log.debug("export telemetry of %s failed: %s", cid, e)
                 if lease is not None:
                     lease.release()
                 with self._cond:
@@ -147,7 +162,8 @@ class BackgroundExporter:
                     self._launching = False
                     self._cond.notify_all()
 
-    def _export(self, cid: str) -> None:
+    def _export(self, cid: str) -> dict:
+        """Run the worker for ``cid``; its result (figures) or :class:`ExportFailed`."""
         doc = json.dumps({"config": config_document(self.cfg), "checkpoint_id": cid}).encode()
         env = dict(os.environ)
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,7 +171,7 @@ class BackgroundExporter:
         proc = self._spawn(
             [sys.executable, "-m", "restore.exportworker"],
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
             # its own process group: a Ctrl-C to the trainer's terminal does not reach it. Not its own
@@ -172,14 +188,26 @@ class BackgroundExporter:
             with self._cond:
                 self._launching = False  # on its own from here: the trainer may exit
                 self._cond.notify_all()
-        err = proc.stderr.read()
-        proc.wait()
+        proc.stdin = None  # written and closed above: communicate() only reads both pipes
+        out, err = proc.communicate()
         if proc.returncode != 0:
             tail = err.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
-            self._fail(cid, f"worker exited with status {proc.returncode}: {tail}")
-            return
-        log.info("checkpoint %s exported (%s)", cid, self.cfg.export.path)
+            raise ExportFailed(f"worker exited with status {proc.returncode}: {tail}")
+        try:
+            result = json.loads(out.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            result = {}
+        log.info(
+            "checkpoint %s exported to %s: %s shard(s), %s bytes in %.1f s",
+            cid,
+            result.get("out", self.cfg.export.path),
+            len(result.get("shards", [])),
+            result.get("bytes", "?"),
+            float(result.get("seconds", 0.0)),
+        )
         self.done.append(cid)
+        self.results.append(result)
+        return result
 
     def _fail(self, cid: str, why: str) -> None:
         msg = f"the background export of checkpoint {cid} ([export] path {self.cfg.export.path!r}) failed: {why}"
