@@ -22,8 +22,10 @@ Streaming, memory bounded. Nothing is gathered: each shard's header is laid out 
 tensor byte is read (shapes come from the checkpoint's metadata), and tensors are read whole
 one batch at a time by the code ``consolidate`` uses (:func:`restore.consolidate._copy_tensors`,
 through the verified multi-tier reader, every CRC32C checked) and ``pwrite``-n to their place.
-Peak memory is about ``max(64 MiB batch, largest tensor) + what the adapter and the dtype cast
-allocate for one tensor`` (a copy of it each, at most).
+Writing overlaps reading (a writer thread, up to :data:`WRITE_BEHIND` = 256 MiB of tensors queued;
+a larger tensor is written by the reading thread itself). Peak memory is about ``max(64 MiB batch,
+largest tensor) + 256 MiB + what the adapter and the dtype cast allocate for one tensor`` (a copy of
+it each, at most).
 
 ``keys`` keeps keys starting with one of the prefixes; ``strip_prefix`` removes a leading
 prefix from each name; ``dtype`` casts floating-point tensors (``bfloat16``, ``float16``,
@@ -45,12 +47,14 @@ do not delete it meanwhile.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import json
 import logging
 import os
 import shutil
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -90,6 +94,7 @@ DTYPES: dict[str, torch.dtype | None] = {
     "float32": torch.float32,
 }
 PARTIAL = ".partial-"
+WRITE_BEHIND = 256 << 20  # bytes of read tensors queued for the writer thread at most (see _HfWriter)
 
 Adapter = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
@@ -252,7 +257,15 @@ class _Shard:
 
 class _HfWriter(_ConsolidateWriter):
     """Receives each full tensor of the checkpoint, runs the adapter and the cast, and writes the
-    results into their shards (opened on first use, closed once full)."""
+    results into their shards (opened on first use, closed once full).
+
+    Write-behind: a tensor of at most :data:`WRITE_BEHIND` bytes is handed to one writer thread
+    (``pwrite`` releases the GIL) while the caller reads the next batch, as long as the tensors
+    queued stay within :data:`WRITE_BEHIND` bytes in all; a larger tensor is written on the
+    caller's thread once the queue is empty. So reading and writing overlap, and the memory held
+    stays within the batch being read plus :data:`WRITE_BEHIND`. The first error of the writer
+    thread is raised by the next :meth:`write` or by :meth:`finish`.
+    """
 
     def __init__(
         self,
@@ -277,8 +290,61 @@ class _HfWriter(_ConsolidateWriter):
         self.done: set[str] = set()
         self.bytes = 0
         self.tensors = 0
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[_Tensor, torch.Tensor]] = collections.deque()
+        self._queued = 0  # bytes of the tensors in the queue or being written
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
 
     def write(self, t: _Tensor, value: torch.Tensor) -> None:
+        with self._cond:
+            self._raise()
+            if t.nbytes > WRITE_BEHIND:
+                self._cond.wait_for(lambda: self._queued == 0 or self._error is not None)
+                self._raise()
+            else:
+                self._cond.wait_for(lambda: self._queued + t.nbytes <= WRITE_BEHIND or self._error is not None)
+                self._raise()
+                self._queue.append((t, value))
+                self._queued += t.nbytes
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tierckpt-export-write", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+                return
+        self._write_now(t, value)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stop)
+                if not self._queue:
+                    return
+                t, value = self._queue[0]
+            try:
+                if self._error is None:
+                    self._write_now(t, value)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                with self._cond:
+                    self._error = e
+            del value
+            with self._cond:
+                self._queue.popleft()
+                self._queued -= t.nbytes
+                self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Wait until every queued tensor is written; raise the writer thread's error."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._queued == 0)
+            self._raise()
+
+    def _write_now(self, t: _Tensor, value: torch.Tensor) -> None:
         outs = _convert(self.checkpoint_id, t.fqn, self.names[t.fqn], value, self.adapter, self.dtype)
         plan = self.planned[t.fqn]
         if [(n, v.dtype, tuple(v.shape)) for n, v in outs.items()] != [(o.name, o.dtype, o.shape) for o in plan]:
@@ -299,6 +365,15 @@ class _HfWriter(_ConsolidateWriter):
             self.tensors += 1
 
     def close(self) -> None:
+        """Stop the writer thread (after what is queued; nothing more is written after an error)
+        and close the shards still open."""
+        with self._cond:
+            self._stop = True
+            if self._error is None and self._queue:
+                self._error = UsageError(f"checkpoint {self.checkpoint_id}: export abandoned")
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
         for shard in self.open.values():
             shard.close()
         self.open.clear()
@@ -501,6 +576,7 @@ def export_hf(
             scratch = ConsolidateResult(cid, str(out_path), "hf")
             try:
                 _copy_tensors(src, tensors, writer, scratch, progress, label="export")
+                writer.finish()
             finally:
                 writer.close()
             unwritten = sorted(set(shards) - writer.done)

@@ -177,6 +177,9 @@ def test_bad_requests_fail_cleanly(saved, tmp_path):
         _export(saved, tmp_path / "c", dtype="int3")
     with pytest.raises(UsageError, match="would replace the export's own files"):
         _export(saved, tmp_path / "e", files=[saved["ref"]])  # the reference folder's shards and index
+    with pytest.raises(UsageError, match="must depend on names, shapes and dtypes only"):
+        # differs on real tensors: found by the writer thread, raised to the caller, nothing left
+        _export(saved, tmp_path / "f", adapter=lambda sd: {k + ("" if v.is_meta else ".x"): v for k, v in sd.items()})
     with pytest.raises(UsageError, match="both become"):
         _export(saved, tmp_path / "d", adapter=lambda sd: {"x": next(iter(sd.values()))})
     assert list(tmp_path.iterdir()) == []
