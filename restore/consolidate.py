@@ -350,9 +350,16 @@ def _batches(tensors: list[_Tensor]) -> list[list[_Tensor]]:
 
 
 def _copy_tensors(
-    src: CheckpointSource, tensors: list[_Tensor], writer: _Writer, res: ConsolidateResult, progress: bool
+    src: CheckpointSource,
+    tensors: list[_Tensor],
+    writer: _Writer,
+    res: ConsolidateResult,
+    progress: bool,
+    label: str = "consolidate",
 ) -> None:
-    bar = progress_bar(sum(t.nbytes for t in tensors), f"consolidate {src.checkpoint_id}", progress)
+    """Read every tensor of ``tensors`` whole (batch by batch, see the module docstring) and hand it
+    to ``writer.write`` in order; ``res.bytes`` counts the bytes read. ``label`` names the bar."""
+    bar = progress_bar(sum(t.nbytes for t in tensors), f"{label} {src.checkpoint_id}", progress)
     try:
         for batch in _batches(tensors):
             full: dict[str, torch.Tensor] = {}
