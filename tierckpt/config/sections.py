@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .redact import redact_url
+from .export import ExportConfig
+from .s3section import S3Config
 from .values import (  # noqa: F401 - the public names are re-exported
     _ARN_RE,
     _BUCKET_RE,
@@ -158,95 +159,6 @@ class LocalConfig:
 
 
 @dataclass
-class S3Config:
-    """``[s3]``: the S3-compatible object-store tier.
-
-    Credentials are never part of the config: boto3's standard chain supplies them.
-
-    Attributes:
-        bucket: bucket name (required).
-        prefix: key prefix under which checkpoints live.
-        endpoint_url: e.g. ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty for AWS. Checked
-            by :func:`check_endpoint_url`: ``http(s)://host[:port][/path]``, no ``user:password@``
-            (refused without being echoed), no query string.
-        region: signing region (letters, digits and ``-``).
-        part_size: multipart part size (5MiB..5GiB).
-        concurrency: concurrent part uploads / ranged GETs per process.
-        keep: committed checkpoints kept on this tier (0 keeps all).
-        keep_every: additionally keep forever every checkpoint whose step is a multiple of this (0: off).
-        max_attempts: botocore retry attempts for transient errors.
-        connect_timeout, read_timeout: seconds.
-        conditional_commit: write the commit object with ``If-None-Match: *``; servers that
-            reject the header fall back to check-then-put automatically.
-        compression: ``"zstd"``: the hop into this tier stores each data file in frames coded by
-            byte planes + zstd (:mod:`tierckpt.codec`, ``docs/compression.md``); ``"none"``
-            (default): as written.
-        compression_level: the zstd level (-7..22; 1 by default: higher levels gain little on
-            model state and cost much CPU). At levels <= 1 the byte planes of multi-byte items
-            are coded literal-only (Huffman, no match search; faster than level 1 at the same
-            ratio; ``tierckpt.codec.frames``), other bytes at the level.
-        copy_unchanged: frames byte-identical (128-bit hash) to the same rank's file in the
-            previous checkpoint on this tier are copied by the server (``UploadPartCopy``), not
-            uploaded again. Either this or ``compression`` switches the hop to the encoded copy.
-    """
-
-    bucket: str = ""
-    prefix: str = ""
-    endpoint_url: str = ""
-    region: str = "us-east-1"
-    part_size: int = 64 * MiB
-    concurrency: int = 8
-    keep: int = 5
-    keep_every: int = 0
-    max_attempts: int = 8
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    conditional_commit: bool = True
-    compression: str = "none"
-    compression_level: int = 1
-    copy_unchanged: bool = False
-
-    def __repr__(self) -> str:
-        """The dataclass repr with ``endpoint_url`` redacted (it may not have been validated yet)."""
-        parts = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            parts.append(f"{f.name}={redact_url(value)!r}" if f.name == "endpoint_url" else f"{f.name}={value!r}")
-        return f"S3Config({', '.join(parts)})"
-
-    def validate(self, where: str = "[s3]") -> None:
-        if not isinstance(self.bucket, str) or not self.bucket:
-            raise ConfigError(f"{where} bucket: required, the bucket name")
-        if not (_BUCKET_RE.match(self.bucket) or _ARN_RE.match(self.bucket)):
-            raise ConfigError(
-                f"{where} bucket: {self.bucket[:80]!r} is not a bucket name "
-                "(letters, digits, '.', '-' and '_', at most 255 characters; or an access point ARN)"
-            )
-        check_endpoint_url(self.endpoint_url, f"{where} endpoint_url")
-        if self.region and not _REGION_RE.match(self.region):
-            raise ConfigError(f"{where} region: {self.region[:80]!r} is not a region name (e.g. 'us-east-1')")
-        if not (S3_MIN_PART <= self.part_size <= S3_MAX_PART):
-            raise ConfigError(f"{where} part_size: must be between 5MiB and 5GiB (S3 limits), got {self.part_size}")
-        if self.concurrency < 1 or self.concurrency > 256:
-            raise ConfigError(f"{where} concurrency: must be between 1 and 256, got {self.concurrency}")
-        if self.keep < 0:
-            raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
-        if self.keep_every < 0:
-            raise ConfigError(f"{where} keep_every: must not be negative, got {self.keep_every}")
-        if not 1 <= self.max_attempts <= S3_MAX_ATTEMPTS:
-            raise ConfigError(f"{where} max_attempts: must be between 1 and {S3_MAX_ATTEMPTS}, got {self.max_attempts}")
-        for name in ("connect_timeout", "read_timeout"):
-            value = getattr(self, name)
-            if not 0 < value <= MAX_TIMEOUT_S:
-                raise ConfigError(
-                    f"{where} {name}: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}"
-                )
-        if self.prefix.startswith("/") or ".." in self.prefix.split("/"):
-            raise ConfigError(f"{where} prefix: must be relative and must not contain '..', got {self.prefix!r}")
-        check_compression(self.compression, self.compression_level, where)
-
-
-@dataclass
 class PeerConfig:
     """``[peer]``: copies of each rank's committed data file on other nodes' local tiers.
 
@@ -262,76 +174,6 @@ class PeerConfig:
     def validate(self, where: str = "[peer]") -> None:
         if not 0 <= self.replicas <= 8:
             raise ConfigError(f"{where} replicas: must be between 0 and 8, got {self.replicas}")
-
-
-EXPORT_FORMATS = ("hf",)
-EXPORT_DTYPES = ("keep", "bfloat16", "float16", "float32")
-_SHARD_UNITS = ("KB", "MB", "GB", "TB")  # what transformers' max_shard_size takes (huggingface_hub)
-
-
-@dataclass
-class ExportConfig:
-    """``[export]``: every Nth committed checkpoint also becomes a Hugging Face folder, in the background.
-
-    One worker process per node (started by the rank that writes the checkpoint's metadata on
-    that node, after the commit, niced, off the commit path) writes what ``save_pretrained``
-    writes, through ``tierckpt-restore export`` (docs/integrations.md). Its errors are logged
-    and reach the trainer at the next ``wait()`` as a warning; the checkpoint is not affected.
-    Needs ``pip install "tierckpt[hf]"``.
-
-    Attributes:
-        format: ``"hf"``: ``model.safetensors`` or ``model-0000K-of-0000N.safetensors`` shards and
-            ``model.safetensors.index.json``, split as ``save_pretrained`` splits them.
-        every: export every Nth committed checkpoint (those whose commit sequence number is a
-            multiple of N); 0: only on request (``tierckpt-restore export``).
-        path: the output directory, ``{checkpoint_id}`` replaced by the checkpoint's id (and
-            ``{node}`` by the node's name); required when ``every`` is set.
-        keys: export only the keys starting with one of these prefixes (e.g. ``["model."]``);
-            empty: every tensor.
-        strip_prefix: removed from the start of every name (e.g. ``"model."``).
-        dtype: ``"keep"``, or cast floating-point tensors to ``"bfloat16"``, ``"float16"`` or
-            ``"float32"``.
-        files: extra files (or directories whose files) copied into every export:
-            ``config.json``, tokenizer files, ``generation_config.json``.
-        adapter: dotted path (``package.module.function`` or ``package.module:function``) of a
-            callable mapping ``{name: tensor}`` to Hugging Face's names and tensors, called one
-            tensor at a time; empty: names kept.
-        max_shard_size: the largest shard, as ``save_pretrained`` spells it (``"5GB"``, ``"500MB"``).
-    """
-
-    format: str = "hf"
-    every: int = 0
-    path: str = ""
-    keys: list[str] = field(default_factory=list)
-    strip_prefix: str = ""
-    dtype: str = "keep"
-    files: list[str] = field(default_factory=list)
-    adapter: str = ""
-    max_shard_size: str = "50GB"
-
-    def validate(self, where: str = "[export]") -> None:
-        if self.format not in EXPORT_FORMATS:
-            raise ConfigError(
-                f"{where} format: one of {', '.join(map(repr, EXPORT_FORMATS))}, got {_brief(self.format)}"
-            )
-        if self.every < 0:
-            raise ConfigError(f"{where} every: must be 0 (on request only) or positive, got {self.every}")
-        if self.every and not self.path:
-            raise ConfigError(f"{where} path: required when every is set (where the exports go)")
-        if self.dtype not in EXPORT_DTYPES:
-            raise ConfigError(f"{where} dtype: one of {', '.join(map(repr, EXPORT_DTYPES))}, got {_brief(self.dtype)}")
-        size = self.max_shard_size.strip()
-        try:
-            ok = size[-2:].upper() in _SHARD_UNITS and float(size[:-2]) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ConfigError(
-                f'{where} max_shard_size: a size as save_pretrained takes it ("5GB", "500MB"; units '
-                f"{', '.join(_SHARD_UNITS)}), got {_brief(self.max_shard_size)}"
-            )
-        if self.adapter and not all(part.isidentifier() for part in self.adapter.replace(":", ".").split(".")):
-            raise ConfigError(f"{where} adapter: a dotted path such as mypkg.convert:to_hf, got {_brief(self.adapter)}")
 
 
 @dataclass
