@@ -66,9 +66,10 @@ import torch
 from tierckpt.config import TierConfig
 
 from .catalog import as_config
-from .consolidate import SAFETENSORS_DTYPES, ConsolidateResult, _bytes_of, _copy_tensors, _plan, _pwrite_all, _Tensor
-from .consolidate import _Writer as _ConsolidateWriter
+from .consolidate import ConsolidateResult, _copy_tensors, _plan
 from .errors import NotFound, UsageError
+from .outfiles import SAFETENSORS_DTYPES, _bytes_of, _pwrite_all, _Tensor
+from .outfiles import _Writer as _ConsolidateWriter
 from .source import CheckpointSource
 
 __all__ = [
