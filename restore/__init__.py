@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .catalog import Latest, Listing, find_latest, list_all, open_tiers
     from .consolidate import ConsolidateResult, consolidate_checkpoint
     from .errors import NotFound, UsageError, VerificationFailed
+    from .export import ExportResult, export_hf
     from .fetch import FetchResult, fetch_checkpoint
     from .gc import GcAction, GcResult, gc_checkpoints
     from .manage import DeleteResult, PushResult, delete_checkpoints, push_checkpoints
@@ -42,6 +43,8 @@ _LAZY: dict[str, str] = {
     "NotFound": ".errors",
     "UsageError": ".errors",
     "VerificationFailed": ".errors",
+    "ExportResult": ".export",
+    "export_hf": ".export",
     "FetchResult": ".fetch",
     "fetch_checkpoint": ".fetch",
     "GcAction": ".gc",
@@ -59,6 +62,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "ConsolidateResult",
     "DeleteResult",
+    "ExportResult",
     "FetchResult",
     "GcAction",
     "GcResult",
@@ -72,6 +76,7 @@ __all__ = [
     "VerifyReport",
     "consolidate_checkpoint",
     "delete_checkpoints",
+    "export_hf",
     "fetch_checkpoint",
     "find_latest",
     "gc_checkpoints",

@@ -110,6 +110,7 @@ class TierEntry:
     stored_bytes: int = 0  # bytes of its data files on this tier (encoded where the tier encodes)
     logical_bytes: int | None = None  # bytes of its data files as saved (None: metadata unreadable)
     nodes: dict[str, str] = field(default_factory=dict)  # node-local tier: node -> "committed" / "partial"
+    bad: bool = False  # marked bad here (ID/bad.json: tierckpt.catalog.health)
 
     def to_json(self) -> dict:
         return {
@@ -122,6 +123,7 @@ class TierEntry:
             "stored_bytes": self.stored_bytes,
             "logical_bytes": self.logical_bytes,
             "nodes": self.nodes,
+            "bad": self.bad,
         }
 
 
@@ -187,6 +189,7 @@ def _entry(tier: Tier, c: CheckpointInfo) -> TierEntry:
         peer_copies=PEERS in c.objects,
         stored_bytes=stored,
         logical_bytes=logical,
+        bad=c.bad,
     )
 
 

@@ -20,10 +20,12 @@ from . import (
     cmd_advise,
     cmd_consolidate,
     cmd_delete,
+    cmd_export,
     cmd_fetch,
     cmd_gc,
     cmd_latest,
     cmd_list,
+    cmd_mark,
     cmd_push,
     cmd_timeline,
     cmd_verify,
@@ -38,11 +40,13 @@ COMMANDS = (
     cmd_verify,
     cmd_fetch,
     cmd_consolidate,
+    cmd_export,
     cmd_gc,
     cmd_push,
     cmd_delete,
     cmd_timeline,
     cmd_advise,
+    cmd_mark,
 )
 
 EPILOG = """examples:
@@ -52,6 +56,7 @@ EPILOG = """examples:
   tierckpt-restore verify latest
   tierckpt-restore fetch latest --rank 0
   tierckpt-restore consolidate latest --out model.safetensors --keys model.
+  tierckpt-restore export latest --format hf --out hf-model --keys model. --strip-prefix model.
   tierckpt-restore gc --dry-run
   tierckpt-restore push
   tierckpt-restore delete --all --yes

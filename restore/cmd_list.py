@@ -90,7 +90,12 @@ def _print_table(listings: list, tiers: list, now: float) -> None:
             if len(counts) == 1
             else "/".join(str(l.tiers[n].rank_files) if n in l.tiers else "-" for n in names)
         )
-        states = [("committed" if l.tiers[n].committed else "partial") if n in l.tiers else "-" for n in names]
+        states = [
+            ("committed" + (", bad" if l.tiers[n].bad else "") if l.tiers[n].committed else "partial")
+            if n in l.tiers
+            else "-"
+            for n in names
+        ]
         peer = ["yes" if any(e.peer_copies for e in l.tiers.values()) else "-"] if any_peer else []
         held = {n: st for e in l.tiers.values() for n, st in e.nodes.items()}
         nodes = (

@@ -371,3 +371,45 @@ def test_environment_does_not_leak(tmp_path):
             del os.environ["TIERCKPT_CONFIG"]
         else:
             os.environ["TIERCKPT_CONFIG"] = old
+
+
+# -- [export] -----------------------------------------------------------------------------
+
+
+def test_export_section(tmp_path):
+    cfg = load_config(
+        write(
+            tmp_path,
+            LOCAL + '[export]\nevery = 5\npath = "/exports/{checkpoint_id}"\nkeys = ["model."]\n'
+            'strip_prefix = "model."\ndtype = "bfloat16"\nfiles = "config.json"\n'
+            'adapter = "torchtitan.models.llama3:to_hf"\nmax_shard_size = "5GB"\n',
+        )
+    )
+    ex = cfg.export
+    assert (ex.every, ex.path, ex.keys, ex.files, ex.dtype) == (
+        5,
+        "/exports/{checkpoint_id}",
+        ["model."],
+        ["config.json"],
+        "bfloat16",
+    )
+    assert load_config(write(tmp_path, LOCAL, "plain.toml")).export.every == 0  # off unless asked
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("every = 2", "[export] path: required when every is set"),
+        ('every = -1\npath = "/x"', "[export] every"),
+        ('format = "gguf"', "[export] format"),
+        ('dtype = "int8"', "[export] dtype"),
+        ('max_shard_size = "5GiB"', "[export] max_shard_size"),
+        ('max_shard_size = "lots"', "[export] max_shard_size"),
+        ("keys = [1, 2]", "[export] keys: expected a list of strings"),
+        ('adapter = "not a path"', "[export] adapter"),
+        ("nosuch = 1", "[export] nosuch: unknown key"),
+    ],
+)
+def test_export_section_errors(tmp_path, body, needle):
+    err = config_error(write(tmp_path, LOCAL + "[export]\n" + body + "\n"))
+    assert needle in str(err), str(err)

@@ -221,7 +221,7 @@ def test_reader_with_another_chunk_size(tmp_path):
     assert_bits_equal(sd["w"], out["w"], "w")
 
 
-@pytest.mark.parametrize("cid", ["step-000100", "a.b_c-d=e+f@g,h", "X" * 200, "7"])
+@pytest.mark.parametrize("cid", ["step-000100", "a.b_c-d=e+f@g", "X" * 200, "7"])
 def test_unusual_but_valid_ids(cfg, cid):
     save(cfg, {"x": torch.arange(4.0), "id": cid}, cid)
     assert committed_ids(cfg) == {cid}

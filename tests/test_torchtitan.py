@@ -169,3 +169,22 @@ def test_resume_skips_a_newest_checkpoint_bad_on_every_tier(tmp_path, reference)
     ids = [c.id for c in list_checkpoints(tiers)]
     assert ids[-2:] == ["step-04", f"step-{STEPS}"] and "step-4" in ids, ids
     assert latest(tiers) == f"step-{STEPS}"
+
+
+def test_resume_skips_a_newest_checkpoint_marked_bad(tmp_path, reference):
+    """Issue 35: step-4 (the newest) is marked bad by a person (every tier): the manager resumes
+    healthy by default, from step-2, bit-exact, and saves step 4 again as step-04."""
+    from tierckpt.catalog.checkpoints import latest, list_checkpoints, mark_bad
+
+    tiers = _tiers(tmp_path)
+    base = {"tiers": tiers, "dump": str(tmp_path / "dump"), "mode": "disabled", "steps": STEPS, "interval": INTERVAL}
+    _run(2, base | {"crash_after": CRASH}, tmp_path / "crashed")
+    assert mark_bad(tiers, "step-4", "loss spike") == ["local"]
+    res = _run(2, base | {"check": reference["record"]}, tmp_path / "resumed")
+    for r in res:
+        assert r["resumed_from"] == 2 and r["check"] == [], r
+        for step, loss in r["losses"].items():
+            assert loss == reference["losses"][step], (step, loss, reference["losses"][step])
+    ids = [c.id for c in list_checkpoints(tiers)]
+    assert "step-04" in ids and "step-4" in ids, ids
+    assert latest(tiers, healthy=True) == f"step-{STEPS}"

@@ -25,7 +25,7 @@ moved.install()  # the old flat module paths (tierckpt.writer, ...) keep importi
 
 if TYPE_CHECKING:
     from .capture.ranksave import SaveStats
-    from .catalog.checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints
+    from .catalog.checkpoints import Checkpoint, checkpoint_id_of, latest, list_checkpoints, mark_bad
     from .config import (
         Config,
         HostConfig,
@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     )
     from .errors import (
         CaptureError,
+        CaptureMismatch,
         CheckpointBeingDeleted,
+        CheckpointMarkedBad,
         CheckpointNotFound,
         ChecksumMismatch,
         CommitConflict,
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
         CopiesPending,
         CorruptCheckpoint,
         InvalidCheckpointId,
+        NonFiniteError,
         ReplicationError,
         SaveError,
         TierckptError,
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
         TornCaptureError,
     )
     from .load.reader import TieredReader
+    from .load.resume import resume
     from .save.preempt import DrainReport, drain
     from .save.writer import TieredWriter
 
@@ -89,12 +93,17 @@ _LAZY: dict[str, str] = {
     "ReplicationError": ".errors",
     "CopiesPending": ".errors",
     "TornCaptureError": ".errors",
+    "CaptureMismatch": ".errors",
+    "NonFiniteError": ".errors",
+    "CheckpointMarkedBad": ".errors",
     "TierError": ".errors",
     "TierUnavailable": ".errors",
     "latest": ".catalog.checkpoints",
     "list_checkpoints": ".catalog.checkpoints",
     "Checkpoint": ".catalog.checkpoints",
     "checkpoint_id_of": ".catalog.checkpoints",
+    "mark_bad": ".catalog.checkpoints",
+    "resume": ".load.resume",
     "drain": ".save.preempt",
     "DrainReport": ".save.preempt",
 }

@@ -23,6 +23,9 @@ __all__ = [
     "SaveError",
     "CaptureError",
     "TornCaptureError",
+    "CaptureMismatch",
+    "NonFiniteError",
+    "CheckpointMarkedBad",
     "CommitError",
     "CheckInError",
     "ReplicationError",
@@ -90,6 +93,20 @@ class CaptureError(SaveError):
 
 class TornCaptureError(CaptureError):
     """A tensor was modified in place while its copy to host memory was still pending."""
+
+
+class CaptureMismatch(CaptureError):
+    """``[job] verify_capture``: the host copy of a tensor does not match the digest taken of the
+    source tensor on its device (a flip in the device-to-host copy or the host buffer, or the
+    source changed while it was copied); the checkpoint is not committed."""
+
+
+class NonFiniteError(CaptureError):
+    """``[job] nonfinite = "refuse"``: a floating tensor held NaN or Inf; the checkpoint is not committed."""
+
+
+class CheckpointMarkedBad(TierckptError):
+    """A checkpoint was marked bad (``tierckpt-restore mark ID bad`` or a failed resume check)."""
 
 
 class CommitError(SaveError):

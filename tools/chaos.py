@@ -1,7 +1,7 @@
 """Chaos harness for tierckpt: kills, faults, corruption, races, leaks and a flaky S3, over many trials.
 
     python tools/chaos.py --trials N [--cases crash,faults,corrupt,concurrency,resources,s3faults,
-                                              damagedsource,missingsource,earlykill,filetimes,backlog,
+                                              damagedsource,missingsource,earlykill,exportkill,filetimes,backlog,
                                               gcload,killloop,deleterace,hungs3term,sigstorm]
                           [--s3 moto|seaweedfs|none] [--json out.json] [--seed S] [--keep]
 
@@ -60,6 +60,10 @@ earlykill
     SIGKILLed 1-3 s after it created its writer: ``latest`` must exist and load bit-exact the state
     of its step (else ``lost``), and trail the saves whose data files were durable by at most a few
     steps (commits keep up with the disk; ``tools/chaoslib/earlykill.py``).
+exportkill
+    ``tierckpt-restore export --format hf`` SIGKILLed at a random moment of its run: the output
+    folder is absent or complete (every file byte-equal to a reference export), the next run
+    completes, no partial folder is left (``tools/chaoslib/exportkill.py``; needs ``.[hf]``).
 filetimes, backlog, gcload, killloop, deleterace
     No committed checkpoint is ever lost: file-time changes, a restart with an unpromoted
     backlog, gc racing loads, a trainer SIGKILLed and restarted from latest + 1 in a loop, and
@@ -137,6 +141,7 @@ from chaoslib.crash import (  # noqa: E402,F401
 from chaoslib.earlykill import CHILDREN as _EARLYKILL_CHILDREN  # noqa: E402
 from chaoslib.earlykill import case_earlykill  # noqa: E402,F401
 from chaoslib.env import CHILDREN, Child, Env, Zygote, _child_main, _zygote_main, tail, wait_proc  # noqa: E402,F401
+from chaoslib.exportkill import case_exportkill  # noqa: E402,F401
 from chaoslib.faults import (  # noqa: E402,F401
     FAULT_OPS,
     case_corrupt,
@@ -166,6 +171,7 @@ CASES = (
     "hungs3term",
     "sigstorm",
     "earlykill",
+    "exportkill",
 )
 
 
@@ -183,6 +189,7 @@ CASE_FUNCS: dict[str, Callable[..., CaseResult]] = {
     "hungs3term": case_hungs3term,
     "sigstorm": case_sigstorm,
     "earlykill": case_earlykill,
+    "exportkill": case_exportkill,
 }
 # zygote child kinds (``_child_main`` dispatches to them; other modules add theirs)
 CHILDREN.update(

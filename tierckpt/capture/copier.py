@@ -11,6 +11,7 @@ the job until their copy landed.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,8 +89,18 @@ class Copier:
             st = self._streams[idx] = torch.cuda.Stream(device=idx)
         return st
 
-    def copy(self, pieces: list[Piece], slot: torch.Tensor, ready: dict[int, torch.cuda.Event]) -> list:
-        """Copy ``pieces`` into ``slot``; return CUDA events to wait on before reading the slot."""
+    def copy(
+        self,
+        pieces: list[Piece],
+        slot: torch.Tensor,
+        ready: dict[int, torch.cuda.Event],
+        probe: Callable[[Source], None] | None = None,
+    ) -> list:
+        """Copy ``pieces`` into ``slot``; return CUDA events to wait on before reading the slot.
+
+        ``probe(source)`` (the capture check, :mod:`tierckpt.capture.verify`) runs for each
+        tensor source right before its first piece is copied, in the stream of the copy (on a
+        GPU: the copy stream, after the ready event), so the events returned also cover it."""
         events = []
         slot_np = None
         waited: set[int] = set()
@@ -111,12 +122,18 @@ class Copier:
                         st.wait_event(ready[idx])
                     waited.add(idx)
                 with torch.cuda.stream(st):
+                    if probe is not None and p.src_off == 0:
+                        probe(src)
                     dst.copy_(src.flat[p.src_off : p.src_off + p.n], non_blocking=True)
             elif src.tensor.device.type == "cpu":
+                if probe is not None and p.src_off == 0:
+                    probe(src)
                 # One plain memcpy on this thread, GIL released: torch's copy_ would split it over
                 # the intra-op threads, which training uses at the same moment (more CPU, no gain).
                 _memmove(dst.data_ptr(), src.flat.data_ptr() + p.src_off, p.n)
             else:
+                if probe is not None and p.src_off == 0:
+                    probe(src)
                 dst.copy_(src.flat[p.src_off : p.src_off + p.n])
         for idx in waited:
             ev = torch.cuda.Event()

@@ -25,6 +25,7 @@ from ..telemetry.phases import PhaseLog
 from ..tiers.base import DataSink
 from .copier import Piece, Source
 from .planning import SaveInputs
+from .verify import CaptureCheck
 
 __all__ = ["RankAssign", "SaveStats", "RankSave", "build_metadata"]
 
@@ -60,8 +61,11 @@ class SaveStats:
     spent on this checkpoint: ``plan_cpu_s`` (cutting chunks and checksum pieces, capture
     thread), ``capture_cpu_s`` (opening the file, zeroing padding, issuing or doing the copies
     into the pool: on CPU the memcpy itself), ``crc_cpu_s`` (CRC32C, flush threads),
-    ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads).
-    ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
+    ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads),
+    ``verify_cpu_s`` (``[job] verify_capture``/``nonfinite``: the source digests and sums on the
+    capture thread and the host digests and NaN/Inf counts on the flush threads,
+    :mod:`tierckpt.capture.verify`; torch's intra-op threads a CPU reduction may use are not
+    counted). ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
     ``save_blocked_s``), the commit protocol and retention.
 
     ``phases``: the same stages with wall-clock start and end (:mod:`tierckpt.telemetry.phases`),
@@ -89,6 +93,7 @@ class SaveStats:
     capture_cpu_s: float = 0.0
     crc_cpu_s: float = 0.0
     write_cpu_s: float = 0.0
+    verify_cpu_s: float = 0.0
     compress_cpu_s: float = 0.0
     stored_bytes: int | None = None
     uploaded_bytes: int | None = None
@@ -98,7 +103,7 @@ class SaveStats:
     @property
     def cpu_s(self) -> float:
         """CPU seconds of tierckpt's threads for this checkpoint (plan + capture + CRC + write)."""
-        return self.plan_cpu_s + self.capture_cpu_s + self.crc_cpu_s + self.write_cpu_s
+        return self.plan_cpu_s + self.capture_cpu_s + self.crc_cpu_s + self.write_cpu_s + self.verify_cpu_s
 
     def throughput(self, stage: str) -> float | None:
         """Bytes per second of a stage (``capture``, ``flush``, ``promote``)."""
@@ -123,6 +128,7 @@ class SaveStats:
             capture_bytes_per_s flush_bytes_per_s                       once that stage ran
             hop_<tier>_s                                                each hop that committed
             compress_cpu_s stored_bytes uploaded_bytes copied_bytes     an encoded hop ran (tierckpt.codec)
+            verify_cpu_s                                                verify_capture/nonfinite ran
 
         each prefixed with ``prefix``. Integers stay ``int``, everything else is ``float``."""
         out: dict[str, float | int] = {
@@ -146,6 +152,8 @@ class SaveStats:
                 out[f"{stage}_s"] = float(t)
                 if stage in ("capture", "flush") and t > 0:
                     out[f"{stage}_bytes_per_s"] = self.bytes / t
+        if self.verify_cpu_s:
+            out["verify_cpu_s"] = float(self.verify_cpu_s)
         if self.compress_cpu_s:
             out["compress_cpu_s"] = float(self.compress_cpu_s)
         for k in ("stored_bytes", "uploaded_bytes", "copied_bytes"):  # an encoded hop ran
@@ -195,6 +203,8 @@ class RankSave:
         self.crc_pieces: list[list[tuple[int, int, int, int]]] = []
         self.chunks: list[list[Piece]] = []
         self.ready_events: dict = {}
+        self.check: CaptureCheck | None = None  # verify_capture / nonfinite (set by plan when on)
+        self.check_modes: tuple[str, str, int] = ("off", "ignore", 0)  # (verify_capture, nonfinite, save number)
         self.sink: DataSink | None = None
         self.lease: leases.Lease | None = None  # this save's lease on the first tier (until committed or failed)
         self.reported_ok = False  # this rank told the coordinator its file is good: it may commit from now on
@@ -219,6 +229,12 @@ class RankSave:
             return
         self.sources, self.chunks, self.crc_pieces, self.crcs = self.inputs.capture_plan()
         self.inputs = None  # the sources hold what is still needed
+        verify, nonfinite, save_no = self.check_modes
+        if verify != "off" or nonfinite != "ignore":
+            check = CaptureCheck(
+                self.id, self.assign.rank, self.sources, self.chunks, len(self.crcs), verify, nonfinite, save_no
+            )
+            self.check = check if check.active else None
         self.stats.chunks = len(self.chunks)
 
     def chunk_len(self, k: int) -> int:
@@ -264,6 +280,13 @@ class RankSave:
             self.lease.release()
 
     @property
+    def nonfinite(self) -> list[int | None] | None:
+        """Per item, its NaN/Inf count (None: not scanned); None when nothing was scanned."""
+        if self.check is None or self.check.mode == "ignore":
+            return None
+        return list(self.check.counts)
+
+    @property
     def seq(self) -> int:
         """The commit sequence number (0 until the coordinator's outcome arrived)."""
         h = read_header(self.metadata_json) if self.metadata_json else None
@@ -301,8 +324,13 @@ def build_metadata(
         crcs = rep["crcs"]
         if len(crcs) != len(res):
             raise CommitError(f"checkpoint {job.id}: rank {r} reported {len(crcs)} checksums for {len(res)} items")
-        for wr, c in zip(res, crcs):
-            rec = replace(wr.storage_data, crcs=list(c))
+        counts = rep.get("nonfinite") or [None] * len(crcs)
+        if len(counts) != len(res):
+            raise CommitError(
+                f"checkpoint {job.id}: rank {r} reported {len(counts)} NaN/Inf counts for {len(res)} items"
+            )
+        for wr, c, nf in zip(res, crcs, counts):
+            rec = replace(wr.storage_data, crcs=list(c), nonfinite=nf)
             storage[wr.index] = rec
             files[rec.file] = rep["size"]
     md = replace(md, storage_data=storage)

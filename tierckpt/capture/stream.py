@@ -53,6 +53,7 @@ class CaptureStream:
         self._fail = fail
         self._pool: HostPool | None = None
         self.copier = Copier()
+        self._saves = 0  # saves submitted (verify_capture = "sample" rotates over it)
         self._capture_q: queue.Queue[RankSave | None] = queue.Queue()
         self._flush_workers: Workers | None = None
         self._capture_thread = threading.Thread(target=self._capture_loop, name="tierckpt-capture", daemon=True)
@@ -84,6 +85,8 @@ class CaptureStream:
     def submit(self, job: RankSave) -> None:
         """Queue ``job`` for capture (training thread; returns at once)."""
         job.ready_events = Copier.record_ready(job.sources)
+        job.check_modes = (self.cfg.job.verify_capture, self.cfg.job.nonfinite, self._saves)
+        self._saves += 1
         self._capture_q.put(job)
 
     def close(self) -> None:
@@ -119,7 +122,8 @@ class CaptureStream:
         try:
             self._capture_chunks(job)
         finally:
-            job.stats.add_cpu(capture_cpu_s=time.thread_time() - c1)
+            probe_s = job.check.probe_cpu_s if job.check is not None else 0.0
+            job.stats.add_cpu(capture_cpu_s=time.thread_time() - c1 - probe_s, verify_cpu_s=probe_s)
 
     def _capture_chunks(self, job: RankSave) -> None:
         tier = self._first()
@@ -144,7 +148,8 @@ class CaptureStream:
                 n = job.chunk_len(k)
                 view = self.pool.slot(slot, n)
                 _zero_gaps(view, pieces)
-                events = self.copier.copy(pieces, view, job.ready_events)
+                check = job.check
+                events = self.copier.copy(pieces, view, job.ready_events, check.probe if check else None)
             except BaseException:
                 self.pool.release(slot)
                 raise
@@ -173,7 +178,7 @@ class CaptureStream:
         (direct I/O from the slot where the tier allows it), release the slot; the last chunk
         closes (fsyncs) the file. CPU time goes to ``job.stats`` (``crc_cpu_s``/``write_cpu_s``)."""
         c0 = time.thread_time()
-        crc = 0.0
+        crc = vfy = 0.0
         try:
             if events:
                 for ev in events:
@@ -185,8 +190,14 @@ class CaptureStream:
             n = job.chunk_len(k)
             view = self.pool.slot(slot, n)
             arr = view.numpy()
-            c1 = time.thread_time()
+            if job.check is not None:  # the source digest and NaN/Inf scan, before the CRC seals it
+                c1 = time.thread_time()
+                try:
+                    job.check.flush(job.chunks[k], view)
+                finally:
+                    vfy = time.thread_time() - c1
             crcs = job.crcs
+            c1 = time.thread_time()
             for item, j, off, n in job.crc_pieces[k]:
                 crcs[item][j] = crc32c(arr[off : off + n])
             crc = time.thread_time() - c1
@@ -197,7 +208,7 @@ class CaptureStream:
             return
         finally:
             self.pool.release(slot)
-            job.stats.add_cpu(crc_cpu_s=crc, write_cpu_s=time.thread_time() - c0 - crc)
+            job.stats.add_cpu(crc_cpu_s=crc, verify_cpu_s=vfy, write_cpu_s=time.thread_time() - c0 - crc - vfy)
         if job.flushed():
             c0 = time.thread_time()
             try:
@@ -211,6 +222,8 @@ class CaptureStream:
     def _durable(self, job: RankSave) -> None:
         if job.failed:
             return
+        if job.check is not None:
+            job.check.warn()
         job.t_durable = time.perf_counter()
         job.stats.flush_s = job.t_durable - job.t_start
         job.stats.phases.add("flush", job.t_start, job.t_durable)

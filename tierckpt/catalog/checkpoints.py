@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..config import Config
 
-__all__ = ["Checkpoint", "checkpoint_id_of", "latest", "list_checkpoints"]
+__all__ = ["Checkpoint", "checkpoint_id_of", "latest", "list_checkpoints", "mark_bad"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Checkpoint:
     10 minutes). Its copies there cannot be loaded and ``latest`` skips them.
     ``nodes``: with a node-local first tier (``[local] path`` with ``{node}``), the nodes whose
     directory (readable here) holds a committed copy; its section is in ``tiers`` when any does.
+    ``bad``: marked bad on some tier (``tierckpt-restore mark ID bad``, or a failed resume check:
+    :mod:`tierckpt.catalog.health`); ``latest(healthy=True)`` skips it.
     """
 
     id: str
@@ -60,6 +62,7 @@ class Checkpoint:
     order: tuple = field(default=(), repr=False, compare=False)  # commit order (seq, time, step)
     deleting: dict[str, str] = field(default_factory=dict, compare=False)
     nodes: tuple[str, ...] = field(default=(), compare=False)
+    bad: bool = field(default=False, compare=False)  # marked bad on some tier (tierckpt.catalog.health)
 
 
 def checkpoint_id_of(checkpoint_id: str | os.PathLike) -> str:
@@ -93,7 +96,9 @@ def _tiers(cfg: Config | str | os.PathLike | None) -> list[Any]:
     return make_tiers(_config(cfg))
 
 
-def latest(cfg: Config | str | os.PathLike | None = None, *, before: str | None = None) -> str | None:
+def latest(
+    cfg: Config | str | os.PathLike | None = None, *, before: str | None = None, healthy: bool = False
+) -> str | None:
     """The id ``TieredReader`` loads for ``"latest"`` (what ``tierckpt-restore latest`` prints),
     or ``None`` when no tier holds a committed checkpoint. With a node-local ``[local]`` path, other
     nodes' directories readable here count too (:func:`tierckpt.nodes.find_latest_here`), as in
@@ -108,9 +113,14 @@ def latest(cfg: Config | str | os.PathLike | None = None, *, before: str | None 
     :class:`~tierckpt.errors.CheckpointNotFound` when ``before`` itself is committed on no tier
     (there is no order to go below).
 
+    ``healthy``: skip checkpoints unfit to resume from (:func:`tierckpt.catalog.health.unhealthy`:
+    marked bad on some tier, NaN/Inf recorded at capture, metadata corrupt on every tier), each
+    logged with the reason; what integrations' resume uses.
+
     ``cfg``: a :class:`~tierckpt.config.Config`, a TOML path, or ``None`` (``$TIERCKPT_CONFIG``).
     """
     from ..errors import CheckpointNotFound
+    from .health import unhealthy
     from .listing import order_of
     from .nodes import find_latest_here, open_peer_nodes
 
@@ -119,11 +129,20 @@ def latest(cfg: Config | str | os.PathLike | None = None, *, before: str | None 
     peers = []
     try:
         peers = open_peer_nodes(conf, tiers)
-        below = order_of(tiers + [p.tier for p in peers], checkpoint_id_of(before)) if before is not None else None
-        try:
-            return find_latest_here(conf, tiers, peers, below).checkpoint_id
-        except CheckpointNotFound:
-            return None
+        every = tiers + [p.tier for p in peers]
+        below = order_of(every, checkpoint_id_of(before)) if before is not None else None
+        while True:
+            try:
+                found = find_latest_here(conf, tiers, peers, below)
+            except CheckpointNotFound:
+                return None
+            why = unhealthy(every, found.checkpoint_id, found.doc) if healthy else None
+            if why is None:
+                return found.checkpoint_id
+            logging.getLogger("tierckpt.catalog").warning(
+                "latest(healthy=True): skipping %s: %s", found.checkpoint_id, why
+            )
+            below = order_of(every, found.checkpoint_id)
     finally:
         for t in tiers + [p.tier for p in peers]:
             t.close()
@@ -139,6 +158,7 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
     it; when no tier can be listed its error is raised."""
     from ..config.values import node_name
     from ..format.layout import PEERS
+    from .health import BAD
     from .listing import list_checkpoints as list_tier
     from .nodes import open_node_dirs
 
@@ -192,6 +212,7 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
                         e["times"].append(c.header.committed)
                         e["orders"].append(c.header.order_key())
                     e["peer"] = e["peer"] or PEERS in c.objects
+                    e["bad"] = e.get("bad", False) or BAD in c.objects
         if failed and len(failed) == len(tiers):
             raise failed[0]
     finally:
@@ -207,6 +228,7 @@ def list_checkpoints(cfg: Config | str | os.PathLike | None = None) -> list[Chec
             order=max(e["orders"]) if e["orders"] else (),
             deleting=e["deleting"],
             nodes=tuple(sorted(e["nodes"])),
+            bad=e.get("bad", False),
         )
         for cid, e in found.items()
     ]
@@ -225,3 +247,18 @@ def _tombs_of(tier: Any) -> dict[str, Any]:
     except (TierckptError, OSError) as e:
         logging.getLogger("tierckpt.catalog").warning("cannot list the tombstones on %s: %s", tier.url, e)
         return {}
+
+
+def mark_bad(cfg: Config | str | os.PathLike | None, checkpoint_id: str, reason: str) -> list[str]:
+    """Mark ``checkpoint_id`` bad on every tier that holds it committed (``tierckpt-restore mark ID
+    bad``; :mod:`tierckpt.catalog.health`): ``latest(healthy=True)`` and resumes skip it, retention
+    never keeps it as the newest. Returns the tiers (sections) marked; raises
+    :class:`~tierckpt.errors.CheckpointNotFound` when none holds it."""
+    from .health import mark_bad as mark
+
+    tiers = _tiers(cfg)
+    try:
+        return mark(tiers, checkpoint_id_of(checkpoint_id), reason)
+    finally:
+        for t in tiers:
+            t.close()

@@ -81,6 +81,11 @@ class CheckpointInfo:
         return None if self.header is None else self.header.seq
 
     @property
+    def bad(self) -> bool:
+        """Marked bad on this tier (``bad.json`` beside its metadata: :mod:`tierckpt.catalog.health`)."""
+        return "bad.json" in self.objects
+
+    @property
     def committed_at(self) -> float | None:
         return None if self.header is None else self.header.committed
 
@@ -94,6 +99,7 @@ class CheckpointInfo:
             "step": self.step,
             "seq": self.seq,
             "committed_at": self.committed_at,
+            "bad": self.bad,
         }
 
 

@@ -218,12 +218,15 @@ def encode_report(
     seq: int = 0,
     writer: int = 0,
     stored: dict | None = None,
+    nonfinite: list[int | None] | None = None,
 ) -> bytes:
     """A rank report: ok or the error, the file size and CRC pieces, the highest commit sequence
     number the rank has seen (the coordinator numbers the checkpoint above all of them), the
     rank that writes the metadata on this rank's root, and (an encoding hop) the stored index of
     the rank's file (:mod:`tierckpt.codec.index`)."""
     rep = {"ok": ok, "size": size, "crcs": crcs or [], "error": error, "seq": seq, "writer": writer}
+    if nonfinite is not None:  # per item: NaN/Inf count or None ([job] nonfinite)
+        rep["nonfinite"] = nonfinite
     if stored:
         rep["stored"] = stored
     return json.dumps(rep).encode()

@@ -45,6 +45,7 @@ from ..tiers import Chain
 from ..tiers.base import Tier
 from . import registry
 from .commit import Channel, Round, default_channel, run_commit
+from .exporter import BackgroundExporter
 from .peercopy import PeerHop
 from .registry import close_all, live_engines, register_engine
 from .replicate import Replicator
@@ -85,6 +86,12 @@ class Engine(FirstTierRetention):
         self._closed = False
         if cfg.job.log_level:
             logging.getLogger("tierckpt").setLevel(cfg.job.log_level.upper())
+        # [export] every = N: a worker process per node after every Nth commit (off the commit path)
+        self.exporter = (
+            BackgroundExporter(cfg, lambda: self.chain.first, on_done=self.telemetry.exported)
+            if cfg.export.every > 0
+            else None
+        )
         self._commit_thread = threading.Thread(target=self._commit_loop, name="tierckpt-commit", daemon=True)
         self.retainer = Retainer(self._retain_after)
         self.stream = CaptureStream(cfg, lambda: self.chain.first, self.fail)
@@ -155,6 +162,8 @@ class Engine(FirstTierRetention):
                 job.stats.phases.add("commit", job.t_durable)
                 if not job.committed.done():
                     job.committed.set_result(None)
+                if self.exporter is not None:  # queues only: never blocks, never raises
+                    self.exporter.after_commit(job.id, job.seq, job.assign.rank, job.assign.meta_writer_rank)
                 log.info(
                     "checkpoint %s committed on %s (rank %d, %d bytes, capture %.3fs, flush %.3fs)",
                     job.id,
@@ -201,7 +210,7 @@ class Engine(FirstTierRetention):
             job.durable.result(timeout=None)
             self._check_file(job)
             self._check_lease(job)
-            return {"size": job.size, "crcs": job.crcs, "seq": self.seq.floor(a.rank)}
+            return {"size": job.size, "crcs": job.crcs, "seq": self.seq.floor(a.rank), "nonfinite": job.nonfinite}
 
         def merge(reports: list[dict]) -> bytes:
             md, results = job.global_md.result(timeout=timeout)
@@ -426,6 +435,8 @@ class Engine(FirstTierRetention):
         for t in self.chain.built():
             t.wait_deletions()  # deferred deletions (retention) are part of "everything done"
         self.telemetry.flush()  # and the history records of what settled (bounded: a stuck exporter once)
+        if self.exporter is not None:
+            self.exporter.warn()  # failed background exports: warnings, never a failed checkpoint
         self.raise_errors(owner, [h.name for h in hops])
 
     def _drain(self, timeout: float | None, hops: list[Any], *, patient: bool) -> None:
@@ -455,6 +466,8 @@ class Engine(FirstTierRetention):
             return
         try:
             self._drain(None, self.hops, patient=False)
+            if self.exporter is not None:
+                self.exporter.close()  # the last queued export is started (not waited for)
             for t in self.chain.built():
                 t.wait_deletions()
             pending = self._backlog(self.hops)

@@ -46,7 +46,7 @@ _engines_lock = threading.Lock()
 
 def engine_key(cfg: Config) -> str:
     """The registry's key for ``cfg``: equal configurations of one process share an engine."""
-    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, cfg.peer, sorted(cfg.sections.items()), os.getpid()))
+    return repr((cfg.host, cfg.local, cfg.s3, cfg.job, cfg.peer, cfg.export, sorted(cfg.sections.items()), os.getpid()))
 
 
 def register_engine(engine: Engine) -> Engine:

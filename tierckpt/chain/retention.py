@@ -6,6 +6,8 @@
 * only committed checkpoints with a readable commit header count towards ``keep`` (the newest
   ``keep`` stay; 0 keeps all); one whose header is unreadable is never deleted by retention;
 * with ``keep_every = K`` a committed checkpoint whose step is a multiple of K stays forever;
+* a checkpoint marked bad (:mod:`tierckpt.catalog.health`) takes no place in ``keep``: the newest
+  ``keep`` *healthy* ones stay, and a bad one stays only while it is newer than the oldest of them;
 * the newest committed checkpoint is never deleted, nor anything in ``protect`` (in flight in
   this process, leased by a reader or a save anywhere, still owed to a later tier);
 * an uncommitted (partial) checkpoint goes when nobody holds a lease on it (a live save or fetch
@@ -60,22 +62,34 @@ def plan_retention(
     now = time.time() if now is None else now
     committed = [c for c in infos if c.ordered]
     delete: list[tuple[str, str]] = []
+    # A checkpoint marked bad (tierckpt.catalog.health) never takes one of the ``keep`` places nor
+    # the newest one's protection: those go to healthy ones. It stays while it is newer than the
+    # oldest healthy one kept (evidence of what went wrong), and goes once older.
+    healthy = [c for c in committed if not c.bad]
     if keep > 0 and len(committed) > keep:
-        for c in committed[:-keep]:
-            if c.checkpoint_id in protect:
+        kept = healthy[-keep:]
+        if kept:
+            first = committed.index(kept[0])
+            spare = {c.checkpoint_id for c in kept} | {c.checkpoint_id for c in committed[first + 1 :] if c.bad}
+        else:  # every one is marked bad: the ordinary rule
+            spare = {c.checkpoint_id for c in committed[-keep:]}
+        for c in committed:
+            if c.checkpoint_id in spare or c.checkpoint_id in protect:
                 continue
-            if keep_every and c.step is not None and c.step % keep_every == 0:
+            if keep_every and c.step is not None and c.step % keep_every == 0 and not c.bad:
                 continue
-            delete.append((c.checkpoint_id, f"committed, older than the newest {keep}"))
+            why = (
+                "marked bad, older than the healthy ones kept" if c.bad else f"committed, older than the newest {keep}"
+            )
+            delete.append((c.checkpoint_id, why))
     if partials:
         for c in infos:
             if not c.committed and c.checkpoint_id not in protect and c.mtime < now - grace:
                 delete.append((c.checkpoint_id, "partial (never committed, no live save holds it)"))
     gone = {d for d, _ in delete}
-    if committed and committed[-1].checkpoint_id in gone:  # never: the loop above stops short of it
-        raise TierckptError(
-            f"retention: refusing to delete the newest committed checkpoint {committed[-1].checkpoint_id}"
-        )
+    newest = (healthy or committed)[-1:]
+    if newest and newest[0].checkpoint_id in gone:  # never: the loop above stops short of it
+        raise TierckptError(f"retention: refusing to delete the newest committed checkpoint {newest[0].checkpoint_id}")
     return RetentionPlan(delete=delete, keep=[c.checkpoint_id for c in infos if c.checkpoint_id not in gone])
 
 

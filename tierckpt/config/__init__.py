@@ -19,6 +19,7 @@ from . import sections
 from .sections import (
     CONFIG_ENV,
     Config,
+    ExportConfig,
     HostConfig,
     JobConfig,
     LocalConfig,
@@ -36,6 +37,7 @@ from .values import MAX_SIZE, MAX_TIMEOUT_S, GiB, KiB, MiB
 __all__ = [
     "CONFIG_ENV",
     "Config",
+    "ExportConfig",
     "HostConfig",
     "JobConfig",
     "LocalConfig",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .redact import redact_url
+from .export import ExportConfig
+from .s3section import S3Config
 from .values import (  # noqa: F401 - the public names are re-exported
     _ARN_RE,
     _BUCKET_RE,
@@ -52,6 +54,7 @@ __all__ = [
     "S3Config",
     "JobConfig",
     "PeerConfig",
+    "ExportConfig",
     "Config",
     "TierConfig",
     "load_config",
@@ -65,6 +68,8 @@ __all__ = [
 CONFIG_ENV = "TIERCKPT_CONFIG"
 TELEMETRY_MODES = ("none", "otel")
 MAX_HISTORY = 1024
+NONFINITE_MODES = ("ignore", "warn", "refuse")
+VERIFY_CAPTURE_MODES = ("off", "sample", "all")
 
 
 @dataclass
@@ -154,95 +159,6 @@ class LocalConfig:
 
 
 @dataclass
-class S3Config:
-    """``[s3]``: the S3-compatible object-store tier.
-
-    Credentials are never part of the config: boto3's standard chain supplies them.
-
-    Attributes:
-        bucket: bucket name (required).
-        prefix: key prefix under which checkpoints live.
-        endpoint_url: e.g. ``http://127.0.0.1:8333`` for SeaweedFS/MinIO; empty for AWS. Checked
-            by :func:`check_endpoint_url`: ``http(s)://host[:port][/path]``, no ``user:password@``
-            (refused without being echoed), no query string.
-        region: signing region (letters, digits and ``-``).
-        part_size: multipart part size (5MiB..5GiB).
-        concurrency: concurrent part uploads / ranged GETs per process.
-        keep: committed checkpoints kept on this tier (0 keeps all).
-        keep_every: additionally keep forever every checkpoint whose step is a multiple of this (0: off).
-        max_attempts: botocore retry attempts for transient errors.
-        connect_timeout, read_timeout: seconds.
-        conditional_commit: write the commit object with ``If-None-Match: *``; servers that
-            reject the header fall back to check-then-put automatically.
-        compression: ``"zstd"``: the hop into this tier stores each data file in frames coded by
-            byte planes + zstd (:mod:`tierckpt.codec`, ``docs/compression.md``); ``"none"``
-            (default): as written.
-        compression_level: the zstd level (-7..22; 1 by default: higher levels gain little on
-            model state and cost much CPU). At levels <= 1 the byte planes of multi-byte items
-            are coded literal-only (Huffman, no match search; faster than level 1 at the same
-            ratio; ``tierckpt.codec.frames``), other bytes at the level.
-        copy_unchanged: frames byte-identical (128-bit hash) to the same rank's file in the
-            previous checkpoint on this tier are copied by the server (``UploadPartCopy``), not
-            uploaded again. Either this or ``compression`` switches the hop to the encoded copy.
-    """
-
-    bucket: str = ""
-    prefix: str = ""
-    endpoint_url: str = ""
-    region: str = "us-east-1"
-    part_size: int = 64 * MiB
-    concurrency: int = 8
-    keep: int = 5
-    keep_every: int = 0
-    max_attempts: int = 8
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    conditional_commit: bool = True
-    compression: str = "none"
-    compression_level: int = 1
-    copy_unchanged: bool = False
-
-    def __repr__(self) -> str:
-        """The dataclass repr with ``endpoint_url`` redacted (it may not have been validated yet)."""
-        parts = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            parts.append(f"{f.name}={redact_url(value)!r}" if f.name == "endpoint_url" else f"{f.name}={value!r}")
-        return f"S3Config({', '.join(parts)})"
-
-    def validate(self, where: str = "[s3]") -> None:
-        if not isinstance(self.bucket, str) or not self.bucket:
-            raise ConfigError(f"{where} bucket: required, the bucket name")
-        if not (_BUCKET_RE.match(self.bucket) or _ARN_RE.match(self.bucket)):
-            raise ConfigError(
-                f"{where} bucket: {self.bucket[:80]!r} is not a bucket name "
-                "(letters, digits, '.', '-' and '_', at most 255 characters; or an access point ARN)"
-            )
-        check_endpoint_url(self.endpoint_url, f"{where} endpoint_url")
-        if self.region and not _REGION_RE.match(self.region):
-            raise ConfigError(f"{where} region: {self.region[:80]!r} is not a region name (e.g. 'us-east-1')")
-        if not (S3_MIN_PART <= self.part_size <= S3_MAX_PART):
-            raise ConfigError(f"{where} part_size: must be between 5MiB and 5GiB (S3 limits), got {self.part_size}")
-        if self.concurrency < 1 or self.concurrency > 256:
-            raise ConfigError(f"{where} concurrency: must be between 1 and 256, got {self.concurrency}")
-        if self.keep < 0:
-            raise ConfigError(f"{where} keep: must not be negative, got {self.keep}")
-        if self.keep_every < 0:
-            raise ConfigError(f"{where} keep_every: must not be negative, got {self.keep_every}")
-        if not 1 <= self.max_attempts <= S3_MAX_ATTEMPTS:
-            raise ConfigError(f"{where} max_attempts: must be between 1 and {S3_MAX_ATTEMPTS}, got {self.max_attempts}")
-        for name in ("connect_timeout", "read_timeout"):
-            value = getattr(self, name)
-            if not 0 < value <= MAX_TIMEOUT_S:
-                raise ConfigError(
-                    f"{where} {name}: must be positive and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}"
-                )
-        if self.prefix.startswith("/") or ".." in self.prefix.split("/"):
-            raise ConfigError(f"{where} prefix: must be relative and must not contain '..', got {self.prefix!r}")
-        check_compression(self.compression, self.compression_level, where)
-
-
-@dataclass
 class PeerConfig:
     """``[peer]``: copies of each rank's committed data file on other nodes' local tiers.
 
@@ -293,6 +209,21 @@ class JobConfig:
         history: checkpoints whose per-rank phases each process keeps in ``_history/`` on a
             local first tier, for ``tierckpt-restore timeline`` and ``advise``
             (:mod:`tierckpt.telemetry.history`); 0 keeps none.
+        nonfinite: what a save does with NaN/Inf in a floating tensor (counted per item during
+            the capture and recorded in the checkpoint's metadata: :mod:`tierckpt.capture.verify`):
+            ``"ignore"`` (default: no scan), ``"warn"`` (scan, log a warning naming the items, commit),
+            ``"refuse"`` (scan; such a checkpoint is never committed and the next ``dcp.save`` or
+            ``wait_captured()`` raises :class:`~tierckpt.errors.NonFiniteError`).
+        verify_capture: ``"off"`` (default), ``"sample"`` or ``"all"``: a digest of each source
+            tensor computed with torch ops on its device is compared with the same digest of the
+            host copy before its CRC32C is taken; a mismatch fails the checkpoint
+            (:class:`~tierckpt.errors.CaptureMismatch`, never committed). ``"sample"`` checks a
+            rotating eighth of the items each save (every item once in eight saves).
+        on_resume_check: ``"module:function"`` called by :func:`tierckpt.resume` with the loaded
+            state on rank 0 before training goes on; raising marks the checkpoint bad and the
+            resume falls back to the previous healthy one ("" : no hook).
+        max_rollbacks: how many checkpoints a resume may mark bad and fall back past before it
+            gives up (:func:`tierckpt.resume`).
     """
 
     commit_timeout: float = 600.0
@@ -303,6 +234,10 @@ class JobConfig:
     telemetry: str = "none"
     history: int = 64
     async_future: str = "accepted"
+    nonfinite: str = "ignore"
+    verify_capture: str = "off"
+    on_resume_check: str = ""
+    max_rollbacks: int = 3
 
     def validate(self, where: str = "[job]") -> None:
         if not 0 < self.commit_timeout <= MAX_TIMEOUT_S:
@@ -329,6 +264,19 @@ class JobConfig:
             )
         if not 0 <= self.history <= MAX_HISTORY:
             raise ConfigError(f"{where} history: must be between 0 and {MAX_HISTORY}, got {self.history}")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ConfigError(
+                f"{where} nonfinite: one of {', '.join(map(repr, NONFINITE_MODES))}, got {_brief(self.nonfinite)}"
+            )
+        if self.verify_capture not in VERIFY_CAPTURE_MODES:
+            raise ConfigError(
+                f"{where} verify_capture: one of {', '.join(map(repr, VERIFY_CAPTURE_MODES))}, "
+                f"got {_brief(self.verify_capture)}"
+            )
+        if self.on_resume_check and not re.fullmatch(r"[\w.]+:[\w.]+", self.on_resume_check):
+            raise ConfigError(f'{where} on_resume_check: "module:function", got {_brief(self.on_resume_check)}')
+        if not 0 <= self.max_rollbacks <= 1000:
+            raise ConfigError(f"{where} max_rollbacks: must be between 0 and 1000, got {self.max_rollbacks}")
 
 
 @dataclass
@@ -344,6 +292,7 @@ class Config:
     s3: S3Config | None = None
     job: JobConfig = field(default_factory=JobConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     source: str = ""
     sections: dict[str, Any] = field(default_factory=dict)
 
@@ -372,6 +321,7 @@ class Config:
                     ("local", self.local),
                     ("s3", self.s3),
                     ("peer", self.peer),
+                    ("export", self.export),
                     *self.sections.items(),
                 )
                 if sec is not None
@@ -410,6 +360,7 @@ _SECTIONS: dict[str, type] = {
     "s3": S3Config,
     "job": JobConfig,
     "peer": PeerConfig,
+    "export": ExportConfig,
 }
 _BUILTIN = frozenset(_SECTIONS)
 _REQUIRED: dict[str, list[str]] = {"local": ["path"], "s3": ["bucket"]}
@@ -430,7 +381,7 @@ def register_section(name: str, cls: type, *, required: tuple[str, ...] = (), si
 
 
 def _tier_sections() -> list[str]:
-    return [f"[{n}]" for n in _SECTIONS if n not in ("host", "job", "peer")]
+    return [f"[{n}]" for n in _SECTIONS if n not in ("host", "job", "peer", "export")]
 
 
 def _coerce(section: str, key: str, value: Any, ftype: str, where: str) -> Any:
@@ -456,6 +407,12 @@ def _coerce(section: str, key: str, value: Any, ftype: str, where: str) -> Any:
         if not isinstance(value, bool) and value != "auto":
             raise ConfigError(f'{where}: expected "auto", true or false, got {type(value).__name__} {value!r}')
         return value
+    if ftype == "list[str]":  # a TOML array of strings (one string counts as a list of one)
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {type(value).__name__} {_brief(value)}")
+        return list(value)
     if ftype == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {_brief(value)}")
@@ -499,6 +456,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "") -> Config:
         s3=sections.get("s3"),
         job=sections.get("job", JobConfig()),
         peer=sections.get("peer", PeerConfig()),
+        export=sections.get("export", ExportConfig()),
         source=source,
         sections={n: v for n, v in sections.items() if n not in _BUILTIN},
     )

@@ -117,6 +117,8 @@ class ItemRecord:
 
     ``dtype``/``shape`` are empty for non-tensor (BYTE_IO) items. ``crcs`` has one CRC32C per
     piece (see :func:`piece_bounds`); it is filled in after the bytes were flushed.
+    ``nonfinite``: the NaN/Inf elements the capture counted in it (``[job] nonfinite``; ``None``:
+    not scanned, as in every checkpoint written before the scan existed).
     """
 
     file: str
@@ -125,6 +127,7 @@ class ItemRecord:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     crcs: list[int] = field(default_factory=list)
+    nonfinite: int | None = None
 
     @property
     def is_tensor(self) -> bool:
@@ -165,17 +168,18 @@ def metadata_to_json(md: Metadata, manifest: CheckpointManifest) -> bytes:
     sdm = {fqn: entry_to_json(fqn, m) for fqn, m in md.state_dict_metadata.items()}
     items = []
     for idx, rec in (md.storage_data or {}).items():
-        items.append(
-            {
-                "index": _index_key(idx),
-                "file": rec.file,
-                "pos": rec.pos,
-                "length": rec.length,
-                "dtype": rec.dtype,
-                "shape": list(rec.shape),
-                "crcs": rec.crcs,
-            }
-        )
+        item = {
+            "index": _index_key(idx),
+            "file": rec.file,
+            "pos": rec.pos,
+            "length": rec.length,
+            "dtype": rec.dtype,
+            "shape": list(rec.shape),
+            "crcs": rec.crcs,
+        }
+        if getattr(rec, "nonfinite", None) is not None:
+            item["nonfinite"] = rec.nonfinite
+        items.append(item)
     sm = md.storage_meta
     doc = {
         "format": FORMAT,
@@ -466,7 +470,16 @@ def _item(
     if type(crcs) is not list or len(crcs) != _n_pieces(pos, padded(length), chunk_size):
         raise CorruptCheckpoint(f"metadata: item {_brief(fqn)} has a wrong number of checksums")
     _ints(crcs, "crc", len(crcs), 0xFFFFFFFF)
-    rec = ItemRecord(file=file, pos=pos, length=length, dtype=dtype, shape=shape, crcs=crcs)
+    nf = it.get("nonfinite")
+    rec = ItemRecord(
+        file=file,
+        pos=pos,
+        length=length,
+        dtype=dtype,
+        shape=shape,
+        crcs=crcs,
+        nonfinite=None if nf is None else _int(nf, "nonfinite"),
+    )
     idx = ItemIndex(
         fqn, None if off is None else tuple(_ints(off, "offset")), None if idx_n is None else _int(idx_n, "index")
     )

@@ -93,6 +93,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import list_checkpoints
+from ..catalog.health import unhealthy
 from ..catalog.listing import is_committed
 from ..config import TierConfig
 from ..errors import CheckpointNotFound, CommitConflict, ConfigError
@@ -198,20 +199,38 @@ class TierckptState:
                 out.append((int(m.group(2)), c.id))
         return sorted(out)
 
+    healthy: bool = True  # load_state() skips unhealthy checkpoints (tierckpt.catalog.health)
+
+    def _healthiest(self, ids: list[str]) -> str | None:
+        """The newest of ``ids`` (oldest first) that is healthy (every one with ``healthy = False``),
+        each one skipped logged with why."""
+        if not self.healthy:
+            return ids[-1] if ids else None
+        chain = self.writer.engine.chain
+        tiers = [chain[i] for i in range(len(chain))]
+        for cid in reversed(ids):
+            why = unhealthy(tiers, cid)
+            if why is None:
+                return cid
+            log.warning("load_state: skipping checkpoint %s: %s", cid, why)
+        return None
+
     def latest(self) -> str | None:
         """The id ``load_state()`` loads (automatic naming): this run's highest committed
-        ``checkpoint_<n>``, else one saved before namespacing (no run key), else ``None``
+        ``checkpoint_<n>`` that is healthy (not marked bad, no NaN/Inf recorded at capture: see
+        :mod:`tierckpt.catalog.health`; with ``healthy = False``: any), else one saved before namespacing (no run key), else ``None``
         (nothing to resume: start from scratch)."""
-        own = self._auto_ids()
-        if own:
-            return own[-1][1]
+        own = [cid for _n, cid in self._auto_ids()]
+        found = self._healthiest(own)
+        if found is not None:
+            return found
         legacy = [
             (int(m.group(2)), c.id)
             for c in list_checkpoints(self.writer.cfg)
             if (m := _ID_AUTO.match(c.id)) and m.group(1) is None
         ]
-        if legacy:
-            cid = max(legacy)[1]
+        cid = self._healthiest([c for _n, c in sorted(legacy)])
+        if cid is not None:
             log.warning(
                 "no checkpoint of run %s is committed; loading %s, saved before tierckpt kept runs apart "
                 "(it may be another run's: pass input_dir to choose)",

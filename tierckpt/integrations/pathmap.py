@@ -31,7 +31,9 @@ committed on every tier. A save whose checkpoint dict is the very same as the la
 that path in this process (same values, tensors not modified since) is not made again.
 
 **Resolution** (:meth:`PathMap.resolve`, for loads): the pointer's id if that checkpoint is
-committed on some tier; else the one it replaced, else its fallback, if committed; else, for
+committed on some tier (and healthy, :attr:`PathMap.healthy`: not marked bad, no NaN/Inf recorded;
+an unhealthy one counts as not committed, and when only unhealthy ones are found
+:class:`~tierckpt.errors.CheckpointMarkedBad` is raised); else the one it replaced, else its fallback, if committed; else, for
 Lightning's ``last`` names (``last.ckpt``, ``last-v1.ckpt``, or a link to any pointer under such
 a name), the run's newest committed checkpoint (ids of the run, and ids named by pointers in the
 same directory), logging which. A ``last`` pointer with nothing committed to fall back to (left
@@ -74,8 +76,9 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import list_checkpoints
+from ..catalog.health import unhealthy
 from ..catalog.listing import is_committed
-from ..errors import CheckpointNotFound, CommitConflict, TierckptError
+from ..errors import CheckpointMarkedBad, CheckpointNotFound, CommitConflict, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..save.writer import TieredWriter
 from .deletions import Deletions
@@ -550,6 +553,15 @@ class PathMap:
         return removed
 
     # -- loading (any rank) --------------------------------------------------------------------
+    healthy: bool = True  # resolve() skips unhealthy checkpoints (tierckpt.catalog.health)
+
+    def unhealthy(self, checkpoint_id: str) -> str | None:
+        """Why ``checkpoint_id`` is unfit to resume from (None: fit, or ``healthy`` is False)."""
+        if not self.healthy:
+            return None
+        chain = self.writer.engine.chain
+        return unhealthy([chain[i] for i in range(len(chain))], checkpoint_id)
+
     def committed(self, checkpoint_id: str) -> bool:
         """Whether some tier of the chain holds ``checkpoint_id`` committed."""
         chain = self.writer.engine.chain
@@ -570,7 +582,7 @@ class PathMap:
             if ptr is not None:
                 named.add(ptr.id)
         for c in reversed(list_checkpoints(self.cfg)):
-            if c.id.startswith(prefix) or c.id in named:
+            if (c.id.startswith(prefix) or c.id in named) and self.unhealthy(c.id) is None:
                 return c.id
         return None
 
@@ -588,13 +600,20 @@ class PathMap:
         else:
             wanted = self.id_for(path)
             candidates = [wanted, name]  # then an id saved before namespacing
+        skipped: list[str] = []
         for cid in dict.fromkeys(c for c in candidates if c):
             if self.committed(cid):
+                why = self.unhealthy(cid)
+                if why is not None:
+                    log.warning("%s: skipping checkpoint %s: %s", path, cid, why)
+                    skipped.append(f"{cid}: {why}")
+                    continue
                 if ptr is not None and cid != wanted:
                     log.warning(
-                        "%s: checkpoint %s was never committed (the job stopped first); loading %s instead",
+                        "%s: checkpoint %s %s; loading %s instead",
                         path,
                         wanted,
+                        "is unhealthy" if skipped else "was never committed (the job stopped first)",
                         cid,
                     )
                 self._note_loaded(cid)
@@ -604,15 +623,21 @@ class PathMap:
             newest = self.newest_of_run(path)
             if newest is not None:
                 log.warning(
-                    "%s: checkpoint %s was never committed (the job stopped first); loading the run's newest "
-                    "committed checkpoint, %s",
+                    "%s: checkpoint %s %s; loading the run's newest %s checkpoint, %s",
                     path,
                     wanted,
+                    "is unhealthy" if skipped else "was never committed (the job stopped first)",
+                    "healthy" if skipped else "committed",
                     newest,
                 )
                 self._note_loaded(newest)
                 return Resolved(newest)
         where = self.cfg.source or "the configuration"
+        if skipped:
+            raise CheckpointMarkedBad(
+                f"{path}: no healthy checkpoint to load ({'; '.join(skipped)}); mark it good with "
+                "tierckpt-restore mark ID good, or set healthy = False to load it anyway"
+            )
         if last and ptr is not None:
             fs, p = _fs(path)
             try:

@@ -38,6 +38,12 @@ What changes against torchtitan's :class:`~torchtitan.components.checkpointer.Ch
   it in its turn); when training reaches its step again, that save gets the id with one more
   leading zero (``step-04`` for ``step-4``: the same step, a new id, since ids are never
   overwritten), and commit order makes it the newest.
+* **Healthy resume**: ``latest`` is asked with ``healthy=True`` (the manager's ``healthy``
+  attribute; set it False to resume from whatever is newest): checkpoints marked bad
+  (``tierckpt-restore mark ID bad``), with NaN/Inf recorded at capture (``[job] nonfinite``) or
+  with metadata corrupt on every tier are skipped. ``[job] on_resume_check`` runs on rank 0 after
+  the load (:func:`tierckpt.load.resume.check_loaded`, with the manager's ``states``); raising
+  marks the checkpoint bad and the resume rolls back, at most ``[job] max_rollbacks`` times.
 * **Preemption**: torchtitan 0.3's ``CheckpointManager`` has no "save now on preemption" of its
   own (no signal handling; ``last_step=True`` forces only the final save), so there is none to
   expose; the manager's writer is created on the trainer's main thread and installs tierckpt's
@@ -81,9 +87,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..catalog.checkpoints import checkpoint_id_of, latest
 from ..config import Config, load_config
-from ..errors import CheckpointNotFound, CorruptCheckpoint, find_error
+from ..errors import CheckpointMarkedBad, CheckpointNotFound, CorruptCheckpoint, find_error
 from ..format.layout import is_valid_checkpoint_id, step_of
 from ..load.reader import TieredReader
+from ..load.resume import check_loaded
 from ..loading import loading
 from ..save.writer import TieredWriter
 
@@ -146,6 +153,8 @@ class TierckptCheckpointManager(CheckpointManager):
     class Config(CheckpointManager.Config):
         tierckpt_config: str = ""
         """Path of tierckpt's TOML configuration ("" reads $TIERCKPT_CONFIG)."""
+
+    healthy: bool = True  # resume skips unhealthy checkpoints (tierckpt.catalog.health)
 
     def __init__(self, config: TierckptCheckpointManager.Config, **kwargs: Any) -> None:
         self._in_del = False
@@ -241,7 +250,7 @@ class TierckptCheckpointManager(CheckpointManager):
     # -- loading --------------------------------------------------------------------------
     def _find_load_step(self, folder: str = "") -> int:
         """The step of the newest committed tierckpt checkpoint (any tier), or -1."""
-        cid = latest(self.tier_config)
+        cid = latest(self.tier_config, healthy=self.healthy)
         step = step_of(cid) if cid is not None else None
         return -1 if step is None else step
 
@@ -257,18 +266,19 @@ class TierckptCheckpointManager(CheckpointManager):
         if step != -1:
             self._load_one(f"step-{step}")
             return True
-        cid = latest(self.tier_config)
+        cid = latest(self.tier_config, healthy=self.healthy)
+        self._note_skipped(cid)
         if cid is None:
             return super()._load(-1)  # initial_load_path / HF / fresh start, read by DCP's readers
+        rejected = 0
         while True:
             try:
                 self._load_one(cid)
-                return True
             except BaseException as e:
                 bad = find_error(e, (CorruptCheckpoint, CheckpointNotFound))
                 if bad is None:
                     raise
-                older = latest(self.tier_config, before=cid)
+                older = latest(self.tier_config, before=cid, healthy=self.healthy)
                 log.error(
                     "RESUME: checkpoint %s cannot be loaded from any tier holding it (%s: %s); %s",
                     cid,
@@ -282,6 +292,34 @@ class TierckptCheckpointManager(CheckpointManager):
                     raise
                 self._bad.add(cid)
                 cid = older
+                continue
+            why = check_loaded(self.tier_config, self.states, cid)  # [job] on_resume_check (rank 0)
+            if why is None:
+                return True
+            rejected += 1
+            older = latest(self.tier_config, before=cid, healthy=self.healthy)
+            if rejected > self.tier_config.job.max_rollbacks or older is None:
+                raise CheckpointMarkedBad(
+                    f"RESUME: checkpoint {cid} was rejected ({why}) and "
+                    + (
+                        "no older healthy checkpoint is left"
+                        if older is None
+                        else f"[job] max_rollbacks = {self.tier_config.job.max_rollbacks} is reached"
+                    )
+                )
+            log.error("RESUME: checkpoint %s was rejected (%s); rolling back to %s", cid, why, older)
+            self._bad.add(cid)
+            cid = older
+
+    def _note_skipped(self, cid: str | None) -> None:
+        """The committed checkpoints newer than ``cid`` that the healthy resume skipped go to
+        ``_bad``: training saves their steps again under new ids (ids are never overwritten)."""
+        if not self.healthy:
+            return
+        newer = latest(self.tier_config)
+        while newer is not None and newer != cid:
+            self._bad.add(newer)
+            newer = latest(self.tier_config, before=newer)
 
     def _load_one(self, cid: str) -> None:
         """Every rank: load ``cid`` (``step-N``) into the trainer's states."""

@@ -25,9 +25,7 @@ import dataclasses
 import functools
 import io
 import logging
-import re
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -52,6 +50,7 @@ from ..tiers.local import LocalTier
 from . import agreement
 from .deliver import Item, buffer_for, deliver, direct_ok, is_whole, unfilled
 from .fill import LoadFill
+from .optimcheck import warn_missing_optimizer_state
 from .readback import Readback, Request, hold
 from .resolve import MetadataResolution
 
@@ -63,34 +62,6 @@ log = logging.getLogger("tierckpt")
 def open_tiers(cfg: TierConfig) -> list[Tier]:
     """The configured tiers, fastest first (local, then S3)."""
     return make_tiers(cfg)
-
-
-_OPTIM_PART = re.compile(r"(?:^|\.)(param_groups|state)\.")
-
-
-def missing_optimizer_state(saved: Iterable[str], requested: Iterable[str]) -> dict[str, int]:
-    """Optimizer state a load leaves out: ``{prefix: n}`` for each optimizer state dict (keys
-    ``<prefix>param_groups.*`` and ``<prefix>state.*`` in the checkpoint, ``saved``) whose
-    ``param_groups`` the load requests but none of whose ``state`` entries (``n`` of them saved).
-
-    That is what a fresh optimizer's ``state_dict()`` passed to ``dcp.load`` does: its ``state``
-    is empty, so DCP loads no moment and raises nothing."""
-
-    def parts(keys: Iterable[str]) -> dict[tuple[str, str], int]:
-        out: dict[tuple[str, str], int] = {}
-        for k in keys:
-            m = _OPTIM_PART.search(k)
-            if m is not None:
-                part = (k[: m.start(1)], m.group(1))
-                out[part] = out.get(part, 0) + 1
-        return out
-
-    have, want = parts(saved), parts(requested)
-    return {
-        prefix: n
-        for (prefix, kind), n in have.items()
-        if kind == "state" and (prefix, "param_groups") in want and (prefix, "state") not in want
-    }
 
 
 def _distributed() -> bool:
@@ -232,18 +203,7 @@ class TieredReader(MetadataResolution, StorageReader):
         local tier, which starts prefetching a small load while DCP plans (:meth:`LocalTier.prefetch`)."""
         self._prefetch(plan)
         if self._coordinator and self.metadata is not None:
-            left = missing_optimizer_state(self.metadata.state_dict_metadata, (i.dest_index.fqn for i in plan.items))
-            for prefix, n in left.items():
-                log.warning(
-                    "checkpoint %s holds %d optimizer state entries under '%sstate' (Adam's moments, step counts, ...) "
-                    "but the state dict passed to dcp.load has none there (a fresh optimizer's state_dict()), so "
-                    "they are NOT loaded and training resumes with a fresh optimizer. Build the state dict with "
-                    "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) and apply it with "
-                    "set_state_dict after dcp.load (README, 'Use')",
-                    self.resolved_id,
-                    n,
-                    prefix,
-                )
+            warn_missing_optimizer_state(self.resolved_id, self.metadata, plan)
         return dataclasses.replace(plan, storage_data=self.resolved_id)
 
     def _prefetch(self, plan: LoadPlan) -> None:

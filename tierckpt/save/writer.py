@@ -28,13 +28,11 @@ tensors match them. One process group per process saves through tierckpt with pl
 from __future__ import annotations
 
 import logging
-import queue
 import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -43,7 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from ..capture.planning import SaveInputs, expand_results, layout_cache, patch_dtypes
+from ..capture.planning import SaveInputs, layout_cache
 from ..capture.ranksave import RankSave, SaveStats
 from ..catalog.checkpoints import checkpoint_id_of
 from ..chain.commit import default_channel
@@ -59,6 +57,7 @@ from .asyncsave import AsyncTickets, LiveState
 from .hold import HOLD_TIMEOUT, Release, hold, release, release_all
 from .planchannel import LocalInfo, PlanAssign, session
 from .preflight import check_tiers
+from .results import results_worker
 
 __all__ = ["TieredWriter"]
 
@@ -68,38 +67,6 @@ log = logging.getLogger("tierckpt")
 _session, _PlanAssign, _LocalInfo = session, PlanAssign, LocalInfo
 
 _warned_stale: weakref.WeakSet = weakref.WeakSet()  # layouts whose stale plan dtypes were reported
-
-
-class _ResultsWorker:
-    """One background thread per process: once a save's file is durable on the coordinator,
-    expands the gathered results into per-item records (:func:`tierckpt.planning.expand_results`)
-    and hands them to the commit thread (``RankSave.global_md``)."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[RankSave, Metadata, list[list[WriteResult]]]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, job: RankSave, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="tierckpt-results", daemon=True)
-                self._thread.start()
-        self._q.put((job, metadata, results))
-
-    def _run(self) -> None:
-        while True:
-            job, metadata, results = self._q.get()
-            # Not needed before this rank's file is durable (the commit waits for that first).
-            futures_wait([job.durable])
-            try:
-                expanded, fixes = expand_results(job.id, job.assign.token, results)
-                job.global_md.set_result((patch_dtypes(metadata, fixes), expanded))
-            except BaseException as e:  # noqa: BLE001 - the commit thread reports it as this checkpoint's failure
-                job.global_md.set_exception(e)
-
-
-_results = _ResultsWorker()
 
 
 _persisters: dict[str, plancache.Persister] = {}
@@ -323,7 +290,7 @@ class TieredWriter(SavePlanning, StorageWriter):
         if job is None:
             raise TierckptError("finish() called before write_data() on this thread")
         ctx.job = None
-        _results.submit(job, metadata, results)
+        results_worker.submit(job, metadata, results)
         if self._detached:
             self._wait_committed(job)
         elif job.await_commit:

@@ -136,6 +136,14 @@ class EngineTelemetry:
                 self._warned = True
                 log.warning("checkpoint %s: telemetry failed (the checkpoint is not affected): %s", job.id, e)
 
+    def exported(self, checkpoint_id: str, start: float, end: float, result: dict | None, error: str | None) -> None:
+        """A background export ended (the export thread): its span and figures go to OpenTelemetry
+        through the telemetry thread (:meth:`~tierckpt.telemetry.otel.OtelExport.export`)."""
+        if self._otel is not None:
+            telemetry_queue().post(
+                f"export span of {checkpoint_id}", self._otel.export, checkpoint_id, start, end, result, error
+            )
+
     def flush(self) -> None:
         """``Engine.wait`` and ``Engine.close`` (the caller's thread): wait for the telemetry thread
         (at most :data:`~tierckpt.telemetry.worker.CLOSE_WAIT` seconds, once per stuck record), then

@@ -197,6 +197,32 @@ class OtelExport:
         except Exception as e:  # noqa: BLE001
             self._failed(e)
 
+    def export(self, checkpoint_id: str, start: float, end: float, result: dict | None, error: str | None) -> None:
+        """A background export (``[export] every``) of ``checkpoint_id``, from the queue to the
+        worker's exit (wall-clock ``start``/``end``): span ``tierckpt.export`` with its figures
+        (bytes, shards, tensors, the worker's own seconds), and its bytes in ``tierckpt.bytes``
+        (``tierckpt.op = export``)."""
+        try:
+            attrs: dict[str, Any] = {
+                "tierckpt.checkpoint_id": checkpoint_id,
+                "tierckpt.phase": "export",
+                "tierckpt.blocked": False,
+            }
+            if result:
+                attrs["tierckpt.bytes"] = int(result.get("bytes", 0))
+                attrs["tierckpt.export.shards"] = len(result.get("shards", []))
+                attrs["tierckpt.export.tensors"] = int(result.get("tensors", 0))
+                attrs["tierckpt.export.seconds"] = float(result.get("seconds", 0.0))
+                attrs["tierckpt.export.out"] = str(result.get("out", ""))
+            span = self.tracer.start_span("tierckpt.export", start_time=_ns(start), attributes=attrs)
+            if error:
+                span.set_status(Status(StatusCode.ERROR, error[:300]))
+            span.end(end_time=_ns(end))
+            if result and not error and result.get("bytes"):
+                self.bytes.add(int(result["bytes"]), {"tierckpt.op": "export"})
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+
     def _children(self, root: Any, phases: list[Phase]) -> None:
         ctx = trace.set_span_in_context(root)
         for p in phases:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -12,7 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from benchlib.common import Ctx, GiB, MiB, cpu_seconds, log, make_state, med, now, rm, row, tensor_bytes, tiered_cfg
-from tierckpt import TieredWriter
+from tierckpt import JobConfig, TieredWriter
+
+VERIFIED = "tierckpt verify_capture=all nonfinite=warn"
+SAMPLED = "tierckpt verify_capture=sample nonfinite=warn"
 
 # ---------------------------------------------------------------------------------------------
 # C2. CPU seconds per checkpointed GiB, steady state (consecutive checkpoints with retention)
@@ -83,6 +87,15 @@ def section_cpu(ctx: Ctx) -> dict:
     log(f"cpu: {nbytes / GiB:.3f} GiB state, {reps} x {nblock} saves per mode")
     cfg = tiered_cfg(root / "tiered", 1 * GiB, 64 * MiB, keep=2)
     writer = TieredWriter(cfg)
+    # the same with the capture checks on (issue 35): source digest (every item / a rotating
+    # eighth) + NaN/Inf scan
+    writers = {"tierckpt": writer}
+    for mode, verify in ((VERIFIED, "all"), (SAMPLED, "sample")):
+        cfg_v = dataclasses.replace(
+            tiered_cfg(root / verify, 1 * GiB, 64 * MiB, keep=2),
+            job=JobConfig(verify_capture=verify, nonfinite="warn"),
+        )
+        writers[mode] = TieredWriter(cfg_v)
     dirs: dict[str, list[Path]] = {}
     count = {"n": 0}
 
@@ -90,9 +103,10 @@ def section_cpu(ctx: Ctx) -> dict:
         count["n"] += 1
         n = count["n"]
         t0 = now()
-        if mode == "tierckpt":
-            dcp.save(sd, checkpoint_id=f"cpu-{n:04d}", storage_writer=writer)
-            writer.wait()
+        if mode.startswith("tierckpt"):
+            w = writers[mode]
+            dcp.save(sd, checkpoint_id=f"cpu-{n:04d}", storage_writer=w)
+            w.wait()
         else:
             d = root / f"{mode.split()[1]}-{n:04d}"
             if mode == "DCP sync FileSystemWriter":
@@ -109,7 +123,7 @@ def section_cpu(ctx: Ctx) -> dict:
                 rm(lst.pop(0))
         return now() - t0
 
-    modes = ("tierckpt", "DCP sync FileSystemWriter", "DCP async_save")
+    modes = ("tierckpt", VERIFIED, SAMPLED, "DCP sync FileSystemWriter", "DCP async_save")
     for m in modes:  # warm-up: pool touched, code paths loaded, retention in steady state
         for _ in range(3):
             save_once(m)
@@ -118,7 +132,8 @@ def section_cpu(ctx: Ctx) -> dict:
         for m in modes:
             log(f"cpu: rep {r + 1}/{reps}: {m}")
             gc.collect()
-            hist0 = len(writer.history)
+            wm = writers.get(m, writer)
+            hist0 = len(wm.history)
             th0 = thread_cpu()
             c0 = cpu_seconds()
             walls = [save_once(m) for _ in range(nblock)]
@@ -129,9 +144,9 @@ def section_cpu(ctx: Ctx) -> dict:
             e["wall_s"] += walls
             for g, v in th.items():
                 e["threads"].setdefault(g, []).append(v / (nbytes * nblock / GiB))
-            if m == "tierckpt":
-                for h in writer.history[hist0:]:
-                    for k in ("capture_cpu_s", "crc_cpu_s", "write_cpu_s"):
+            if m.startswith("tierckpt"):
+                for h in wm.history[hist0:]:
+                    for k in ("capture_cpu_s", "crc_cpu_s", "write_cpu_s", "verify_cpu_s"):
                         v = getattr(h, k, None)
                         if v is not None:
                             e["lib"].setdefault(k, []).append(v / (h.bytes / GiB))
@@ -161,11 +176,15 @@ def section_cpu(ctx: Ctx) -> dict:
         )
     ratios = {
         "tierckpt CPU-s/GiB": ref,
+        "verify_capture=all+nonfinite / off (CPU per GiB)": med(res[VERIFIED]["cpu_per_gib"]) / ref,
+        "verify_capture=sample+nonfinite / off (CPU per GiB)": med(res[SAMPLED]["cpu_per_gib"]) / ref,
         "tierckpt/DCP sync (CPU per GiB)": ref / med(res["DCP sync FileSystemWriter"]["cpu_per_gib"]),
         "tierckpt/async_save (CPU per GiB)": ref / med(res["DCP async_save"]["cpu_per_gib"]),
     }
     targets = {
         "tierckpt CPU-s/GiB": ("<=", 0.3),
+        "verify_capture=all+nonfinite / off (CPU per GiB)": ("<=", 1.1),
+        "verify_capture=sample+nonfinite / off (CPU per GiB)": ("<=", 1.1),
         "tierckpt/DCP sync (CPU per GiB)": ("<", 1.0),
         "tierckpt/async_save (CPU per GiB)": ("<", 1.0),
     }
@@ -178,7 +197,8 @@ def section_cpu(ctx: Ctx) -> dict:
         "Not counted: kernel writeback threads (buffered writes the kernel flushes in the background, "
         "before fsync, are charged to kworkers: DCP's figures are a lower bound)",
     ]
-    writer.wait()
+    for w in writers.values():
+        w.wait()
     for lst in dirs.values():
         for d in lst:
             rm(d)

@@ -1,0 +1,82 @@
+"""``[export]``: the background Hugging Face export's section (re-exported by :mod:`.sections`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from .values import (
+    _brief,
+)
+
+__all__ = ["EXPORT_DTYPES", "EXPORT_FORMATS", "ExportConfig"]
+
+
+EXPORT_FORMATS = ("hf",)
+EXPORT_DTYPES = ("keep", "bfloat16", "float16", "float32")
+_SHARD_UNITS = ("KB", "MB", "GB", "TB")  # what transformers' max_shard_size takes (huggingface_hub)
+
+
+@dataclass
+class ExportConfig:
+    """``[export]``: every Nth committed checkpoint also becomes a Hugging Face folder, in the background.
+
+    One worker process per node (started by the rank that writes the checkpoint's metadata on
+    that node, after the commit, niced, off the commit path) writes what ``save_pretrained``
+    writes, through ``tierckpt-restore export`` (docs/integrations.md). Its errors are logged
+    and reach the trainer at the next ``wait()`` as a warning; the checkpoint is not affected.
+    Needs ``pip install "tierckpt[hf]"``.
+
+    Attributes:
+        format: ``"hf"``: ``model.safetensors`` or ``model-0000K-of-0000N.safetensors`` shards and
+            ``model.safetensors.index.json``, split as ``save_pretrained`` splits them.
+        every: export every Nth committed checkpoint (those whose commit sequence number is a
+            multiple of N); 0: only on request (``tierckpt-restore export``).
+        path: the output directory, ``{checkpoint_id}`` replaced by the checkpoint's id (and
+            ``{node}`` by the node's name); required when ``every`` is set.
+        keys: export only the keys starting with one of these prefixes (e.g. ``["model."]``);
+            empty: every tensor.
+        strip_prefix: removed from the start of every name (e.g. ``"model."``).
+        dtype: ``"keep"``, or cast floating-point tensors to ``"bfloat16"``, ``"float16"`` or
+            ``"float32"``.
+        files: extra files (or directories whose files) copied into every export:
+            ``config.json``, tokenizer files, ``generation_config.json``.
+        adapter: dotted path (``package.module.function`` or ``package.module:function``) of a
+            callable mapping ``{name: tensor}`` to Hugging Face's names and tensors, called one
+            tensor at a time; empty: names kept.
+        max_shard_size: the largest shard, as ``save_pretrained`` spells it (``"5GB"``, ``"500MB"``).
+    """
+
+    format: str = "hf"
+    every: int = 0
+    path: str = ""
+    keys: list[str] = field(default_factory=list)
+    strip_prefix: str = ""
+    dtype: str = "keep"
+    files: list[str] = field(default_factory=list)
+    adapter: str = ""
+    max_shard_size: str = "50GB"
+
+    def validate(self, where: str = "[export]") -> None:
+        if self.format not in EXPORT_FORMATS:
+            raise ConfigError(
+                f"{where} format: one of {', '.join(map(repr, EXPORT_FORMATS))}, got {_brief(self.format)}"
+            )
+        if self.every < 0:
+            raise ConfigError(f"{where} every: must be 0 (on request only) or positive, got {self.every}")
+        if self.every and not self.path:
+            raise ConfigError(f"{where} path: required when every is set (where the exports go)")
+        if self.dtype not in EXPORT_DTYPES:
+            raise ConfigError(f"{where} dtype: one of {', '.join(map(repr, EXPORT_DTYPES))}, got {_brief(self.dtype)}")
+        size = self.max_shard_size.strip()
+        try:
+            ok = size[-2:].upper() in _SHARD_UNITS and float(size[:-2]) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f'{where} max_shard_size: a size as save_pretrained takes it ("5GB", "500MB"; units '
+                f"{', '.join(_SHARD_UNITS)}), got {_brief(self.max_shard_size)}"
+            )
+        if self.adapter and not all(part.isidentifier() for part in self.adapter.replace(":", ".").split(".")):
+            raise ConfigError(f"{where} adapter: a dotted path such as mypkg.convert:to_hf, got {_brief(self.adapter)}")

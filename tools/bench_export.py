@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Benchmark of the Hugging Face export (``restore/export.py``, ``[export] every``), side by side in one run.
+
+    python tools/bench_export.py [--hidden 1024] [--layers 8] [--vocab 32000] [--steps 16] [--pairs 2] [--parts export,stall] [--dir DIR]
+
+1. A ``LlamaForCausalLM`` built from a config (float32, random init, no download) is saved with
+   ``dcp.save`` through ``TieredWriter`` into a local tier (fsync on; a 256 MiB host pool, smaller
+   than the state).
+2. *Source read*: the checkpoint's data files read back with 8 MiB ``readinto`` calls (page cache
+   warm, as for the export right after).
+3. *Export*: ``export_hf`` in a fresh process (peak RSS sampled every 5 ms; the process's RSS
+   before the call is reported apart), 200 MB shards.
+4. *Anchor*: what a user does today: the full state gathered into the model (``dcp.load`` into a
+   ``LlamaForCausalLM`` in a fresh process), then ``model.save_pretrained`` (200 MB shards); its
+   files are compared byte for byte with the export's.
+5. *Stall*: a loop of ``--steps`` steps (a fixed amount of matmul work, then ``dcp.save`` of a
+   64 MiB state + ``wait_captured``; ``wait()`` at the end) with ``[export] every = 1`` and
+   without, in fresh processes, alternated A B A B (``--pairs``); wall time of the loop, and
+   which checkpoints were exported (the last worker outlives the loop and is waited for).
+
+Prints one JSON document. Numbers depend on the machine: say which one ran them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for _p in (str(REPO), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+MiB = 1 << 20
+SHARD = "200MB"
+
+
+def _llama(args: dict):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=args["vocab"],
+        hidden_size=args["hidden"],
+        intermediate_size=int(args["hidden"] * 2.75),
+        num_hidden_layers=args["layers"],
+        num_attention_heads=args["hidden"] // 64,
+        num_key_value_heads=args["hidden"] // 128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _toml(d: Path, pool: str, export: str = "") -> Path:
+    p = d / f"tiers{'-export' if export else ''}.toml"
+    p.write_text(
+        f'[host]\nbuffer_size = "{pool}"\nchunk_size = "16MiB"\n[local]\npath = "{d / "local"}"\nfsync = true\nkeep = 2\n'
+        + export
+    )
+    return p
+
+
+def child_export(spec: dict) -> dict:
+    from benchlib.common import RssPeak
+
+    from restore.export import export_hf
+
+    with RssPeak() as mem:
+        t0 = time.perf_counter()
+        res = export_hf(
+            spec["cfg"], "step-1", out=spec["out"], keys=["model."], strip_prefix="model.", max_shard_size=SHARD,
+            files=[spec["config_json"]], progress=False,
+        )  # fmt: skip
+        sec = time.perf_counter() - t0
+    return {
+        "seconds": sec,
+        "bytes": res.bytes,
+        "shards": len(res.shards),
+        "rss_before": mem.base,
+        "rss_peak": mem.peak,
+        "largest_tensor": res.largest_tensor,
+    }
+
+
+def child_save_pretrained(spec: dict) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from benchlib.common import RssPeak
+
+    from tierckpt import TieredReader, load_config
+
+    with RssPeak() as mem:
+        t0 = time.perf_counter()
+        model = _llama(spec)
+        sd = {"model": model.state_dict()}
+        dcp.load(sd, checkpoint_id="step-1", storage_reader=TieredReader(load_config(spec["cfg"])), no_dist=True)
+        gathered = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        model.save_pretrained(spec["out"], max_shard_size=SHARD)
+        sec = time.perf_counter() - t1
+    return {"gather_seconds": gathered, "save_seconds": sec, "rss_before": mem.base, "rss_peak": mem.peak}
+
+
+def child_train(spec: dict) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt import TieredWriter, load_config
+
+    torch.set_num_threads(1)
+    cfg = load_config(spec["cfg"])
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randn(MiB, generator=g) for i in range(16)}  # 64 MiB
+    a = torch.randn(384, 384, generator=g)
+    t0 = time.perf_counter()
+    w = None
+    for step in range(1, spec["steps"] + 1):
+        for _ in range(40):
+            a = torch.tanh(a @ a)
+        for t in state.values():
+            t.add_(1.0)
+        w = TieredWriter(cfg)
+        dcp.save(state, checkpoint_id=f"step-{step}", storage_writer=w, no_dist=True)
+        w.wait_captured()
+    assert w is not None
+    w.wait()
+    return {"seconds": time.perf_counter() - t0}
+
+
+CHILDREN = {"export": child_export, "save_pretrained": child_save_pretrained, "train": child_train}
+
+
+def _run_child(kind: str, spec: dict) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
+    p = subprocess.run(
+        [sys.executable, __file__, "--child", kind, json.dumps(spec)], env=env, capture_output=True, text=True
+    )
+    if p.returncode != 0:
+        raise RuntimeError(f"{kind} child failed: {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _read_bandwidth(root: Path) -> dict:
+    files = sorted(root.rglob("*.data"))
+    buf = bytearray(8 * MiB)
+    total = 0
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    sec = time.perf_counter() - t0
+    return {"bytes": total, "seconds": sec, "gbps": total / sec / 1e9}
+
+
+def _write_bandwidth(d: Path, nbytes: int) -> dict:
+    """``nbytes`` written with 8 MiB ``write`` calls into one new file, then fsync-ed: what the
+    destination takes (the export writes and fsyncs as much)."""
+    buf = bytes(8 * MiB)
+    path = d / "write-probe.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(left, len(buf))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    sec = time.perf_counter() - t0
+    path.unlink()
+    return {"bytes": nbytes, "seconds": sec, "gbps": nbytes / sec / 1e9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--pairs", type=int, default=2, help="stall: runs with and without, alternated")
+    ap.add_argument("--dir", default="")
+    ap.add_argument("--parts", default="export,stall", help="export (throughput, RSS, anchor), stall, or both")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(CHILDREN[args.child[0]](json.loads(args.child[1]))))
+        return 0
+
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt import TieredWriter, load_config
+
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench-export-"))
+    work.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    dims = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}
+    out: dict = {"model": dims}
+    try:
+        if "export" in parts:
+            _bench_export(work, dims, out, dcp, TieredWriter, load_config)
+        if "stall" in parts:
+            _bench_stall(work, args.steps, args.pairs, out)
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _bench_export(work: Path, dims: dict, out: dict, dcp, TieredWriter, load_config) -> None:
+    cfg = _toml(work, "256MiB")
+    model = _llama(dims)
+    model.config.save_pretrained(work / "hfconfig")
+    sd = {"model": model.state_dict()}
+    out["state_bytes"] = sum(t.numel() * t.element_size() for t in sd["model"].values())
+    out["largest_tensor"] = max(t.numel() * t.element_size() for t in sd["model"].values())
+    w = TieredWriter(load_config(cfg))
+    dcp.save(sd, checkpoint_id="step-1", storage_writer=w, no_dist=True)
+    w.wait()
+    del model, sd
+    out["source_read"] = _read_bandwidth(work / "local")
+    out["dest_write"] = _write_bandwidth(work, out["state_bytes"])
+    spec = {"cfg": str(cfg), "config_json": str(work / "hfconfig" / "config.json"), **dims}
+    ex = out["export"] = _run_child("export", {**spec, "out": str(work / "export")})
+    ex["gbps"] = ex["bytes"] / ex["seconds"] / 1e9
+    ex["vs_source_read"] = ex["gbps"] / out["source_read"]["gbps"]
+    ex["vs_dest_write"] = ex["gbps"] / out["dest_write"]["gbps"]
+    ex["rss_over_start"] = ex["rss_peak"] - ex["rss_before"]
+    out["save_pretrained"] = _run_child("save_pretrained", {**spec, "out": str(work / "anchor")})
+    out["same_shard_bytes"] = all(
+        (work / "export" / p.name).read_bytes() == p.read_bytes() for p in (work / "anchor").glob("*.safetensors")
+    )
+    shutil.rmtree(work / "export")
+    shutil.rmtree(work / "anchor")
+
+
+def _bench_stall(work: Path, steps: int, pairs: int, out: dict) -> None:
+    runs: dict[str, list[float]] = {"without": [], "every_1": []}
+    for i in range(pairs):
+        for name in ("without", "every_1"):
+            d = work / f"train-{name}-{i}"
+            d.mkdir()
+            export = f'[export]\nevery = 1\npath = "{d / "hf" / "{checkpoint_id}"}"\n' if name == "every_1" else ""
+            c = _toml(d, "256MiB", export)
+            runs[name].append(_run_child("train", {"cfg": str(c), "steps": steps})["seconds"])
+            if name == "every_1":  # the last worker outlives the loop: let it finish before counting
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not (d / "hf" / f"step-{steps}").exists():
+                    time.sleep(0.5)
+                out.setdefault("exported", []).append(sorted(p.name for p in (d / "hf").iterdir()))
+            shutil.rmtree(d, ignore_errors=True)
+    out["stall"] = {
+        "steps": steps,
+        "seconds": runs,
+        "ratio_best": min(runs["every_1"]) / min(runs["without"]),
+        "ratio_median": sorted(runs["every_1"])[pairs // 2] / sorted(runs["without"])[pairs // 2],
+        "ratio_each": [a / b for a, b in zip(runs["every_1"], runs["without"])],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
