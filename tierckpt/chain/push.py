@@ -109,7 +109,13 @@ def push_backlog(cfg: Config, tiers: list[Tier], only: str | None = None) -> lis
         )
         try:
             done = hop._backlog_pass(rnd, None, "")
-            res.needed, res.promoted, res.failed = done["needed"], done["promoted"], done["failed"]
+            res.needed, res.promoted, res.failed = done["needed"], done["promoted"], dict(done["failed"])
+            for cid in res.needed:  # skipped by the pass (logged there): still owed, so not ok
+                if cid not in res.promoted and cid not in res.failed:
+                    res.failed[cid] = (
+                        f"not copied: {tiers[0].url} does not hold all of its files (a checkpoint whose ranks wrote "
+                        "on several nodes: run push where [peer] copies make one node hold them all, or on each node)"
+                    )
         except Exception as e:  # noqa: BLE001 - reported per tier (see docstring)
             res.error = f"{type(e).__name__}: {e}"
         finally:
