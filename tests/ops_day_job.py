@@ -1,5 +1,6 @@
 """The training job of ``tests/test_ops_day.py``: each rank saves ``args["steps"]`` through
-``TieredWriter`` (state of :func:`peer_scenarios.state`), then, with ``args["kill"]``, waits until
+``TieredWriter`` (state of :func:`peer_scenarios.state`; each save waits for its peer copy when
+``[peer]`` is configured, never for S3), then, with ``args["kill"]``, waits until
 its node's ``_history/`` holds the last checkpoint's record and SIGKILLs itself (a crash: no
 drain, no close); without, it waits for the same record and exits without waiting for the copies
 to S3 (down: they stay a backlog on the local tier, as when a job ends during an outage).
@@ -37,7 +38,10 @@ def save_steps(args: dict, rank: int, world: int) -> dict:
     for step in args["steps"]:
         last = f"step-{step}"
         dcp.save(state(rank, step, world), checkpoint_id=last, storage_writer=w)
-        w.wait_captured()
+        if args["config"].get("peer"):
+            w.wait(tiers="peer")  # S3 is down: never wait for it
+        else:
+            w.wait_captured()
     history = Path(args["config"]["local"]["path"].replace("{node}", os.environ["GROUP_RANK"]))
     record = history / "_history" / f"g{rank:05d}.json"
     deadline = time.monotonic() + 60  # a bound on a hung job, not a timing assertion
