@@ -142,9 +142,10 @@ def test_copy_source(env, case):
 
 
 def test_hungs3term(env):
-    # 2 trials: SIGTERM right after the first save while S3 never answers; the local copy stays
-    res = chaos.case_hungs3term(env, 2, SEED)
-    check(res, 2)
+    # 1 trial (~10 s each; 20 in tools/chaos.py): SIGTERM right after the first save while S3
+    # never answers; the local copy stays
+    res = chaos.case_hungs3term(env, 1, SEED)
+    check(res, 1)
     assert res.lost == 0
 
 

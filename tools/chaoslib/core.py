@@ -202,4 +202,6 @@ def only(cfg: TierConfig, tier: str) -> TierConfig | None:
     if cfg.s3 is None:
         return None
     # the hop's codec keys apply to the copy from [local] only (refused without it); loads need none
-    return dataclasses.replace(cfg, local=None, s3=dataclasses.replace(cfg.s3, compression="none", copy_unchanged=False))
+    return dataclasses.replace(
+        cfg, local=None, s3=dataclasses.replace(cfg.s3, compression="none", copy_unchanged=False)
+    )
