@@ -143,7 +143,7 @@ def test_resume_skips_a_newest_checkpoint_bad_on_every_tier(tmp_path, reference)
 
     tiers = _tiers(tmp_path)
     base = {"tiers": tiers, "dump": str(tmp_path / "dump"), "mode": "disabled", "steps": STEPS, "interval": INTERVAL}
-    _run(2, base | {"crash_after": CRASH}, tmp_path / "crashed")
+    _run(2, base | {"crash_after": CRASH, "commit_before_crash": True}, tmp_path / "crashed")
     assert latest(tiers) == "step-4"
     (f,) = sorted((tmp_path / "tiers").rglob("step-4/rank-00000-*.data"))
     b = bytearray(f.read_bytes())
@@ -178,7 +178,7 @@ def test_resume_skips_a_newest_checkpoint_marked_bad(tmp_path, reference):
 
     tiers = _tiers(tmp_path)
     base = {"tiers": tiers, "dump": str(tmp_path / "dump"), "mode": "disabled", "steps": STEPS, "interval": INTERVAL}
-    _run(2, base | {"crash_after": CRASH}, tmp_path / "crashed")
+    _run(2, base | {"crash_after": CRASH, "commit_before_crash": True}, tmp_path / "crashed")
     assert mark_bad(tiers, "step-4", "loss spike") == ["local"]
     res = _run(2, base | {"check": reference["record"]}, tmp_path / "resumed")
     for r in res:

@@ -238,6 +238,11 @@ def train(args: dict, rank: int, world: int) -> dict:
         if args.get("record") and step % args["interval"] == 0:
             records[str(step)] = {"model": _full(model.state_dict()), "optim": _full(opts.state_dict())}
         if step == args.get("crash_after"):
+            if args.get("commit_before_crash"):  # the test needs this save committed: wait, then die
+                import tierckpt
+
+                report = tierckpt.drain(120)
+                assert not report.timed_out, report
             if args.get("record") and rank == 0:
                 torch.save(records, args["record"])
             dist.barrier()
