@@ -73,7 +73,8 @@ class Deletions:
 
         With ``after`` done (or ``None``) the deletion runs now, on the calling thread, as the
         framework's own file deletion would (a job killed right after still has it done);
-        otherwise in the background. Never raises: returns a future of the deletion (``True``:
+        otherwise, or while this process holds a lease on the checkpoint (its own load or hop
+        of it: waited for, see the module docstring), in the background. Never raises: returns a future of the deletion (``True``:
         gone from every tier; ``False``: kept somewhere, see :attr:`skipped`), and :meth:`wait`
         raises a failure."""
         done: Future = Future()
