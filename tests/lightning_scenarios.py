@@ -202,13 +202,6 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         def on_train_batch_start(self, trainer, pl_module, batch, idx) -> None:  # noqa: ANN001
             if not reference and args.get("crash_after") and trainer.global_step == args["crash_after"]:
                 out["losses"] = pl_module.losses
-                paths = getattr(trainer.strategy, "_tier_paths", None) or getattr(
-                    trainer.strategy.checkpoint_io, "_paths", None
-                )
-                if paths is not None and paths._saves:  # the saving rank: its first save has committed
-                    # (commits are asynchronous: on a loaded host the kill could otherwise come before
-                    # any, and the resumed job would rightly start from scratch); the newest one may not
-                    next(iter(paths._saves.values())).committed.exception()
                 dist.barrier()
                 Path(sys.argv[3]).write_text(json.dumps(out))
                 os._exit(0)  # killed: no teardown, nothing waited for
