@@ -257,3 +257,50 @@ def test_a_save_waits_for_a_deletion_of_the_same_id_under_way(tmp_path, monkeypa
     assert not stale.exists()
     got = load(cfg)
     assert got["step"] == 3 and torch.equal(got["w"], state(3)["w"])
+
+
+def test_a_framework_deletion_waits_for_this_process_s_own_use_of_the_checkpoint(tmp_path):
+    """Lightning's ``save_top_k`` deletes a checkpoint that this process's own hop still copies
+    to the next tier (a restarted job's backlog replicates what its predecessor committed on the
+    first tier only) and so holds a writer's lease on. The deletion must not leave it behind on
+    that tier (nor commit there afterwards): it waits for this process's leases, then deletes it
+    on every tier. (Before: "not deleted on archive: in use there", kept for good.)"""
+    from tierckpt.integrations.deletions import Deletions
+
+    cfg = cfg_two(tmp_path)
+    w = TieredWriter(cfg)
+    dcp.save(state(1), checkpoint_id="step-1", storage_writer=w, no_dist=True)
+    w.wait()
+    archive = w.engine.chain[1]
+    assert [c.checkpoint_id for c in list_checkpoints(archive) if c.committed] == ["step-1"]
+    hop = leases.acquire_for_write(archive, "step-1", purpose="a backlog copy of this process")
+    dels = Deletions(w)
+    done = dels.delete("step-1")  # held here: it waits in the background
+    hop.release()  # the copy is over
+    assert done.result(WAIT) is True, dels.skipped
+    dels.wait()
+    for tier in (w.engine.chain[0], archive):
+        assert [c.checkpoint_id for c in list_checkpoints(tier) if c.committed] == [], tier.url
+    w.close()
+
+
+def test_a_framework_deletion_still_spares_another_process_s_reader(tmp_path):
+    """A live lease of another process (a reader elsewhere) keeps the checkpoint on that tier, as before."""
+    import json
+    import os
+
+    from tierckpt.integrations.deletions import Deletions
+
+    cfg = cfg_two(tmp_path)
+    w = TieredWriter(cfg)
+    dcp.save(state(1), checkpoint_id="step-1", storage_writer=w, no_dist=True)
+    w.wait()
+    archive = w.engine.chain[1]
+    other = {"owner": "elsewhere:1", "kind": "read", "purpose": "load", "expires": time.time() + 600}
+    archive.put_volatile(f"{leases.LEASE_PREFIX}/step-1/read-0123456789abcdef.json", json.dumps(other).encode())
+    dels = Deletions(w)
+    assert dels.delete("step-1").result(WAIT) is False
+    assert dels.skipped == {"step-1": ["archive"]}
+    assert [c.checkpoint_id for c in list_checkpoints(archive) if c.committed] == ["step-1"]
+    assert not os.path.exists(tmp_path / "local" / "step-1" / "metadata.json")
+    w.close()

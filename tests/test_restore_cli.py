@@ -604,19 +604,29 @@ def test_fetch_resume_rechecks_ranges_and_repairs(s3_ckpt):
 def test_fetch_crash_in_subprocess_then_cli_resume(s3_ckpt):
     """The fetching process dies hard (os._exit) mid-download; the next fetch resumes from what
     was recorded. Progress is recorded every RECORD_EVERY bytes (256 MiB): set to one byte here so
-    that the 5 MiB ranges of this small file are recorded one by one."""
+    that the 5 MiB ranges of this small file are recorded one by one. Ranges are written (and
+    recorded) by writer threads apart from the reader, so the 3rd read dies only once a range read
+    before it has been recorded: what a crash loses is what was not recorded yet, by contract."""
     _cfg_a, cfg_b, root_b, sd = s3_ckpt
     crash = (
-        "import os, sys\n"
+        "import os, sys, threading\n"
         "from tierckpt.tiers.s3 import S3Tier\n"
+        "import tierckpt.tiers.localsinks as sinks; sinks.RECORD_EVERY = 1\n"
+        "recorded = threading.Event()\n"
+        "record = sinks._ResumableFile._record\n"
+        "def recording(self):\n"
+        "    record(self)\n"
+        "    recorded.set()\n"
+        "sinks._ResumableFile._record = recording\n"
         "real = S3Tier.read_into\n"
         "n = [0]\n"
         "def dying(self, key, start, buf):\n"
         "    n[0] += 1\n"
-        "    if n[0] == 3: os._exit(9)\n"
+        "    if n[0] == 3:\n"
+        "        recorded.wait()\n"
+        "        os._exit(9)\n"
         "    return real(self, key, start, buf)\n"
         "S3Tier.read_into = dying\n"
-        "import tierckpt.tiers.localsinks as sinks; sinks.RECORD_EVERY = 1\n"
         "from restore.fetch import fetch_checkpoint\n"
         "from tierckpt.config import load_config\n"
         "cfg = load_config(sys.argv[1]); cfg.s3.concurrency = 1\n"

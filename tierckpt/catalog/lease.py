@@ -76,6 +76,9 @@ __all__ = [
     "acquire",
     "acquire_for_write",
     "guarded_delete",
+    "held_here",
+    "owner",
+    "wait_released_here",
     "live_tomb",
     "live_tombs",
     "CheckpointBeingDeleted",
@@ -131,6 +134,11 @@ class LeaseInfo:
 
 def _owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner() -> str:
+    """This process as the ``owner`` of the leases it writes (``host:pid``, :attr:`LeaseInfo.owner`)."""
+    return _owner()
 
 
 def _key(checkpoint_id: str, kind: str, lid: str) -> str:
@@ -271,6 +279,7 @@ class Lease:
         self.metadata: bytes | None = None  # the metadata read by acquire(read_metadata=...), after the lease
         self.valid_until = 0.0  # the expiry written by the last successful put (this host's clock)
         self._late = False  # a renewal landed after (or just before) the previous expiry
+        self._write_lock = threading.Lock()  # a renewal and the release never interleave
 
     def _put(self) -> None:
         ttl = LEASE_TTL
@@ -288,16 +297,22 @@ class Lease:
         return self._late or time.time() > self.valid_until - LEASE_TTL / 12
 
     def renew(self) -> None:
-        if not self.released:
-            self._put()
+        """Write the lease again with a fresh expiry, unless it was released (a renewal never
+        writes it back after :meth:`release` deleted it)."""
+        with self._write_lock:
+            if not self.released:
+                self._put()
 
     def release(self) -> None:
-        """Delete the lease (idempotent, never raises)."""
-        if self.released:
-            return
-        self.released = True
+        """Delete the lease (idempotent, never raises). Once it returns the lease object is gone
+        from the tier (unless the delete failed: then it expires) and is no longer
+        :func:`held_here`."""
+        with self._write_lock:
+            if self.released:
+                return
+            self.released = True
+            _forget(self.tier, self.key)
         _renewer.remove(self)
-        _forget(self.tier, self.key)
 
     def __enter__(self) -> Lease:
         return self
@@ -461,12 +476,25 @@ def guarded_delete(tier: Tier, checkpoint_id: str, delete, *, reason: str = "") 
         _forget(tier, tomb)
 
 
+def held_here(checkpoint_id: str) -> list[Lease]:
+    """The leases on ``checkpoint_id`` (any tier, any kind) that this process holds now."""
+    return [lease for lease in _renewer.held() if lease.checkpoint_id == checkpoint_id]
+
+
+def wait_released_here(checkpoint_id: str, timeout: float) -> bool:
+    """Block until this process holds no lease on ``checkpoint_id`` (its own loads, fetches and
+    hops are done with it: each such lease is deleted from its tier by then), at most
+    ``timeout`` seconds. Returns whether none is held."""
+    return _renewer.wait_none(checkpoint_id, timeout)
+
+
 class _Renewer:
     """One daemon thread per process renewing every held lease every :data:`RENEW_EVERY` seconds."""
 
     def __init__(self) -> None:
         self._leases: set[Lease] = set()
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
     def add(self, lease: Lease) -> None:
@@ -479,6 +507,13 @@ class _Renewer:
     def remove(self, lease: Lease) -> None:
         with self._lock:
             self._leases.discard(lease)
+            self._released.notify_all()
+
+    def wait_none(self, checkpoint_id: str, timeout: float) -> bool:
+        with self._lock:
+            return self._released.wait_for(
+                lambda: not any(lease.checkpoint_id == checkpoint_id for lease in self._leases), timeout
+            )
 
     def held(self) -> list[Lease]:
         with self._lock:

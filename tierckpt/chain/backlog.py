@@ -4,7 +4,10 @@ that failed, a job that restarted, a node that came back), copied before the nex
 Every rank runs the same pass at the same point (before a copy, or at start without a process
 group); the coordinator decides from every rank's listing which checkpoints are owed, and each
 is copied and committed by the same commit protocol as a new one (:mod:`.commit`). A checkpoint
-whose files are on no live rank's first tier is dropped from what is owed, with a warning.
+whose files are on no live rank's first tier is dropped from what is owed, with a warning; one
+deleted on the first tier while the pass copies it (retention, a framework's ``save_top_k``) is
+dropped too, logged at INFO (its deletion removes what the pass copied: see
+:mod:`tierckpt.integrations.deletions`).
 :class:`BacklogPasses` is a base of :class:`~tierckpt.chain.replicate.Replicator`; it runs on the
 hop's thread.
 """
@@ -22,7 +25,7 @@ from ..catalog import lease as leases
 from ..catalog.listing import committed_headers, committed_in_order
 from ..codec import add_stored
 from ..config import Config
-from ..errors import CommitConflict, TierckptError
+from ..errors import CheckpointBeingDeleted, CheckpointNotFound, CommitConflict, TierckptError
 from ..format.layout import data_key, is_data_file, metadata_key
 from ..format.metadata import metadata_from_json, parse_metadata
 from ..tiers.base import Tier
@@ -32,6 +35,7 @@ from .encodedhop import EncodedCopies
 __all__ = ["BacklogPasses", "BacklogOwner"]
 
 _LOST = "is on no live rank's first tier"
+_GONE = "was deleted on the first tier meanwhile"
 
 log = logging.getLogger("tierckpt.replicate")
 
@@ -227,6 +231,12 @@ class BacklogPasses:
                                 rnd.ch.publish(rnd.key(f"md/{cid}"), self._checked_metadata(cid, p["files"]))
                     lapsed = [lease.checkpoint_id for lease in held if lease.checkpoint_id == cid and lease.lapsed]
                     results[cid] = f"rank {rank}: its lease on {dst.url} lapsed" if lapsed else "ok"
+                except (CheckpointNotFound, CheckpointBeingDeleted) as e:
+                    # Retention or the training framework (save_top_k) deleted it on src since it was
+                    # listed: nothing is owed any more (not a failure to retry).
+                    gone = isinstance(e, CheckpointBeingDeleted) or not _committed(src, cid)
+                    why = f"{type(e).__name__}: {e}"
+                    results[cid] = f"rank {rank}: {_GONE}: {why}" if gone else f"rank {rank}: {why}"
                 except BaseException as e:  # noqa: BLE001 - reported to the coordinator
                     results[cid] = f"rank {rank}: {type(e).__name__}: {e}"
             rnd.put_mine(f"done{rank}", json.dumps({"results": results, "stored": stored}).encode())
@@ -337,7 +347,9 @@ class BacklogPasses:
             rnd.ch.delete(rnd.key(f"md/{cid}"))
             if cid in errors or md is None:
                 why = errors.get(cid, "no metadata")
-                if _LOST in why:
+                if _GONE in why:
+                    log.info("%s: %s is not copied to %s: %s", rnd.what, cid, dst.url, why)
+                elif _LOST in why:
                     log.warning(
                         "%s: %s cannot be copied to %s (it stays on %s only): %s",
                         rnd.what,
@@ -371,3 +383,11 @@ class BacklogPasses:
                 self._encoded.committed(cid, stored[cid])
             log.info("%s: %s replicated to %s", rnd.what, cid, dst.url)
         return {"promoted": promoted, "failed": failed}
+
+
+def _committed(tier: Tier, cid: str) -> bool:
+    """Whether ``tier`` still holds ``cid`` committed (True when that cannot be told)."""
+    try:
+        return tier.exists(metadata_key(cid))
+    except TierckptError:
+        return True

@@ -13,8 +13,16 @@ its :attr:`~tierckpt.save.RankSave.replicated` future, success or failure; in th
 then, else at once on the caller's thread), then runs, tier by
 tier of the writer's chain (fastest first), :func:`tierckpt.lease.guarded_delete` over
 :func:`tierckpt.retention.delete_checkpoint`: the metadata goes first (the checkpoint stops
-being committed there), then exactly the objects listed. A tier where a live lease holds the
-checkpoint (a reader loading it, a fetch, a promotion) keeps it: that is logged and counted in
+being committed there), then exactly the objects listed.
+
+This process's own work on the checkpoint never keeps it: a load, a fetch, or a hop of the
+writer's engine copying it (a restarted job's backlog replicates checkpoints its predecessor
+committed on the first tier only, possibly one the framework deletes meanwhile) holds leases
+on it; the deletion waits until this process holds none (in the background when one is held
+when it is asked for), deletes, and tries again on a tier that such a lease kept, after it is
+released (so a copy committed meanwhile is deleted too), at most :data:`OWN_ROUNDS` times, each
+wait at most ``[job] commit_timeout``. A tier where another process's live lease holds the
+checkpoint (a reader loading it elsewhere, a fetch) keeps it: that is logged and counted in
 :attr:`Deletions.skipped`, and tierckpt's retention or ``tierckpt-restore gc`` may remove it
 later. Copies that the peer hop made on other nodes are left to those nodes' retention.
 
@@ -30,6 +38,7 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
+from ..catalog import lease as leases
 from ..catalog.lease import guarded_delete
 from ..chain.retention import delete_checkpoint
 from ..errors import TierckptError
@@ -38,6 +47,10 @@ from ..save.writer import TieredWriter
 __all__ = ["Deletions"]
 
 log = logging.getLogger("tierckpt")
+
+OWN_ROUNDS = 3
+"""Rounds of a deletion on the tiers where a lease of this process (its own load or hop of the
+checkpoint) kept it: each waits for this process's leases on the checkpoint to be released."""
 
 
 class Deletions:
@@ -60,13 +73,14 @@ class Deletions:
 
         With ``after`` done (or ``None``) the deletion runs now, on the calling thread, as the
         framework's own file deletion would (a job killed right after still has it done);
-        otherwise in the background. Never raises: returns a future of the deletion (``True``:
+        otherwise, or while this process holds a lease on the checkpoint (its own load or hop
+        of it: waited for, see the module docstring), in the background. Never raises: returns a future of the deletion (``True``:
         gone from every tier; ``False``: kept somewhere, see :attr:`skipped`), and :meth:`wait`
         raises a failure."""
         done: Future = Future()
         with self._lock:
             self._pending.append(done)
-        if after is None or after.done():
+        if (after is None or after.done()) and not leases.held_here(checkpoint_id):
             self._run_one(checkpoint_id, after, unless_failed, done)
             return done
         with self._lock:
@@ -98,13 +112,29 @@ class Deletions:
 
     def _delete_now(self, cid: str) -> bool:
         chain = self.writer.engine.chain
-        kept = []
-        for i in range(len(chain)):
-            tier = chain[i]
-            if not guarded_delete(
-                tier, cid, lambda t=tier: delete_checkpoint(t, cid), reason="deleted by the training framework"
-            ):
-                kept.append(chain.names[i])
+        timeout = self.writer.engine.cfg.job.commit_timeout
+        kept: list[str] = []
+        todo = list(range(len(chain)))
+        for _ in range(OWN_ROUNDS):
+            if not leases.wait_released_here(cid, timeout):
+                log.warning(
+                    "checkpoint %s: this process still uses it after %.0f s; deleting what it can", cid, timeout
+                )
+            again = []
+            for i in todo:
+                tier = chain[i]
+                if guarded_delete(
+                    tier, cid, lambda t=tier: delete_checkpoint(t, cid), reason="deleted by the training framework"
+                ):
+                    continue
+                if self._ours(tier, cid):
+                    again.append(i)  # this process's own load or hop of it: once that is done
+                else:
+                    kept.append(chain.names[i])
+            todo = again
+            if not todo:
+                break
+        kept += [chain.names[i] for i in todo]
         if kept:
             self.skipped[cid] = kept
             log.warning(
@@ -116,6 +146,18 @@ class Deletions:
         self.deleted.append(cid)
         log.info("deleted checkpoint %s on every tier", cid)
         return True
+
+    @staticmethod
+    def _ours(tier, cid: str) -> bool:  # noqa: ANN001 - a Tier
+        """Whether what kept ``cid`` on ``tier`` is this process's doing: it holds a lease on
+        ``cid`` now, or no live lease of another process is there (ours was released since)."""
+        if leases.held_here(cid):
+            return True
+        try:
+            live = leases.live_leases(tier, cid).get(cid, [])
+        except TierckptError:
+            return False
+        return not [li for li in live if li.owner != leases.owner()]
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every deletion queued so far has run; raise the first that failed."""
