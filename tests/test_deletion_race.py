@@ -188,7 +188,10 @@ def test_a_save_whose_lease_lapsed_never_commits_what_a_deletion_removes(tmp_pat
         real(job)
 
     eng._check_file = stall_then_check
-    monkeypatch.setattr(leases, "LEASE_TTL", 0.3)  # the save's lease lives 0.3 s, renewed every 15 s
+    monkeypatch.setattr(leases, "LEASE_TTL", 0.3)  # the save's lease lives 0.3 s
+    # the stall stops renewals: the process-wide renewer thread (started by an earlier test) may
+    # wake inside the 0.3 s and would renew it
+    monkeypatch.setattr(leases.Lease, "renew", lambda self: None)
     dcp.save(state(2), checkpoint_id="step-2", storage_writer=w, no_dist=True)
     with pytest.raises(tierckpt.CommitError, match="lapsed"):
         w.wait()

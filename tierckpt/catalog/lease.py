@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointBeingDeleted, CheckpointNotFound, CorruptCheckpoint, TierAccessDenied, TierckptError
 from ..format.layout import check_checkpoint_id, metadata_key
 from ..tiers.base import Tier
+from .renewer import Renewer
 
 __all__ = [
     "LEASE_PREFIX",
@@ -488,45 +489,4 @@ def wait_released_here(checkpoint_id: str, timeout: float) -> bool:
     return _renewer.wait_none(checkpoint_id, timeout)
 
 
-class _Renewer:
-    """One daemon thread per process renewing every held lease every :data:`RENEW_EVERY` seconds."""
-
-    def __init__(self) -> None:
-        self._leases: set[Lease] = set()
-        self._lock = threading.Lock()
-        self._released = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-
-    def add(self, lease: Lease) -> None:
-        with self._lock:
-            self._leases.add(lease)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="tierckpt-lease", daemon=True)
-                self._thread.start()
-
-    def remove(self, lease: Lease) -> None:
-        with self._lock:
-            self._leases.discard(lease)
-            self._released.notify_all()
-
-    def wait_none(self, checkpoint_id: str, timeout: float) -> bool:
-        with self._lock:
-            return self._released.wait_for(
-                lambda: not any(lease.checkpoint_id == checkpoint_id for lease in self._leases), timeout
-            )
-
-    def held(self) -> list[Lease]:
-        with self._lock:
-            return list(self._leases)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(RENEW_EVERY)
-            for lease in self.held():
-                try:
-                    lease.renew()
-                except (TierckptError, OSError, CorruptCheckpoint) as e:
-                    log.warning("could not renew the lease on %s at %s: %s", lease.checkpoint_id, lease.tier.url, e)
-
-
-_renewer = _Renewer()
+_renewer = Renewer(RENEW_EVERY)
