@@ -355,7 +355,7 @@ def fetch_latest(story: Story, node: str = "node0") -> dict:
 # -- 1. one process: kill, lose the node, fetch, resume, compare bit for bit -------------------------
 
 
-@pytest.mark.parametrize("seed", [11, 23, 42])
+@pytest.mark.parametrize("seed", [11, 42])  # kill steps early and late (23 ran too: the suite neared 15 min)
 def test_kill_lose_node_fetch_resume_single_process(seed, tmp_path, s3_endpoint, reference, record_property):
     rng = random.Random(seed)
     kill_step = rng.randrange(3 * EVERY, STEPS - 2)  # at or after the 3rd checkpoint's step
