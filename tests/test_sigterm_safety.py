@@ -162,7 +162,7 @@ def test_hung_s3_does_not_hold_back_the_first_local_commit(tmp_path, silent_s3):
 @pytest.mark.parametrize(
     "order,use_drain",
     [("before", False), ("before", True), ("after", True)],
-    ids=["chained", "chained-drain", "after-drain"],  # ("after", False), tierckpt's handler alone: chaos sigstorm
+    ids=["chained", "chained-drain", "after-drain"],  # ("after", False), a control: chaos sigstorm
 )
 def test_sigterm_storm_never_hangs(tmp_path, order, use_drain):
     """Item 6: SIGTERM every 30 ms, the job's own handler before or after the writer's, with or
