@@ -121,7 +121,7 @@ def gc_checkpoints(
                 if not dry_run:
                     action.deleted = bool(apply_retention(t, RetentionPlan(delete=[(cid, why)], keep=[]), infos))
             if not dry_run:
-                res.aborted_uploads += t.abort_stale(cfg.job.commit_timeout, set(live_leases(t)))
+                res.aborted_uploads += t.abort_stale(cfg.job.commit_timeout, lambda: set(live_leases(t)))
         if not dry_run:
             for t in tiers:
                 t.wait_deletions()  # deletions may finish in the background: gc returns when they are done

@@ -307,3 +307,26 @@ def test_a_framework_deletion_still_spares_another_process_s_reader(tmp_path):
     assert [c.checkpoint_id for c in list_checkpoints(archive) if c.committed] == ["step-1"]
     assert not os.path.exists(tmp_path / "local" / "step-1" / "metadata.json")
     w.close()
+
+
+def test_a_lease_released_during_an_outage_is_dead_to_this_process(tmp_path, monkeypatch):
+    """A hop that failed in an S3 outage releases its lease but cannot delete it: the object stays
+    until LEASE_TTL, yet this process knows it let go, so its own retention does not spare the
+    upload that hop left behind (nor does the object outlive the next listing)."""
+    from tierckpt.errors import TierError
+
+    tier = LocalTier(str(tmp_path / "t"))
+    lease = leases.acquire_for_write(tier, "step-1", purpose="hop")
+    assert "step-1" in leases.live_leases(tier)
+    real_delete = tier.delete
+
+    def down(key):
+        raise TierError(f"delete {key} failed: outage")
+
+    monkeypatch.setattr(tier, "delete", down)
+    lease.release()
+    assert tier.exists(lease.key)  # still on the tier
+    monkeypatch.setattr(tier, "delete", real_delete)
+    assert "step-1" not in leases.live_leases(tier)
+    assert not tier.exists(lease.key)  # removed on the way, once the tier is back
+    assert lease.key not in leases._let_go

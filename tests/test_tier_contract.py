@@ -670,3 +670,39 @@ def test_faultproxy_relays_keepalive_chunked_head_and_stalls(seaweed_endpoint: s
         body = r.read()
         assert r.status in (500, 503) and b"<Code>" in body and proxy.stats["errors"] == 1
         conn.close()
+
+
+def test_abort_stale_spares_leased_uploads_under_shard_prefixes(moto_endpoint: str, s3cfg: Callable[..., Any]) -> None:
+    """Data files live under ``_XX/ID/``: a leased checkpoint's upload there is spared (the spare
+    check once read ``_01`` as the checkpoint id and aborted a save in flight: a torchtitan run on
+    CI lost step-6 of rank 1 to rank 0's retention)."""
+    from tierckpt.format.layout import data_key
+
+    tier = S3Tier(s3cfg(moto_endpoint))
+    key = "ckpt/" + data_key("step-6", "rank-00001-c30a3de5.data")
+    up = tier.client.create_multipart_upload(Bucket=tier.bucket, Key=key)["UploadId"]
+    assert tier.abort_stale(600.0, spare={"step-6"}) == 0
+    left = tier.client.list_multipart_uploads(Bucket=tier.bucket, Prefix="ckpt/").get("Uploads") or []
+    assert [u["UploadId"] for u in left] == [up]
+    assert tier.abort_stale(600.0, spare={"step-4"}) == 1  # not leased: moto dates it 2010, so stale
+    tier.close()
+
+
+def test_abort_stale_reads_spare_after_listing_uploads(moto_endpoint: str, s3cfg: Callable[..., Any]) -> None:
+    """A save takes its lease, then starts its upload. A sweep that read the leases before listing
+    the uploads could see the upload but not the lease; ``spare`` given as a callable is read after
+    the listing, so an upload it lists had its lease taken before the leases were read."""
+    tier = S3Tier(s3cfg(moto_endpoint))
+    key = "ckpt/_00/step-8/rank-00000.data"
+
+    def leases_read_then_save_starts() -> set[str]:
+        if not started:
+            started.append(tier.client.create_multipart_upload(Bucket=tier.bucket, Key=key)["UploadId"])
+        return set()  # read before the save's lease existed
+
+    started: list[str] = []
+    assert tier.abort_stale(600.0, spare=leases_read_then_save_starts) == 0
+    assert started  # spare was read
+    left = tier.client.list_multipart_uploads(Bucket=tier.bucket, Prefix="ckpt/").get("Uploads") or []
+    assert [u["UploadId"] for u in left] == started
+    tier.close()

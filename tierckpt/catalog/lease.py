@@ -109,8 +109,10 @@ class LeaseInfo:
     written: float = 0.0  # the object's time on the tier (its last write), 0 when unknown
 
     def live(self, now: float | None = None) -> bool:
-        """Not expired, and (when its holder ran on this host) its holder process still runs."""
-        if self.expires <= (time.time() if now is None else now):
+        """Not expired, not released by this process (a release whose delete failed leaves the
+        object behind: it is dead to us at once), and (when its holder ran on this host) its
+        holder process still runs."""
+        if self.expires <= (time.time() if now is None else now) or self.key in _let_go:
             return False
         host, _, pid = self.owner.rpartition(":")
         if host == socket.gethostname() and pid.isdigit():
@@ -254,11 +256,21 @@ def being_deleted(tier: Tier, checkpoint_id: str, tomb: LeaseInfo, purpose: str 
     )
 
 
-def _forget(tier: Tier, key: str) -> None:
+#: Keys of leases this process released but could not delete (the tier was down): dead to this
+#: process's deleters at once, not after :data:`LEASE_TTL` (a promotion that failed in an outage
+#: must not keep its own leftover upload from being cleaned). Removed once the delete succeeds.
+_let_go: set[str] = set()
+
+
+def _forget(tier: Tier, key: str) -> bool:
+    """Delete the lease object ``key`` (never raises); returns whether it is gone."""
     try:
         tier.delete(key)
     except TierckptError as e:
         log.debug("could not remove lease %s on %s: %s", key, tier.url, e)
+        return False
+    _let_go.discard(key)
+    return True
 
 
 class Lease:
@@ -312,7 +324,8 @@ class Lease:
             if self.released:
                 return
             self.released = True
-            _forget(self.tier, self.key)
+            if not _forget(self.tier, self.key):
+                _let_go.add(self.key)
         _renewer.remove(self)
 
     def __enter__(self) -> Lease:

@@ -143,7 +143,7 @@ class FirstTierRetention:
         and (unless the disk would fill) ``owed``; then remove the leftovers of interrupted writes
         (:meth:`Tier.abort_stale`: multipart uploads, half-written files of dead processes)."""
         enforce(tier, tier.keep, tier.keep_every, self.in_flight_ids() | protect, owed=owed, need_bytes=need_bytes)
-        aborted = tier.abort_stale(self.cfg.job.commit_timeout, set(live_leases(tier)) | self.in_flight_ids())
+        aborted = tier.abort_stale(self.cfg.job.commit_timeout, lambda: set(live_leases(tier)) | self.in_flight_ids())
         if aborted:
             log.info("removed %d leftovers of interrupted writes on %s", aborted, tier.url)
 

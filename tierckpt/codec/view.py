@@ -33,7 +33,7 @@ from ..errors import CorruptCheckpoint
 from ..format.layout import is_data_file, metadata_key, split_key
 from ..format.metadata import parse_metadata
 from ..format.stored import StoredFile
-from ..tiers.base import ObjectInfo, Tier
+from ..tiers.base import ObjectInfo, Spare, Tier
 from .frames import decode_into
 
 __all__ = ["decoding", "DecodingTier"]
@@ -191,7 +191,7 @@ class DecodingTier(Tier):
     def list_dirs(self) -> builtins.list[str]:
         return self.inner.list_dirs()
 
-    def abort_stale(self, older_than_s: float, spare=()) -> int:  # noqa: ANN001
+    def abort_stale(self, older_than_s: float, spare: Spare = ()) -> int:
         return self.inner.abort_stale(older_than_s, spare)
 
     def free_bytes(self) -> int | None:

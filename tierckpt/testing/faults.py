@@ -14,10 +14,10 @@ Thread-safe. Never used by the library itself.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..tiers.base import DataSink, ObjectInfo, Tier
+from ..tiers.base import DataSink, ObjectInfo, Spare, Tier
 
 __all__ = ["FaultyTier", "OPS"]
 
@@ -135,7 +135,7 @@ class FaultyTier(Tier):
     def free_bytes(self) -> int | None:
         return self.inner.free_bytes()
 
-    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Spare = ()) -> int:
         return self.inner.abort_stale(older_than_s, spare)
 
     def root_id(self) -> str:

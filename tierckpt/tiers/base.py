@@ -18,13 +18,35 @@ import builtins
 import errno
 import re
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpoint, TierError
 from .streams import Encoding, SpoolStream, StreamSink
 
-__all__ = ["Tier", "DataSink", "Encoding", "ObjectInfo", "ResumableSink", "StreamSink", "check_key"]
+__all__ = [
+    "Tier",
+    "DataSink",
+    "Encoding",
+    "ObjectInfo",
+    "ResumableSink",
+    "Spare",
+    "StreamSink",
+    "check_key",
+    "spared_ids",
+]
+
+#: The checkpoint ids :meth:`Tier.abort_stale` leaves alone: a collection, or a callable the tier
+#: calls once it has listed the leftovers (so that the leases it reads are at least as new as the
+#: listing: a save takes its lease before it creates anything, so every leftover listed by then
+#: belongs to a lease the callable sees).
+Spare = Collection[str] | Callable[[], Collection[str]]
+
+
+def spared_ids(spare: Spare) -> Collection[str]:
+    """The ids in ``spare``, calling it when it is a callable (the tier does, after listing)."""
+    return spare() if callable(spare) else spare
+
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._\-=+@,]+$")
 
@@ -402,12 +424,13 @@ class Tier(abc.ABC):
             self.delete(key)
         return n
 
-    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Spare = ()) -> int:
         """Discard leftovers of interrupted writes older than ``older_than_s`` seconds (incomplete
         multipart uploads, half-written files of a killed process), except under the checkpoint
-        ids in ``spare`` (those with a live lease: a fetch or save may still resume them); return
-        how many. Tiers without such leftovers return 0. Called by retention after each commit and
-        by ``gc``."""
+        ids in ``spare`` (those with a live lease: a fetch or save may still resume them; a
+        callable is called after the leftovers are listed, see :data:`Spare`); return how many.
+        Tiers without such leftovers return 0. Called by retention after each commit and by
+        ``gc``."""
         return 0
 
     def free_bytes(self) -> int | None:

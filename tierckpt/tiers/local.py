@@ -28,11 +28,11 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import CheckpointNotFound, CommitConflict, TierError
-from .base import DataSink, ObjectInfo, ResumableSink, Tier, check_key
+from .base import DataSink, ObjectInfo, ResumableSink, Spare, Tier, check_key, spared_ids
 from .localfs import (
     _O_DIRECT,
     _REFUSED,
@@ -352,7 +352,7 @@ class LocalTier(LocalReads, Tier):
             raise ValueError(f"block must be positive, got {block}")
         return _ResumableFile(self, key, size, block, dict(tag or {}), adopt)
 
-    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Spare = ()) -> int:
         """Remove what writers that died left behind and nobody touched for ``older_than_s``
         seconds (at least :data:`STALE_FLOOR_S`): ``.partial`` files (a flush or a peer copy whose process was killed mid-file; a
         live writer keeps its file's mtime fresh, and its commit round gives up sooner) and
@@ -364,6 +364,7 @@ class LocalTier(LocalReads, Tier):
         if not self.root.is_dir():
             return 0
         cutoff = time.time() - max(older_than_s, STALE_FLOOR_S)
+        spare = set(spared_ids(spare))  # read first: a save's new files are younger than the cutoff
         n = 0
         for dirpath, dirs, files in os.walk(self.root):
             dirs[:] = [d for d in dirs if not d.startswith(TRASH) and d not in spare]  # ID/ and _XX/ID/

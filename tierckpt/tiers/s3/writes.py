@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any
 
 from ...config.redact import redact
 from ...errors import CommitConflict, CorruptCheckpoint, TierckptError, TierError
-from ..base import DataSink
+from ...format.layout import split_key
+from ..base import DataSink, Spare, spared_ids
 from .client import (
     BotoCoreError,
     ClientError,
@@ -303,10 +304,10 @@ class S3Writes(S3Requests):
             raise self._transport_error(e, "list parts of", self._url_of(key)) from e
         return latest
 
-    def abort_stale(self, older_than_s: float, spare: Collection[str] = ()) -> int:
+    def abort_stale(self, older_than_s: float, spare: Spare = ()) -> int:
         return self.abort_stale_uploads("", older_than_s=older_than_s, spare=spare)
 
-    def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0, spare: Collection[str] = ()) -> int:
+    def abort_stale_uploads(self, prefix: str = "", older_than_s: float = 0, spare: Spare = ()) -> int:
         """Abort multipart uploads under ``prefix`` idle for at least ``older_than_s`` seconds;
         return how many were aborted.
 
@@ -315,7 +316,8 @@ class S3Writes(S3Requests):
         candidate), so that a long promotion still sending parts is never aborted. With
         ``older_than_s=0`` every upload under the prefix is aborted without ListParts. (moto
         reports a fixed 2010 initiation time, so there only part times protect an upload.)
-        Uploads of the checkpoint ids in ``spare`` (leased) are left alone.
+        Uploads of the checkpoint ids in ``spare`` (leased; data files under ``_XX/ID/`` too) are
+        left alone; a callable ``spare`` is called after the listing (see :data:`Spare`).
         """
         full_prefix = self._check_prefix(prefix)
         url = self._url_of(full_prefix)
@@ -328,9 +330,11 @@ class S3Writes(S3Requests):
             raise self._client_error(e, "list multipart uploads under", url) from e
         except BotoCoreError as e:
             raise self._transport_error(e, "list multipart uploads under", url) from e
+        spared = set(spared_ids(spare))
         for page in pages:
             for up in page.get("Uploads", ()) or ():
-                if spare and up["Key"][len(self._root) :].split("/", 1)[0] in spare:
+                where = split_key(up["Key"][len(self._root) :])
+                if where is not None and where[0] in spared:
                     continue
                 initiated = up.get("Initiated")
                 age = now - initiated.timestamp() if initiated is not None else float("inf")
