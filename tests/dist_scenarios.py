@@ -424,4 +424,9 @@ def store_threads(args: dict, rank: int, world: int) -> dict:
     return out
 
 
-SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase, check_in_cases, store_threads]})
+def visible(args: dict, rank: int, world: int) -> dict:
+    """What this rank sees in each of ``args["dirs"]`` (file names, sorted)."""
+    return {"seen": {d: sorted(os.listdir(d)) for d in args["dirs"]}}
+
+
+SCENARIOS.update({f.__name__: f for f in [staggered_load, die_in_phase, check_in_cases, store_threads, visible]})

@@ -45,6 +45,7 @@ def run_world(
     script: Path | None = None,
     agent_store: bool = False,
     prefix_of: Callable[[int], list[str]] | None = None,
+    hide_of: Callable[[int], list[str]] | None = None,
 ) -> list[dict]:
     """Run ``scenario`` on ``world`` ranks; return their results.
 
@@ -63,4 +64,5 @@ def run_world(
         extra_env=extra_env,
         agent_store=agent_store,
         prefix_of=prefix_of,
+        hide_of=hide_of,
     )

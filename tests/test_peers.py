@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.testing import can_hide_paths, hide_paths, run_world
+from tierckpt.testing import can_hide_paths, run_world
 
 SCRIPT = Path(__file__).with_name("peer_scenarios.py")
 NODES = ("n0", "n1")
@@ -50,9 +50,9 @@ def run(
     """``scenario`` on ``world`` ranks; each rank blind to the other nodes' directories when possible."""
     for n in NODES:
         (base / n).mkdir(parents=True, exist_ok=True)
-    prefix = None
+    hide = None
     if ISOLATED:
-        prefix = lambda r: hide_paths([str(base / n) for n in NODES if n != node_of(r)])  # noqa: E731
+        hide = lambda r: [str(base / n) for n in NODES if n != node_of(r)]  # noqa: E731
     return run_world(
         world,
         scenario,
@@ -60,7 +60,7 @@ def run(
         base / work,
         script=SCRIPT,
         node_of=node_of,
-        prefix_of=prefix,
+        hide_of=hide,
         **kw,
     )
 

@@ -60,16 +60,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckInError
-from .commit import StoreChannel, name_ranks
+from .commit import GRACE, StoreChannel, grace, name_ranks
 from .jobstore import JobStore
 
-__all__ = ["GRACE", "Group", "dcp_group", "check_in", "prefix_of", "absent"]
+__all__ = ["GRACE", "Group", "dcp_group", "check_in", "grace", "prefix_of", "absent"]
 
 log = logging.getLogger("tierckpt")
-
-GRACE = 30.0
-"""Seconds a rank waits for the coordinator's verdict beyond the commit timeout (the coordinator
-waits the commit timeout from its own arrival, which may be later)."""
 
 
 @dataclass(frozen=True)
@@ -273,7 +269,7 @@ def _verdict(store: Any, cid: str, prev: str | None, group: Group, deadline: flo
 
 def _attend(cid: str, prev: str | None, group: Group, timeout: float, what: str) -> None:
     store = _store()
-    limit = timeout + GRACE
+    limit = timeout + grace(timeout)
     prefix, v = _verdict(store, cid, prev, group, time.monotonic() + limit)
     _delete(store, f"{prefix}/in{group.rank}")
     if v is None:

@@ -39,6 +39,7 @@ from ..errors import CommitConflict, CommitError, TierckptError
 from .jobstore import JobStore
 
 __all__ = [
+    "GRACE",
     "Channel",
     "LocalChannel",
     "StoreChannel",
@@ -46,6 +47,7 @@ __all__ = [
     "encode_report",
     "decode_report",
     "gather_reports",
+    "grace",
     "Round",
     "run_commit",
 ]
@@ -55,6 +57,18 @@ log = logging.getLogger("tierckpt.commit")
 
 def _never() -> bool:
     return False
+
+
+GRACE = 30.0
+"""The most seconds a rank waits for the coordinator's verdict beyond the commit timeout (the
+coordinator waits the commit timeout from its own arrival, which may be later): see :func:`grace`."""
+
+
+def grace(timeout: float) -> float:
+    """How long past ``timeout`` a rank waits for the coordinator's check-in verdict or commit
+    outcome: :data:`GRACE`, or the timeout itself when shorter (a job that allows its ranks 15 s to
+    report allows its coordinator as much to arrive late; the default 600 s gets the full 30 s)."""
+    return min(GRACE, timeout)
 
 
 class Channel(abc.ABC):
@@ -335,7 +349,7 @@ class Round:
 
     def get_shared(self, name: str, what: str) -> bytes:
         self._shared.add(name)
-        return self.ch.wait_get(self.key(name), self.timeout + 30, f"{self.what}: {what}")
+        return self.ch.wait_get(self.key(name), self.timeout + grace(self.timeout), f"{self.what}: {what}")
 
     def outcome_ok(self, metadata: bytes | None) -> None:
         """Step 2, coordinator: the outcome (``metadata``: the merged metadata, or None when every

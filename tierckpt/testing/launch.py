@@ -56,6 +56,21 @@ def hide_paths(paths: list[str]) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
 
 
+def _hide_here(paths: list[str]) -> None:
+    """In a freshly forked, single-threaded rank: what :func:`hide_paths` does for an exec'd one,
+    without exec (so the rank keeps the fork server's imported torch): a private mount namespace
+    of its own (``unshare(CLONE_NEWNS)``, as ``unshare --mount --propagation private`` does), then
+    an empty tmpfs over each of ``paths``. Raises OSError when the kernel refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
+    for cmd in (["mount", "--make-rprivate", "/"], *(["mount", "-t", "tmpfs", "tmpfs", p] for p in paths)):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The environment variables torchrun would give ``rank`` of ``world`` on one loopback node."""
     return {
@@ -78,10 +93,14 @@ def launch_ranks(
     env_of: Callable[[int], dict[str, str]] | None = None,
     prefix_of: Callable[[int], list[str]] | None = None,
     agent_store: bool = False,
+    hide_of: Callable[[int], list[str]] | None = None,
 ) -> tuple[list[int | None], dict[int, str]]:
     """Start ``argv(rank)`` for every rank (environment: ours + :func:`rank_env` + ``env_of(rank)``;
-    command prefixed by ``prefix_of(rank)``, e.g. :func:`hide_paths`), output to
-    ``workdir/rank<r>.log``; wait for all of them.
+    command prefixed by ``prefix_of(rank)``), output to ``workdir/rank<r>.log``; wait for all of them.
+
+    ``hide_of(rank)``: directories that rank must not see (another machine's disks), covered as
+    :func:`hide_paths` does (needs :func:`can_hide_paths`): in the forked rank itself, or through
+    the :func:`hide_paths` prefix when the rank is exec'd.
 
     ``agent_store``: this process hosts the job's TCPStore, as torchrun's agent does, so the
     store outlives any rank (rank 0 included); otherwise rank 0's process hosts it.
@@ -115,10 +134,12 @@ def launch_ranks(
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             env.update(env_of(r) if env_of else {})
             cmd, log = argv(r), workdir / f"rank{r}.log"
+            hide = hide_of(r) if hide_of else []
             if prefix_of is None and _forkable(cmd):
-                procs.append(_Forked(cmd, env, log))
+                procs.append(_Forked(cmd, env, log, hide))
             else:
-                procs.append(_Exec((prefix_of(r) if prefix_of else []) + cmd, env, log))
+                prefix = (prefix_of(r) if prefix_of else []) + (hide_paths(hide) if hide else [])
+                procs.append(_Exec(prefix + cmd, env, log))
         codes = [p.wait(max(0.0, deadline - time.monotonic())) for p in procs]
     finally:
         for p in procs:
@@ -132,7 +153,7 @@ def launch_ranks(
 # Importing torch costs a new Python process about 4 CPU-seconds; a 16-rank job started with plain
 # exec spends a minute of CPU before its first line of work. Python scripts are therefore started
 # through multiprocessing's fork server, which imports torch once (see _PRELOAD) and forks every rank
-# from there. Anything else (a command prefix such as hide_paths, another program) is exec'd, as
+# from there (hiding directories in the rank itself). Anything else (a command prefix, another program) is exec'd, as
 # is everything when TIERCKPT_LAUNCH=exec.
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
@@ -160,9 +181,10 @@ def _fork_context() -> Any:
     return _ctx
 
 
-def _run_script(cmd: list[str], env: dict[str, str], log: str) -> None:
+def _run_script(cmd: list[str], env: dict[str, str], log: str, hide: list[str]) -> None:
     """In a rank forked from the fork server: what ``python SCRIPT ARGS...`` would do, with ``env``
-    as the whole environment and stdout and stderr going (unbuffered) to ``log``."""
+    as the whole environment, stdout and stderr going (unbuffered) to ``log``, and the
+    directories ``hide`` covered (:func:`_hide_here`)."""
     import faulthandler
     import io
     import runpy
@@ -176,6 +198,8 @@ def _run_script(cmd: list[str], env: dict[str, str], log: str) -> None:
     sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True)
     os.environ.clear()
     os.environ.update(env)
+    if hide:
+        _hide_here(hide)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # _Forked.stop: stacks of a hung rank
     if env.get("OMP_NUM_THREADS", "").isdigit():
         import torch
@@ -190,8 +214,8 @@ def _run_script(cmd: list[str], env: dict[str, str], log: str) -> None:
 class _Forked:
     """A rank forked from the fork server."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
-        self.p = _fork_context().Process(target=_run_script, args=(cmd, env, str(log)))
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, hide: list[str]) -> None:
+        self.p = _fork_context().Process(target=_run_script, args=(cmd, env, str(log), hide))
         self.p.start()
 
     def wait(self, timeout: float) -> int | None:
@@ -252,6 +276,7 @@ def run_world(
     extra_env: dict[str, str] | None = None,
     prefix_of: Callable[[int], list[str]] | None = None,
     agent_store: bool = False,
+    hide_of: Callable[[int], list[str]] | None = None,
 ) -> list[dict]:
     """Run ``scenario`` of the worker module ``script`` on ``world`` ranks; return their results.
 
@@ -259,7 +284,7 @@ def run_world(
     different values are simulated nodes with their own ``[local] path = ".../{node}"``.
     With ``expect_ok``, any rank exiting non-zero (or timing out) raises AssertionError with every
     rank's log tail; otherwise a rank without a result gives ``{"exit": code, "log": tail}``.
-    ``agent_store``: see :func:`launch_ranks`.
+    ``agent_store``, ``prefix_of``, ``hide_of``: see :func:`launch_ranks`.
     """
 
     def env_of(r: int) -> dict[str, str]:
@@ -273,6 +298,7 @@ def run_world(
         env_of=env_of,
         prefix_of=prefix_of,
         agent_store=agent_store,
+        hide_of=hide_of,
     )
     logs = {r: text[-4000:] for r, text in full_logs.items()}
     if expect_ok and any(c != 0 for c in codes):
