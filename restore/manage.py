@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierckpt.catalog.listing import list_checkpoints
-from tierckpt.chain.retention import RetentionPlan, apply_retention
 from tierckpt.catalog.nodes import open_node_dirs
+from tierckpt.chain.retention import RetentionPlan, apply_retention
 from tierckpt.config import TierConfig
 from tierckpt.config.values import node_name
 from tierckpt.format.layout import check_checkpoint_id
@@ -201,7 +201,9 @@ def plan_delete(
     try:
         want: set[str] | None = None
         if ids:
-            want = {find_latest_here(cfg, tg.tiers).checkpoint_id if i == "latest" else check_checkpoint_id(i) for i in ids}
+            want = {
+                find_latest_here(cfg, tg.tiers).checkpoint_id if i == "latest" else check_checkpoint_id(i) for i in ids
+            }
         plan = DeletePlan(unreadable=dict(tg.unreadable))
         for name, t in tg.targets.items():
             rows = [(c.checkpoint_id, c.size, c.committed) for c in list_checkpoints(t)]
