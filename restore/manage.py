@@ -174,7 +174,7 @@ def _targets(cfg: TierConfig, tier: str | None) -> _Targets:
                 try:
                     list_checkpoints(nt)
                 except Exception as e:  # noqa: BLE001 - named, the other directories still deleted
-                    out.unreadable[name] = f"{nt.url}: {e}"
+                    out.unreadable[name] = str(e) if nt.url in str(e) else f"{nt.url}: {e}"
                     continue
                 out.targets[name] = nt
     except BaseException:

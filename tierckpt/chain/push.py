@@ -113,7 +113,7 @@ def push_sources(cfg: Config, tiers: list[Tier]) -> PushSources:
         try:
             committed_in_order(t)
         except (TierckptError, OSError) as e:
-            out.unreadable[node] = f"{t.url}: {e}"
+            out.unreadable[node] = str(e) if t.url in str(e) else f"{t.url}: {e}"
             continue
         out.sources.append((f"node {node}", t))
     return out
