@@ -226,6 +226,7 @@ class Survey:
     unreadable: dict[str, BaseException] = field(default_factory=dict)  # tier section -> why it was not listed
     nodes: list[str] = field(default_factory=list)  # the node directories read (node-local first tier)
     urls: dict[str, str] = field(default_factory=dict)  # tier section -> its URL
+    unreadable_nodes: dict[str, tuple[str, BaseException]] = field(default_factory=dict)  # node -> (URL, why)
 
 
 def survey(cfg: TierConfig | None, tiers: list[Tier], *, nodes: bool = True) -> Survey:
@@ -237,8 +238,9 @@ def survey(cfg: TierConfig | None, tiers: list[Tier], *, nodes: bool = True) -> 
     ``{node}``) and ``nodes``, every node directory readable here is listed too (this node's
     under its :func:`~tierckpt.config.values.node_name`, the others by
     :func:`tierckpt.catalog.nodes.open_node_dirs`): the tier's entry for a checkpoint covers
-    them all and :attr:`TierEntry.nodes` says which node holds it. An unreadable other node's
-    directory is skipped (debug log), as ``latest`` does.
+    them all and :attr:`TierEntry.nodes` says which node holds it. An other node's directory
+    that cannot be listed (no permission) is skipped, as ``latest`` does, and named in
+    :attr:`Survey.unreadable_nodes` (``list`` warns).
     """
     others = open_node_dirs(cfg, tiers) if nodes and cfg is not None else {}
     out = Survey([], urls={t.name: t.url for t in tiers})
@@ -256,6 +258,7 @@ def survey(cfg: TierConfig | None, tiers: list[Tier], *, nodes: bool = True) -> 
                 except Exception as e:  # noqa: BLE001 - one tier's failure must not hide the others
                     if t is not tier:
                         log.debug("node %s: cannot list %s (%s): skipped", node, t.url, e)
+                        out.unreadable_nodes[str(node)] = (t.url, e)
                         continue
                     out.unreadable[tier.name] = e
                     continue

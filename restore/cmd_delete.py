@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .errors import EXIT_FAILED
 from .fmt import add_json, add_tier, checkpoint_ref, human_size, print_json, table
+
+log = logging.getLogger("tierckpt.restore")
 
 EPILOG = """examples:
   tierckpt-restore delete step-000300             # asks before deleting
@@ -25,7 +28,9 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
         "loading, fetching or still writing is left alone and reported (exit 1; run again once "
         "it is done), and a job that starts writing the same id meanwhile waits for the deletion "
         "to finish. Asks for confirmation (on stdin) unless --yes. Use --all before rerunning a "
-        "job from scratch: its step-0 commit otherwise fails with CommitConflict.",
+        "job from scratch: its step-0 commit otherwise fails with CommitConflict. With a node-local "
+        "[local] path ({node}) every node directory readable here is deleted from; one that cannot "
+        "be read is named (exit 1: delete there from a host that can read it).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.checkpoints) == args.every:
         raise UsageError("delete: name the checkpoints to delete, or --all (not both)")
     plan = plan_delete(args.config, args.checkpoints, every=args.every, tier=args.tier)
+    for name, why in plan.unreadable.items():
+        log.warning("%s could not be read, nothing is deleted there: %s", name, why)
     if not args.yes:
         rows = [
             [t, cid, human_size(size), "committed" if c else "partial"]
@@ -70,4 +77,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"deleted from {t}: {', '.join(ids)}")
         for t, ids in res.in_use.items():
             print(f"in use on {t} (not deleted): {', '.join(ids)}")
+        for t in res.unreadable:
+            print(f"not read, nothing deleted there: {t}")
     return 0 if res.ok else EXIT_FAILED

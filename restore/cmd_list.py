@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
         "where the tier compresses, plus its metadata; verify reports the logical data size, as "
         "saved, without metadata), number of rank files, age (since commit, or last write). With a "
         "node-local [local] path ({node}) every node directory readable here is listed "
-        "(as 'latest' sees them) and a NODES column says which nodes hold each checkpoint. "
+        "(as 'latest' sees them) and a NODES column says which nodes hold each checkpoint; "
+        "a node directory that cannot be read is named in a warning. "
         "A tier that cannot be read (S3 down, no credentials) is named in a warning and the "
         "other tiers are listed; the exit status is 0 unless --strict.",
         epilog=EPILOG,
@@ -63,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
         log.warning(
             "tier %s (%s) could not be read, its checkpoints are not listed: %s", name, found.urls.get(name, "?"), msg
         )
+    for node, (url, err) in found.unreadable_nodes.items():
+        msg, code = classify(err)
+        status = status or code
+        log.warning("node %s (%s) could not be read, its checkpoints are not listed: %s", node, url, msg)
     listings = found.listings
     now = time.time()
     if args.json:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from .errors import EXIT_OTHER
 from .fmt import add_json, print_json
+
+log = logging.getLogger("tierckpt.restore")
 
 EPILOG = """examples:
   tierckpt-restore push                # after an S3 outage: copy what S3 lacks, then retention
@@ -21,8 +24,13 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
         description="Copy to every later tier (S3) the committed checkpoints of the first tier that it "
         "should have and lacks (newer than its newest, and its keep_every milestones), as a job "
         "does before its next copy: the same leases and commit protocol (metadata last), so it is "
-        "safe while a job runs. Then applies retention on every tier, as gc does. Exits 3 when "
-        "something could not be pushed (the tier is still down: run it again later).",
+        "safe while a job runs. With a node-local [local] path ({node}) every node directory "
+        "readable here contributes its ranks' files: a checkpoint whose ranks wrote on several "
+        "nodes is pushed once every data file is found (with its recorded size); otherwise nothing "
+        "of it is copied and the missing ranks and the node directories that could not be read "
+        "are named. Then applies retention on every tier, as gc does. Exits 3 when something "
+        "could not be pushed (the tier is still down, a node directory unreadable: run it again "
+        "later, or where every node directory can be read).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -36,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from .manage import push_checkpoints  # on use: --help and the other commands do not pay for its imports
 
     res = push_checkpoints(args.config, tier=args.tier, gc=args.gc)
+    for node, why in (res.hops[0].unreadable if res.hops else {}).items():
+        log.warning("node %s could not be read, nothing was copied from it: %s", node, why)
     if args.json:
         print_json(res.to_json())
         return 0 if res.ok else EXIT_OTHER

@@ -6,7 +6,9 @@ backlog pass (:func:`tierckpt.chain.push.push_backlog`: same plan, leases and co
 then applies retention on every tier (:func:`restore.gc.gc_checkpoints`).
 
 :func:`delete_checkpoints` removes checkpoints (committed or partial) from every tier, or one,
-each under the lease protocol of :mod:`tierckpt.catalog.lease` (a tombstone, the metadata first,
+and with a node-local first tier (``[local] path`` with ``{node}``) from every node directory
+this process can read (one it cannot read is named, and the result is not ok), each under the
+lease protocol of :mod:`tierckpt.catalog.lease` (a tombstone, the metadata first,
 then the objects listed): a checkpoint some process is loading, fetching or still writing (a live
 lease) is left alone and reported, and a writer that arrives meanwhile waits for the deletion to
 finish before its first object. Deleting every checkpoint of a run (``--all``) lets a job start
@@ -22,12 +24,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierckpt.catalog.listing import list_checkpoints
+from tierckpt.catalog.nodes import open_node_dirs
 from tierckpt.chain.retention import RetentionPlan, apply_retention
 from tierckpt.config import TierConfig
+from tierckpt.config.values import node_name
 from tierckpt.format.layout import check_checkpoint_id
 from tierckpt.tiers.base import Tier
 
-from .catalog import as_config, find_latest, open_tiers
+from .catalog import as_config, find_latest_here, open_tiers
 from .errors import NotFound, UsageError
 from .gc import GcResult, gc_checkpoints
 
@@ -100,9 +104,14 @@ def push_checkpoints(
 
 @dataclass
 class DeletePlan:
-    """What :func:`delete_checkpoints` would remove: tier name -> (id, size in bytes, committed)."""
+    """What :func:`delete_checkpoints` would remove: target -> (id, size in bytes, committed).
+
+    A target is a tier's section name, or ``SECTION (node NAME)`` for each node directory of a
+    node-local first tier when other node directories are seen here. ``unreadable`` names the
+    node directories that could not be read (target -> why): nothing there is planned."""
 
     targets: dict[str, list[tuple[str, int, bool]]] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -115,21 +124,63 @@ class DeletePlan:
 
 @dataclass
 class DeleteResult:
-    """What :func:`delete_checkpoints` removed, and what it left because a process uses it."""
+    """What :func:`delete_checkpoints` removed, what it left because a process uses it, and the
+    node directories it could not read (target -> why)."""
 
-    deleted: dict[str, list[str]] = field(default_factory=dict)  # tier -> ids
-    in_use: dict[str, list[str]] = field(default_factory=dict)  # tier -> ids left (a live lease)
+    deleted: dict[str, list[str]] = field(default_factory=dict)  # target -> ids
+    in_use: dict[str, list[str]] = field(default_factory=dict)  # target -> ids left (a live lease)
+    unreadable: dict[str, str] = field(default_factory=dict)  # target -> why it was not read
 
     @property
     def ok(self) -> bool:
-        return not any(self.in_use.values())
+        return not any(self.in_use.values()) and not self.unreadable
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "deleted": self.deleted, "in_use": self.in_use}
+        return {"ok": self.ok, "deleted": self.deleted, "in_use": self.in_use, "unreadable": self.unreadable}
 
 
-def _tiers(cfg: TierConfig, tier: str | None) -> list[Tier]:
-    return open_tiers(cfg, tier)
+@dataclass
+class _Targets:
+    """The tiers a deletion works on, by target name (see :class:`DeletePlan`)."""
+
+    tiers: list[Tier]  # the configured tiers (``latest`` is resolved over them)
+    targets: dict[str, Tier]
+    unreadable: dict[str, str]
+    opened: list[Tier]
+
+    def close(self) -> None:
+        for t in [*self.tiers, *self.opened]:
+            t.close()
+
+
+def _targets(cfg: TierConfig, tier: str | None) -> _Targets:
+    """The configured tiers (or ``tier``) and, with a node-local first tier, every other node
+    directory seen here that can be listed; one that cannot is named in ``unreadable``."""
+    tiers = open_tiers(cfg, tier)
+    out = _Targets(tiers, {}, {}, [])
+    try:
+        for t in tiers:
+            if not t.node_local:
+                out.targets[t.name] = t
+                continue
+            others = open_node_dirs(cfg, [t])
+            out.opened += others.values()
+            if not others:
+                out.targets[t.name] = t
+                continue
+            out.targets[f"{t.name} (node {node_name()})"] = t
+            for node, nt in others.items():
+                name = f"{t.name} (node {node})"
+                try:
+                    list_checkpoints(nt)
+                except Exception as e:  # noqa: BLE001 - named, the other directories still deleted
+                    out.unreadable[name] = str(e) if nt.url in str(e) else f"{nt.url}: {e}"
+                    continue
+                out.targets[name] = nt
+    except BaseException:
+        out.close()
+        raise
+    return out
 
 
 def plan_delete(
@@ -140,31 +191,35 @@ def plan_delete(
     tier: str | None = None,
 ) -> DeletePlan:
     """What would be deleted: the checkpoints ``ids`` (``latest`` resolved over the tiers) or,
-    with ``every``, every checkpoint, on every tier (or only ``tier``) that holds any object of
-    them. Raises :class:`NotFound` when nothing matches."""
+    with ``every``, every checkpoint, on every tier (or only ``tier``) and node directory that
+    holds any object of them. Raises :class:`NotFound` when nothing matches (naming the node
+    directories that could not be read)."""
     cfg = as_config(config)
     if bool(ids) == every:
         raise UsageError("delete: name checkpoint ids, or --all (not both)")
-    tiers = _tiers(cfg, tier)
+    tg = _targets(cfg, tier)
     try:
         want: set[str] | None = None
         if ids:
-            want = {find_latest(tiers).checkpoint_id if i == "latest" else check_checkpoint_id(i) for i in ids}
-        plan = DeletePlan()
-        for t in tiers:
+            want = {
+                find_latest_here(cfg, tg.tiers).checkpoint_id if i == "latest" else check_checkpoint_id(i) for i in ids
+            }
+        plan = DeletePlan(unreadable=dict(tg.unreadable))
+        for name, t in tg.targets.items():
             rows = [(c.checkpoint_id, c.size, c.committed) for c in list_checkpoints(t)]
             rows = [r for r in rows if want is None or r[0] in want]
             if rows:
-                plan.targets[t.name] = rows
+                plan.targets[name] = rows
         if not plan.count:
-            where = ", ".join(t.url for t in tiers)
+            where = ", ".join(t.url for t in tg.targets.values())
+            unread = "".join(f"; {n} could not be read ({why})" for n, why in tg.unreadable.items())
             raise NotFound(
-                f"no checkpoint {', '.join(sorted(want))} on {where}" if want else f"no checkpoints on {where}"
+                (f"no checkpoint {', '.join(sorted(want))} on {where}" if want else f"no checkpoints on {where}")
+                + unread
             )
         return plan
     finally:
-        for t in tiers:
-            t.close()
+        tg.close()
 
 
 def delete_checkpoints(
@@ -174,36 +229,37 @@ def delete_checkpoints(
     every: bool = False,
     tier: str | None = None,
 ) -> DeleteResult:
-    """Delete the checkpoints ``ids`` (or, with ``every``, all) from every tier (or ``tier``),
-    each under the lease protocol (see the module docstring). A checkpoint with a live lease on
-    a tier is left there and listed in :attr:`DeleteResult.in_use`. Returns once the deletions
+    """Delete the checkpoints ``ids`` (or, with ``every``, all) from every tier (or ``tier``) and
+    every node directory readable here, each under the lease protocol (see the module
+    docstring). A checkpoint with a live lease on a tier is left there and listed in
+    :attr:`DeleteResult.in_use`; a node directory that cannot be read is listed in
+    :attr:`DeleteResult.unreadable` (both make the result not ok). Returns once the deletions
     are done. Raises :class:`NotFound` when nothing matches."""
     cfg = as_config(config)
     plan = plan_delete(cfg, ids, every=every, tier=tier)
-    tiers = _tiers(cfg, tier)
-    res = DeleteResult()
+    tg = _targets(cfg, tier)
+    res = DeleteResult(unreadable=dict(tg.unreadable))
     try:
-        for t in tiers:
-            todo = {cid for cid, _s, _c in plan.targets.get(t.name, [])}
+        for name, t in tg.targets.items():
+            todo = {cid for cid, _s, _c in plan.targets.get(name, [])}
             if not todo:
                 continue
             infos = [c for c in list_checkpoints(t) if c.checkpoint_id in todo]  # listed again: what is there now
             done = apply_retention(
                 t, RetentionPlan(delete=[(c.checkpoint_id, DELETE_REASON) for c in infos], keep=[]), infos
             )
-            res.deleted[t.name] = done
+            res.deleted[name] = done
             left = sorted({c.checkpoint_id for c in infos} - set(done))
             if left:
-                res.in_use[t.name] = left
+                res.in_use[name] = left
                 log.warning(
                     "%s: not deleted, in use by a running process (a load, fetch or save holds a lease): %s; "
                     "run delete again once it is done",
                     t.url,
                     ", ".join(left),
                 )
-        for t in tiers:
+        for t in tg.targets.values():
             t.wait_deletions()
         return res
     finally:
-        for t in tiers:
-            t.close()
+        tg.close()

@@ -136,9 +136,9 @@ def _check(block: str, r: subprocess.CompletedProcess, base: Path, ops: Path) ->
     assert r.returncode == 0, (block, out, err)
     if "delete --all --yes" in block:
         assert out.splitlines()[:3] == [
-            "deleted from local: step-1, step-2, step-3, step-4, step-5",  # node 0
+            "deleted from local (node 0): step-1, step-2, step-3, step-4, step-5",
+            "deleted from local (node 1): step-5",  # node 1's new disk: what fetch put there
             "deleted from s3: step-1, step-2, step-3, step-4, step-5",
-            "deleted from local: step-5",  # node 1's new disk: what fetch put there
         ], out
         assert out.rstrip().endswith("no checkpoint left") and "no committed checkpoint on any tier" in err
         assert not [p for p in base.glob("*/step-*") if p.is_dir() and any(p.iterdir())], "left on a node"

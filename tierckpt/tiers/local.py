@@ -243,7 +243,7 @@ class LocalTier(LocalReads, Tier):
             start = base.joinpath(*prefix.rsplit("/", 1)[0].split("/"))
             if not start.is_dir():
                 return
-        for dirpath, dirs, files in os.walk(start):
+        for dirpath, dirs, files in os.walk(start, onerror=self._walk_error):
             dirs[:] = [d for d in dirs if not d.startswith(TRASH)]
             for fn in files:
                 if fn.startswith(TMP):
@@ -258,6 +258,16 @@ class LocalTier(LocalReads, Tier):
                     except FileNotFoundError:
                         continue
                     yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    @staticmethod
+    def _walk_error(e: OSError) -> None:
+        """A directory :meth:`list` cannot read: a :class:`TierError` naming it (no permission,
+        an I/O error), never a silently shorter listing; one removed meanwhile (a deletion) is
+        skipped."""
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            return
+        hint = " (not readable by this process)" if e.errno in (errno.EACCES, errno.EPERM) else ""
+        raise TierError(e.errno or 0, f"cannot list {e.filename}: {e.strerror or e}{hint}")
 
     def list_dirs(self) -> builtins.list[str]:
         if not self.root.is_dir():
