@@ -706,3 +706,14 @@ def test_abort_stale_reads_spare_after_listing_uploads(moto_endpoint: str, s3cfg
     left = tier.client.list_multipart_uploads(Bucket=tier.bucket, Prefix="ckpt/").get("Uploads") or []
     assert [u["UploadId"] for u in left] == started
     tier.close()
+
+
+def test_local_list_skips_lost_and_found_of_a_mount_point(tmp_path: Path) -> None:
+    """A tier placed at a file system's root holds ext4's ``lost+found`` (root's, mode 0700): it is
+    not a checkpoint, and a user who cannot read it still lists the tier (an unreadable directory
+    elsewhere is an error naming it)."""
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "lost+found" / "#12345").write_bytes(b"x")
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1" / "metadata.json").write_bytes(b"{}")
+    assert [o.key for o in LocalTier(str(tmp_path)).list()] == ["step-1/metadata.json"]

@@ -244,7 +244,8 @@ class LocalTier(LocalReads, Tier):
             if not start.is_dir():
                 return
         for dirpath, dirs, files in os.walk(start, onerror=self._walk_error):
-            dirs[:] = [d for d in dirs if not d.startswith(TRASH)]
+            # ext4's lost+found (root's, mode 0700) when the tier is a mount point: never ours
+            dirs[:] = [d for d in dirs if not d.startswith(TRASH) and not (d == "lost+found" and dirpath == str(base))]
             for fn in files:
                 if fn.startswith(TMP):
                     continue  # a small put in progress (or killed): never an object
