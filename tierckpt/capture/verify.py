@@ -11,8 +11,8 @@ Two checks ride on the capture, each chosen in ``[job]``:
   version counter) fails the checkpoint with :class:`~tierckpt.errors.CaptureMismatch`: it is never
   committed. ``"sample"`` digests a rotating eighth of the items each save.
 * ``nonfinite`` (``"ignore"``, ``"warn"``, ``"refuse"``): floating tensors are scanned for NaN/Inf
-  on the host copy, in that same pass (exact, per element: the float max/min, or for 16-bit types
-  the largest exponent field), and the count is recorded per item in ``metadata.json``
+  on the host copy, in that same pass (exact: two integer max reductions over the bits, and a count
+  only when they find one), and the count is recorded per item in ``metadata.json``
   (``"nonfinite"``). A GPU tensor is first reduced on its device in the probe (its sum, or
   min/max for 16-bit types), and the host copy is scanned only when that says it may hold NaN/Inf.
   ``refuse`` fails the checkpoint with :class:`~tierckpt.errors.NonFiniteError`; a CPU tensor is
@@ -21,9 +21,9 @@ Two checks ride on the capture, each chosen in ``[job]``:
 
 The host-side pass (:meth:`CaptureCheck.seal`) walks each chunk once in blocks of
 :data:`BLOCK` bytes, and for each block, while it is in cache: CRC32C, digest, NaN/Inf scan. Its
-reductions are numpy's (single-threaded, GIL released, no scratch memory but one reused block per
-thread): torch's CPU reductions would wake its intra-op thread pool, whose spinning cost more CPU
-than the reductions themselves.
+reductions are numpy's (single-threaded, GIL released, no scratch memory): torch's CPU
+reductions would wake its intra-op thread pool, whose spinning cost more CPU than the
+reductions themselves.
 
 The digest (:func:`word_digest`, :func:`np_digest`) is the wrapping int64 sum of the bytes read as
 little-endian int64 words, plus the sum of the trailing bytes: additive over 8-byte aligned
@@ -53,13 +53,14 @@ SAMPLE_EVERY = 8  # verify_capture = "sample": items whose index is the save num
 BLOCK = 1 << 20  # bytes per step of the fused host pass (fits L2 with room to spare)
 _MASK64 = (1 << 64) - 1
 _SUMMABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# NaN/Inf by their bits: (word & mask) >= threshold (the exponent field all ones)
-_NF_BITS: dict[torch.dtype, tuple[type, int, int]] = {
-    torch.float16: (np.uint16, 0x7FFF, 0x7C00),
-    torch.bfloat16: (np.uint16, 0x7FFF, 0x7F80),
+# NaN/Inf by their bits: the exponent field all ones. Read as signed integers the positive ones
+# are the largest values (>= pos); read as unsigned the negative ones are (>= neg).
+_NF_BITS: dict[torch.dtype, tuple[type, type, int, int]] = {
+    torch.float16: (np.int16, np.uint16, 0x7C00, 0xFC00),
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0xFF80),
+    torch.float32: (np.int32, np.uint32, 0x7F80_0000, 0xFF80_0000),
+    torch.float64: (np.int64, np.uint64, 0x7FF0_0000_0000_0000, 0xFFF0_0000_0000_0000),
 }
-_NF_FLOAT: dict[torch.dtype, type] = {torch.float32: np.float32, torch.float64: np.float64}
-_tls = threading.local()  # per flush/capture thread: one reused scratch block
 
 
 def np_digest(a: np.ndarray) -> int:
@@ -99,38 +100,19 @@ def nonfinite_count(t: torch.Tensor) -> int:
     return int(t.numel() - torch.isfinite(t).sum().item())
 
 
-def _scratch(n: int) -> np.ndarray:
-    """This thread's scratch block, at least ``n`` bytes (allocated once per thread: new memory's
-    first touch is slow)."""
-    s = getattr(_tls, "scratch", None)
-    if s is None or s.size < n:
-        s = _tls.scratch = np.empty(max(n, BLOCK), dtype=np.uint8)
-    return s
-
-
 def block_nonfinite(a: np.ndarray, dtype: torch.dtype) -> int:
     """The number of NaN/Inf elements in the bytes ``a`` (flat ``uint8``, whole elements of
-    ``dtype``), exact. fp32/fp64: numpy's max and min (NaN propagates through both; +-Inf shows
-    in one), counted only when one is not finite; fp16/bf16: the largest exponent field, in a
-    reused per-thread scratch block (as large as ``a``: pass blocks); other floating types:
-    torch's count."""
-    if not a.size:
-        return 0
-    ft = _NF_FLOAT.get(dtype)
-    if ft is not None:
-        f = a.view(ft)
-        if np.isfinite(np.maximum.reduce(f)) and np.isfinite(np.minimum.reduce(f)):
-            return 0
-        return int(f.size - np.count_nonzero(np.isfinite(f)))
+    ``dtype``), exact. For fp16/bf16/fp32/fp64 two integer max reductions over the bits (no
+    scratch memory; see ``_NF_BITS``) tell whether there are any, and only then are they counted;
+    other floating types: torch's count."""
     bits = _NF_BITS.get(dtype)
     if bits is None:
-        return nonfinite_count(torch.from_numpy(a).view(dtype))
-    ut, mask, thr = bits
-    s = _scratch(a.size)[: a.size].view(ut)
-    np.bitwise_and(a.view(ut), ut(mask), out=s)
-    if int(np.maximum.reduce(s)) < thr:
+        return nonfinite_count(torch.from_numpy(a).view(dtype)) if a.size else 0
+    st, ut, pos, neg = bits
+    u = a.view(ut)
+    if not u.size or (int(np.maximum.reduce(a.view(st))) < pos and int(np.maximum.reduce(u)) < neg):
         return 0
-    return int(np.count_nonzero(s >= thr))
+    return int(np.count_nonzero((u & ut(pos)) == ut(pos)))
 
 
 def _maybe_nonfinite(t: torch.Tensor) -> torch.Tensor:
