@@ -109,7 +109,7 @@ def block_nonfinite(a: np.ndarray, dtype: torch.dtype) -> int:
     if bits is None:
         return nonfinite_count(torch.from_numpy(a).view(dtype)) if a.size else 0
     st, ut, pos, neg = bits
-    u = a.view(ut)
+    u: np.ndarray = a.view(ut)
     if not u.size or (int(np.maximum.reduce(a.view(st))) < pos and int(np.maximum.reduce(u)) < neg):
         return 0
     return int(np.count_nonzero((u & ut(pos)) == ut(pos)))

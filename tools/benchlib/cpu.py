@@ -174,6 +174,7 @@ def section_cpu(ctx: Ctx) -> dict:
                 lib={k: med(v) for k, v in e["lib"].items()},
             )
         )
+
     def check_cpu(m: str) -> float:
         """The checks' own CPU per GiB: ``writer.stats.verify_cpu_s`` (their code, timed per thread)
         plus what torch's native intra-op threads used beyond the same figure with the checks off.
