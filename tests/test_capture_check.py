@@ -238,6 +238,8 @@ def test_numpy_kernels_agree_with_torch() -> None:
         for i, v in ((0, "nan"), (17, "inf"), (4098, "-inf"), (2000, "nan")):
             t[i] = float(v)
         t[5] = -0.0
+        fi = torch.finfo(dtype)
+        t[6], t[7], t[8] = fi.max, -fi.max, -fi.tiny  # the largest finite values are not counted
         assert block_nonfinite(t.view(torch.uint8).numpy(), dtype) == nonfinite_count(t) == 4, dtype
 
 
