@@ -29,7 +29,9 @@ times something; tables show a CPU-s/GiB column when measured.
 * ``cpu``: CPU seconds per checkpointed GiB in steady state: a ~``--cpu-gib`` state saved again
   and again (each save waited for), newest 2 kept (TieredWriter ``keep=2``; DCP directories
   removed), blocks of saves interleaved over TieredWriter, sync ``FileSystemWriter`` and
-  ``dcp.async_save``; per-thread breakdown from ``/proc/self/task`` and ``writer.stats``.
+  ``dcp.async_save``; per-thread breakdown from ``/proc/self/task`` and ``writer.stats``. Also
+  TieredWriter with the capture checks (``verify_capture = "all"``/``"sample"`` + ``nonfinite =
+  "warn"``): their ratio to off as whole-process figures and as (off + the checks' own CPU) / off.
 * ``e2e``: a small GPT-style model trained on random tokens, a checkpoint every iteration: total
   wall time with no checkpoint, TieredWriter, ``dcp.async_save``, sync FileSystemWriter, in
   interleaved rounds (the no-checkpoint blocks of different rounds give the drift). With

@@ -62,10 +62,10 @@ class SaveStats:
     thread), ``capture_cpu_s`` (opening the file, zeroing padding, issuing or doing the copies
     into the pool: on CPU the memcpy itself), ``crc_cpu_s`` (CRC32C, flush threads),
     ``write_cpu_s`` (waiting for copies to land, the writes, fsync and rename, flush threads),
-    ``verify_cpu_s`` (``[job] verify_capture``/``nonfinite``: the source digests and sums on the
-    capture thread and the host digests and NaN/Inf counts on the flush threads,
-    :mod:`tierckpt.capture.verify`; torch's intra-op threads a CPU reduction may use are not
-    counted). ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
+    ``verify_cpu_s`` (``[job] verify_capture``/``nonfinite``: the source digests on the capture
+    thread and the host digests and NaN/Inf scans on the flush threads, fused with the CRC32C
+    pass, :mod:`tierckpt.capture.verify`; on CPU single-threaded numpy, all of it counted here; a
+    GPU source's reductions are GPU time). ``cpu_s`` is their sum. Not included: DCP's planning on the training thread (within
     ``save_blocked_s``), the commit protocol and retention.
 
     ``phases``: the same stages with wall-clock start and end (:mod:`tierckpt.telemetry.phases`),

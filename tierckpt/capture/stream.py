@@ -190,17 +190,17 @@ class CaptureStream:
             n = job.chunk_len(k)
             view = self.pool.slot(slot, n)
             arr = view.numpy()
-            if job.check is not None:  # the source digest and NaN/Inf scan, before the CRC seals it
-                c1 = time.thread_time()
-                try:
-                    job.check.flush(job.chunks[k], view)
-                finally:
-                    vfy = time.thread_time() - c1
             crcs = job.crcs
             c1 = time.thread_time()
-            for item, j, off, n in job.crc_pieces[k]:
-                crcs[item][j] = crc32c(arr[off : off + n])
-            crc = time.thread_time() - c1
+            if job.check is not None:  # CRC32C, host digest and NaN/Inf scan in one pass
+                try:
+                    crc = job.check.seal(job.chunks[k], job.crc_pieces[k], arr, crcs)
+                finally:
+                    vfy = time.thread_time() - c1 - crc
+            else:
+                for item, j, off, n in job.crc_pieces[k]:
+                    crcs[item][j] = crc32c(arr[off : off + n])
+                crc = time.thread_time() - c1
             assert job.sink is not None
             job.sink.write_at(k * self.chunk_size, memoryview(arr))
         except BaseException as e:  # noqa: BLE001
