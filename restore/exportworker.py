@@ -2,8 +2,9 @@
 
 Reads ``{"config": {...}, "checkpoint_id": ID}`` (JSON) on standard input, lowers its priority
 (``nice`` 19; the idle I/O class on Linux, through the ``ionice`` command when present), and
-exports the checkpoint as ``[export]`` says (:func:`restore.export.export_hf`). A folder already
-exported under that path is left as it is. Exit status 0 when the folder is there (its figures,
+exports the checkpoint as ``[export]`` says (:func:`restore.export.export_hf`; to a local
+directory or an ``s3://`` prefix). A folder (or prefix) already exported under that path is left
+as it is. Exit status 0 when the folder is there (its figures,
 :meth:`restore.export.ExportResult.to_json`, as one JSON line on standard output), 1 with the
 error on standard error otherwise.
 """
@@ -40,7 +41,7 @@ def main() -> int:
 
         ex = cfg.export
         out = ex.path.replace("{checkpoint_id}", cid).replace("{node}", node_name())
-        if "{checkpoint_id}" in ex.path and is_export(out):
+        if "{checkpoint_id}" in ex.path and is_export(out, cfg):
             print(json.dumps({"checkpoint_id": cid, "out": out, "already": True}))
             return 0  # exported already (a rerun); a fixed path is replaced by each newer export
         res = export_hf(

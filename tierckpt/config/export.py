@@ -32,7 +32,10 @@ class ExportConfig:
             ``model.safetensors.index.json``, split as ``save_pretrained`` splits them.
         every: export every Nth committed checkpoint (those whose commit sequence number is a
             multiple of N); 0: only on request (``tierckpt-restore export``).
-        path: the output directory, ``{checkpoint_id}`` replaced by the checkpoint's id (and
+        path: the output directory, or an ``s3://bucket/prefix`` URL (uploaded through the S3
+            tier's code with the ``[s3]`` section's endpoint and settings, credentials from boto3's
+            chain; shards first, ``model.safetensors.index.json`` last; not inside the ``[s3]``
+            tier's own prefix), ``{checkpoint_id}`` replaced by the checkpoint's id (and
             ``{node}`` by the node's name); required when ``every`` is set.
         keys: export only the keys starting with one of these prefixes (e.g. ``["model."]``);
             empty: every tensor.
@@ -66,6 +69,10 @@ class ExportConfig:
             raise ConfigError(f"{where} every: must be 0 (on request only) or positive, got {self.every}")
         if self.every and not self.path:
             raise ConfigError(f"{where} path: required when every is set (where the exports go)")
+        if self.path.startswith("s3://"):
+            bucket, _, prefix = self.path[len("s3://") :].partition("/")
+            if not bucket or not prefix.strip("/"):
+                raise ConfigError(f"{where} path: s3://BUCKET/PREFIX (a prefix of its own), got {_brief(self.path)}")
         if self.dtype not in EXPORT_DTYPES:
             raise ConfigError(f"{where} dtype: one of {', '.join(map(repr, EXPORT_DTYPES))}, got {_brief(self.dtype)}")
         size = self.max_shard_size.strip()
@@ -80,3 +87,16 @@ class ExportConfig:
             )
         if self.adapter and not all(part.isidentifier() for part in self.adapter.replace(":", ".").split(".")):
             raise ConfigError(f"{where} adapter: a dotted path such as mypkg.convert:to_hf, got {_brief(self.adapter)}")
+
+    def check_s3(self, tier_bucket: str, tier_prefix: str, where: str = "[export]") -> None:
+        """Refuse an ``s3://`` path inside the ``[s3]`` tier's own prefix (``tier_prefix``) in the
+        same bucket: that tier's retention and ``gc`` own every key there."""
+        if not self.path.startswith("s3://"):
+            return
+        bucket, _, prefix = self.path[len("s3://") :].partition("/")
+        prefix, tier_prefix = prefix.strip("/"), tier_prefix.strip("/")
+        if bucket == tier_bucket and (not tier_prefix or prefix == tier_prefix or prefix.startswith(tier_prefix + "/")):
+            raise ConfigError(
+                f"{where} path: {_brief(self.path)} lies inside the [s3] tier s3://{bucket}/{tier_prefix} "
+                "(its retention and gc own every key there): use another prefix or bucket"
+            )
