@@ -150,14 +150,25 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 def load_adapter(adapter: str | Adapter | None) -> Adapter | None:
     """The adapter callable: ``adapter`` itself, or the object a dotted path names
-    (``pkg.mod.func`` or ``pkg.mod:func``; attributes may be nested: ``pkg.mod:Class.method``).
-    ``None`` or ``""``: no adapter (names and tensors kept). Raises :class:`UsageError` naming the
-    path when it cannot be imported or is not callable."""
+    (``pkg.mod.func`` or ``pkg.mod:func``; attributes may be nested: ``pkg.mod:Class.method``,
+    for a static method), or torchtitan's ``StateDictAdapter.to_hf`` bound to the model it names:
+    ``torchtitan:MODEL/FLAVOR`` or ``torchtitan:pkg.mod:config_function``
+    (:mod:`tierckpt.integrations.torchtitan_hf`). ``None`` or ``""``: no adapter (names and
+    tensors kept). Raises :class:`UsageError` naming the path when it cannot be imported or built,
+    or is not callable."""
     if adapter is None or adapter == "":
         return None
     if callable(adapter):
         return adapter
     path = str(adapter)
+    if path.startswith("torchtitan:"):
+        from tierckpt.errors import ConfigError
+        from tierckpt.integrations.torchtitan_hf import PREFIX, hf_adapter
+
+        try:
+            return hf_adapter(path[len(PREFIX) :])
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     if ":" in path:
         mod_name, _, attr = path.partition(":")
     else:

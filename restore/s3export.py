@@ -157,4 +157,3 @@ class S3Destination:
 def staging_parent() -> Path:
     """Where an S3 export stages its files: the system's temporary directory."""
     return Path(tempfile.gettempdir())
-

@@ -17,6 +17,21 @@ EXPORT_DTYPES = ("keep", "bfloat16", "float16", "float32")
 _SHARD_UNITS = ("KB", "MB", "GB", "TB")  # what transformers' max_shard_size takes (huggingface_hub)
 
 
+def _dotted(path: str) -> bool:
+    return all(part.isidentifier() for part in path.replace(":", ".").split("."))
+
+
+def _adapter_ref_ok(ref: str) -> bool:
+    """A dotted path, ``torchtitan:MODEL/FLAVOR`` or ``torchtitan:pkg.module:function``."""
+    if not ref.startswith("torchtitan:"):
+        return _dotted(ref)
+    rest = ref[len("torchtitan:") :]
+    if "/" in rest:
+        model, _, flavor = rest.partition("/")
+        return model.isidentifier() and bool(flavor) and all(c.isalnum() or c in "._-" for c in flavor)
+    return rest.count(":") == 1 and _dotted(rest)
+
+
 @dataclass
 class ExportConfig:
     """``[export]``: every Nth committed checkpoint also becomes a Hugging Face folder, in the background.
@@ -46,7 +61,10 @@ class ExportConfig:
             ``config.json``, tokenizer files, ``generation_config.json``.
         adapter: dotted path (``package.module.function`` or ``package.module:function``) of a
             callable mapping ``{name: tensor}`` to Hugging Face's names and tensors, called one
-            tensor at a time; empty: names kept.
+            tensor at a time; or torchtitan's own ``StateDictAdapter.to_hf`` for a model:
+            ``"torchtitan:llama3/8B"`` (torchtitan's model and flavor) or
+            ``"torchtitan:my_configs:llama3_8b_tierckpt"`` (a torchtitan config function;
+            :mod:`tierckpt.integrations.torchtitan_hf`); empty: names kept.
         max_shard_size: the largest shard, as ``save_pretrained`` spells it (``"5GB"``, ``"500MB"``).
     """
 
@@ -85,8 +103,11 @@ class ExportConfig:
                 f'{where} max_shard_size: a size as save_pretrained takes it ("5GB", "500MB"; units '
                 f"{', '.join(_SHARD_UNITS)}), got {_brief(self.max_shard_size)}"
             )
-        if self.adapter and not all(part.isidentifier() for part in self.adapter.replace(":", ".").split(".")):
-            raise ConfigError(f"{where} adapter: a dotted path such as mypkg.convert:to_hf, got {_brief(self.adapter)}")
+        if self.adapter and not _adapter_ref_ok(self.adapter):
+            raise ConfigError(
+                f"{where} adapter: a dotted path such as mypkg.convert:to_hf, or torchtitan:MODEL/FLAVOR "
+                f"(torchtitan:llama3/8B) or torchtitan:pkg.module:config_function, got {_brief(self.adapter)}"
+            )
 
     def check_s3(self, tier_bucket: str, tier_prefix: str, where: str = "[export]") -> None:
         """Refuse an ``s3://`` path inside the ``[s3]`` tier's own prefix (``tier_prefix``) in the
