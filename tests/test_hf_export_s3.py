@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -51,7 +50,7 @@ def _download(client, bucket: str, prefix: str, to: Path) -> Path:
     return to
 
 
-def test_export_to_s3_shards_first_index_last_and_rerun_replaces(saved, tmp_path, moto_endpoint, s3cfg):
+def test_export_to_s3_shards_first_index_last_and_rerun_replaces(saved, tmp_path, moto_endpoint, s3cfg):  # noqa: F811
     import boto3
 
     from restore.export import ExportExists, export_hf, is_export

@@ -94,7 +94,7 @@ def tiny_titan_config() -> SimpleNamespace:
     return SimpleNamespace(model_spec=spec, hf_assets_path="./no/such/assets")
 
 
-def test_torchtitan_adapter_in_one_config_line(saved, tmp_path):
+def test_torchtitan_adapter_in_one_config_line(saved, tmp_path):  # noqa: F811
     from restore.export import export_hf
     from tierckpt import TieredWriter, load_config
 
