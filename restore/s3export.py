@@ -13,7 +13,8 @@ honoured by boto3 itself).
 Crash safety, the S3 way. What makes a prefix loadable by ``from_pretrained`` is its *marker*:
 ``model.safetensors.index.json`` for a sharded export, ``model.safetensors`` for a single-shard
 one. An export (1) deletes both markers under the prefix first (an older export there stops
-looking complete before any of its files is replaced), (2) uploads each shard as soon as it is
+looking complete before any of its files is replaced; multipart uploads a killed export left there
+are aborted), (2) uploads each shard as soon as it is
 complete on the staging disk (the local copy is removed once uploaded, so the staging disk holds
 about one shard at a time), then the extra files, (3) uploads the marker last (one PutObject or
 one CompleteMultipartUpload: atomic), and (4) deletes the objects under the prefix that are not
@@ -109,8 +110,13 @@ class S3Destination:
         return any(self.tier.exists(m) for m in markers)
 
     def begin(self, markers: tuple[str, ...]) -> None:
-        """Delete the markers under the prefix, so that an older export there no longer looks complete."""
+        """Delete the markers under the prefix, so that an older export there no longer looks
+        complete, and abort the multipart uploads a killed export left under it (one export
+        writes a prefix at a time: ``{checkpoint_id}``/``{node}`` in the path keep them apart)."""
         self.tier.delete_many(list(markers))
+        aborted = self.tier.abort_stale_uploads("", older_than_s=0)
+        if aborted:
+            log.info("%s: aborted %d multipart upload(s) left by an export that did not finish", self.url, aborted)
 
     def _upload(self, path: Path, name: str) -> None:
         size = path.stat().st_size
