@@ -120,3 +120,19 @@ def test_export_to_s3_shards_first_index_last_and_rerun_replaces(saved, tmp_path
     import tempfile
 
     assert not [p for p in Path(tempfile.gettempdir()).glob(".tierckpt-s3export.partial-*") if p.exists()]
+
+
+def test_s3_export_path_inside_the_s3_tier_is_refused_at_load(tmp_path):
+    from tierckpt import load_config
+    from tierckpt.errors import ConfigError
+
+    base = f'[local]\npath = "{tmp_path / "local"}"\n[s3]\nbucket = "b"\nprefix = "ckpt"\n'
+    for path, ok in (("s3://b/ckpt/hf/{checkpoint_id}", False), ("s3://b/hf/{checkpoint_id}", True),
+                     ("s3://other/ckpt/hf", True), ("s3://b", False), ("s3://b/ckptx/hf", True)):  # fmt: skip
+        p = tmp_path / "c.toml"
+        p.write_text(base + f'[export]\nevery = 1\npath = "{path}"\n')
+        if ok:
+            assert load_config(p).export.path == path
+        else:
+            with pytest.raises(ConfigError, match=r"\[export\] path"):
+                load_config(p)
