@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=2, help="stall: runs with and without, alternated")
     ap.add_argument("--dir", default="")
     ap.add_argument(
+        "--export-dir", default="", help="stall: where the exports go (e.g. /dev/shm: not the training's disk)"
+    )
+    ap.add_argument(
         "--parts",
         default="export,stall",
         help="export (throughput, RSS, save_pretrained anchor), consolidate (DCP's anchor; needs export), stall",
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         if "export" in parts or "consolidate" in parts:
             _bench_export(work, dims, out, dcp, TieredWriter, load_config, parts)
         if "stall" in parts:
-            _bench_stall(work, args.steps, args.pairs, out)
+            _bench_stall(work, args.steps, args.pairs, out, args.export_dir)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -350,7 +353,7 @@ def _tree_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _bench_stall(work: Path, steps: int, pairs: int, out: dict) -> None:
+def _bench_stall(work: Path, steps: int, pairs: int, out: dict, export_root: str = "") -> None:
     out["cpu_tree_counted"] = _subreaper()
     runs: dict[str, list[float]] = {"without": [], "every_1": []}
     tree: dict[str, list[float]] = {"without": [], "every_1": []}  # trainer + every export worker, CPU s
@@ -359,7 +362,8 @@ def _bench_stall(work: Path, steps: int, pairs: int, out: dict) -> None:
         for name in ("without", "every_1"):
             d = work / f"train-{name}-{i}"
             d.mkdir()
-            export = f'[export]\nevery = 1\npath = "{d / "hf" / "{checkpoint_id}"}"\n' if name == "every_1" else ""
+            hf = Path(export_root) / d.name if export_root else d / "hf"
+            export = f'[export]\nevery = 1\npath = "{hf / "{checkpoint_id}"}"\n' if name == "every_1" else ""
             c = _toml(d, "256MiB", export)
             cpu0 = _tree_cpu()
             r = _run_child("train", {"cfg": str(c), "steps": steps})
@@ -367,9 +371,10 @@ def _bench_stall(work: Path, steps: int, pairs: int, out: dict) -> None:
             cpu[name].append([round(r["cpu"], 2), round(r["cpu_children"], 2)])
             if name == "every_1":  # the last worker outlives the loop: let it finish before counting
                 deadline = time.monotonic() + 120
-                while time.monotonic() < deadline and not (d / "hf" / f"step-{steps}").exists():
+                while time.monotonic() < deadline and not (hf / f"step-{steps}").exists():
                     time.sleep(0.5)
-                out.setdefault("exported", []).append(sorted(p.name for p in (d / "hf").iterdir()))
+                out.setdefault("exported", []).append(sorted(p.name for p in hf.iterdir()))
+                shutil.rmtree(hf, ignore_errors=True)
             _reap_all()  # the orphaned worker, if any (this process is their subreaper)
             tree[name].append(round(_tree_cpu() - cpu0, 2))
             shutil.rmtree(d, ignore_errors=True)
