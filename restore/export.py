@@ -404,8 +404,8 @@ def export_hf(
                 raise UsageError(f"checkpoint {cid}: shard(s) {', '.join(unwritten)} not complete")
             for p in extra:
                 shutil.copyfile(p, tmp / p.name)
-                with open(tmp / p.name, "rb+") as fh:
-                    os.fsync(fh.fileno())
+                with open(tmp / p.name, "rb+") as copied:
+                    os.fsync(copied.fileno())
                 res.files.append(p.name)
             if split.is_sharded:
                 index = {

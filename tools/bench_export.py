@@ -2,7 +2,7 @@
 """Benchmark of the Hugging Face export (``restore/export.py``, ``[export] every``), side by side in one run.
 
     python tools/bench_export.py [--hidden 1024] [--layers 8] [--vocab 32000] [--steps 16] [--pairs 2]
-        [--parts export,consolidate,stall] [--dir DIR]
+        [--parts export,consolidate,stall] [--dir DIR] [--export-dir DIR]
 
 1. A ``LlamaForCausalLM`` built from a config (float32, random init, no download) is saved with
    ``dcp.save`` through ``TieredWriter`` into a local tier (fsync on; a 256 MiB host pool, smaller
