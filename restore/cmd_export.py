@@ -10,6 +10,8 @@ EPILOG = """examples:
   tierckpt-restore export latest --format hf --out hf/{checkpoint_id} --keys model. --strip-prefix model. \\
       --files config.json generation_config.json tokenizer/ --dtype bfloat16
   tierckpt-restore export step-000300 --format hf --out hf-300 --max-shard-size 5GB --adapter mypkg.convert:to_hf
+  tierckpt-restore export latest --out s3://bucket/hf/{checkpoint_id} --adapter torchtitan:llama3/8B \\
+      --keys tok_embeddings. layers. norm. lm_head. --files llama3-8b-assets/config.json
   python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf-300')"
 """
 
@@ -45,7 +47,12 @@ def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentPar
     p.add_argument(
         "--files", nargs="+", action="extend", metavar="PATH", help="extra files (or directories' files) to copy in"
     )
-    p.add_argument("--adapter", metavar="DOTTED.PATH", help="callable mapping {name: tensor} to Hugging Face's")
+    p.add_argument(
+        "--adapter",
+        metavar="DOTTED.PATH",
+        help="callable mapping {name: tensor} to Hugging Face's; torchtitan:MODEL/FLAVOR (torchtitan:llama3/8B) "
+        "or torchtitan:MODULE:CONFIG_FN: torchtitan's StateDictAdapter.to_hf for that model",
+    )
     p.add_argument(
         "--max-shard-size", default="50GB", metavar="SIZE", help="as save_pretrained takes it (default 50GB)"
     )

@@ -36,6 +36,9 @@ with a ``meta`` tensor to plan the files, then with the real one, and must retur
 names, shapes and dtypes both times (a fused tensor split into several, a rename, a permute:
 anything that works on shapes; torchtitan's ``StateDictAdapter.to_hf`` is such a callable).
 
+To S3 (``out = "s3://bucket/prefix"``): staged locally and uploaded shard by shard through the S3
+tier, the marker (index, or the single shard) last; see :mod:`restore.s3export`.
+
 Crash safety. Everything is written into ``.NAME.partial-PID`` next to the output directory,
 shards first, extra files next, the index last, each file fsync-ed, then the directory is
 renamed to its final name (and the parent fsync-ed). A killed export therefore leaves only the
@@ -66,6 +69,7 @@ from .consolidate import ConsolidateResult, _copy_tensors, _plan
 from .errors import NotFound, UsageError
 from .hfshards import WRITE_BEHIND, Adapter, _convert, _dtype_ranks, _HfWriter, _Out  # noqa: F401 - WRITE_BEHIND: public here
 from .outfiles import SAFETENSORS_DTYPES
+from .s3export import S3Destination, check_destination, is_s3_url, parse_s3_url, staging_parent
 from .source import CheckpointSource
 
 __all__ = [
@@ -91,6 +95,7 @@ DTYPES: dict[str, torch.dtype | None] = {
     "float32": torch.float32,
 }
 PARTIAL = ".partial-"
+S3_STAGE = "tierckpt-s3export"  # an S3 export's staging directory: $TMPDIR/.tierckpt-s3export.partial-PID
 
 
 class ExportExists(UsageError):
@@ -145,14 +150,25 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 def load_adapter(adapter: str | Adapter | None) -> Adapter | None:
     """The adapter callable: ``adapter`` itself, or the object a dotted path names
-    (``pkg.mod.func`` or ``pkg.mod:func``; attributes may be nested: ``pkg.mod:Class.method``).
-    ``None`` or ``""``: no adapter (names and tensors kept). Raises :class:`UsageError` naming the
-    path when it cannot be imported or is not callable."""
+    (``pkg.mod.func`` or ``pkg.mod:func``; attributes may be nested: ``pkg.mod:Class.method``,
+    for a static method), or torchtitan's ``StateDictAdapter.to_hf`` bound to the model it names:
+    ``torchtitan:MODEL/FLAVOR`` or ``torchtitan:pkg.mod:config_function``
+    (:mod:`tierckpt.integrations.torchtitan_hf`). ``None`` or ``""``: no adapter (names and
+    tensors kept). Raises :class:`UsageError` naming the path when it cannot be imported or built,
+    or is not callable."""
     if adapter is None or adapter == "":
         return None
     if callable(adapter):
         return adapter
     path = str(adapter)
+    if path.startswith("torchtitan:"):
+        from tierckpt.errors import ConfigError
+        from tierckpt.integrations.torchtitan_hf import PREFIX, hf_adapter
+
+        try:
+            return hf_adapter(path[len(PREFIX) :])
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     if ":" in path:
         mod_name, _, attr = path.partition(":")
     else:
@@ -216,8 +232,16 @@ def _extra_files(files: list[str | os.PathLike]) -> list[Path]:
     return out
 
 
-def is_export(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a finished export (a directory holding the index or the single shard)."""
+def is_export(path: str | os.PathLike, config: TierConfig | str | os.PathLike | None = None) -> bool:
+    """Whether ``path`` is a finished export: a directory holding the index or the single shard,
+    or an ``s3://`` prefix holding one of them (``config``: whose ``[s3]`` transport settings to
+    use; credentials from boto3's chain)."""
+    if is_s3_url(path):
+        dest = S3Destination(as_config(config), str(path))
+        try:
+            return dest.is_export((INDEX_NAME, SINGLE_NAME))
+        finally:
+            dest.close()
     p = Path(path)
     return (p / INDEX_NAME).is_file() or (p / SINGLE_NAME).is_file()
 
@@ -240,8 +264,10 @@ def export_hf(
 
     Args:
         config: a :class:`TierConfig`, a TOML path, or ``None`` for ``$TIERCKPT_CONFIG``.
-        out: the output directory; ``{checkpoint_id}`` in it is replaced by the checkpoint's id.
-            It must not exist or be empty, unless ``overwrite``.
+        out: the output directory, or an ``s3://bucket/prefix`` URL (:mod:`restore.s3export`:
+            shards uploaded as they complete, the index last); ``{checkpoint_id}`` in it is
+            replaced by the checkpoint's id. It must not exist or be empty (hold no object),
+            unless ``overwrite``.
         keys: keep only keys starting with one of these prefixes (e.g. ``["model."]``).
         strip_prefix: removed from the start of every name that has it (e.g. ``"model."``).
         dtype: ``None``/``"keep"``, ``"bfloat16"``, ``"float16"`` or ``"float32"`` (floating-point
@@ -266,17 +292,23 @@ def export_hf(
     cfg = as_config(config)
     with CheckpointSource(cfg, checkpoint_id, purpose="export") as src:
         cid = src.checkpoint_id
-        out_path = Path(str(out).replace("{checkpoint_id}", cid))
-        if out_path.exists() and not out_path.is_dir():
-            raise UsageError(f"--out {out_path}: exists and is not a directory")
-        if out_path.is_dir() and any(out_path.iterdir()) and not overwrite:
-            raise ExportExists(
-                f"--out {out_path}: exists and is not empty"
-                + (" (an export already)" if is_export(out_path) else "")
-                + "; replace it with --force (overwrite=True)"
-            )
+        out_str = str(out).replace("{checkpoint_id}", cid)
+        out_path = Path(out_str)
+        to_s3 = is_s3_url(out_str)
+        if to_s3:
+            check_destination(cfg, out_str)  # a usable URL, outside the [s3] tier's own prefix
+            out_str = "s3://" + "/".join(parse_s3_url(out_str))
+        else:
+            if out_path.exists() and not out_path.is_dir():
+                raise UsageError(f"--out {out_path}: exists and is not a directory")
+            if out_path.is_dir() and any(out_path.iterdir()) and not overwrite:
+                raise ExportExists(
+                    f"--out {out_path}: exists and is not empty"
+                    + (" (an export already)" if is_export(out_path) else "")
+                    + "; replace it with --force (overwrite=True)"
+                )
         md = src.metadata
-        res = ExportResult(cid, str(out_path))
+        res = ExportResult(cid, out_str)
         chosen = [f for f in md.state_dict_metadata if not keys or any(f.startswith(k) for k in keys)]
         tensors, objects = _plan(src, chosen)
         res.skipped = [fqn for fqn, _ in objects]
@@ -327,14 +359,41 @@ def export_hf(
             raise UsageError(f"extra file(s) {', '.join(clash)} would replace the export's own files")
         ranks = _dtype_ranks({o.dtype for o in by_name.values()}, st)
 
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        _clean_partials(out_path)
-        tmp = out_path.with_name(f".{out_path.name}{PARTIAL}{os.getpid()}")
+        dest: S3Destination | None = None
+        if to_s3:
+            dest = S3Destination(cfg, out_str)
+            try:
+                if not overwrite and dest.has_objects():
+                    raise ExportExists(
+                        f"--out {out_str}: holds objects"
+                        + (" (an export already)" if dest.is_export((INDEX_NAME, SINGLE_NAME)) else "")
+                        + "; replace them with --force (overwrite=True)"
+                    )
+                stage = staging_parent()
+                stage.mkdir(parents=True, exist_ok=True)
+                _clean_partials(stage / S3_STAGE)
+                tmp = stage / f".{S3_STAGE}{PARTIAL}{os.getpid()}"
+                dest.begin((INDEX_NAME, SINGLE_NAME))
+            except BaseException:
+                dest.close()
+                raise
+        else:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            _clean_partials(out_path)
+            tmp = out_path.with_name(f".{out_path.name}{PARTIAL}{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            writer = _HfWriter(tmp, cid, names, planned, shards, ranks, fn, cast)
-            scratch = ConsolidateResult(cid, str(out_path), "hf")
+            on_shard = None
+            if dest is not None:
+                d = dest
+
+                def on_shard(name: str) -> None:
+                    if name != SINGLE_NAME:  # the single shard is the marker: uploaded last
+                        d.send(tmp / name)
+
+            writer = _HfWriter(tmp, cid, names, planned, shards, ranks, fn, cast, on_shard=on_shard)
+            scratch = ConsolidateResult(cid, res.out, "hf")
             try:
                 _copy_tensors(src, tensors, writer, scratch, progress, label="export")
                 writer.finish()
@@ -345,8 +404,8 @@ def export_hf(
                 raise UsageError(f"checkpoint {cid}: shard(s) {', '.join(unwritten)} not complete")
             for p in extra:
                 shutil.copyfile(p, tmp / p.name)
-                with open(tmp / p.name, "rb+") as fh:
-                    os.fsync(fh.fileno())
+                with open(tmp / p.name, "rb+") as copied:
+                    os.fsync(copied.fileno())
                 res.files.append(p.name)
             if split.is_sharded:
                 index = {
@@ -360,11 +419,19 @@ def export_hf(
                     fh.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
                     fh.flush()
                     os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            _publish(tmp, out_path)
+            if dest is not None:
+                marker = tmp / (INDEX_NAME if split.is_sharded else SINGLE_NAME)
+                dest.finish([tmp / n for n in res.files], marker)
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                _fsync_dir(tmp)
+                _publish(tmp, out_path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            if dest is not None:
+                dest.close()
         res.shards = list(shards)
         res.tensors = writer.tensors
         res.bytes = writer.bytes

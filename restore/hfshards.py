@@ -117,7 +117,9 @@ class _HfWriter(_ConsolidateWriter):
     queued stay within :data:`WRITE_BEHIND` bytes in all; a larger tensor is written on the
     caller's thread once the queue is empty. So reading and writing overlap, and the memory held
     stays within the batch being read plus :data:`WRITE_BEHIND`. The first error of the writer
-    thread is raised by the next :meth:`write` or by :meth:`finish`.
+    thread is raised by the next :meth:`write` or by :meth:`finish`. ``on_shard(file name)``: called
+    on the thread that completed a shard (an S3 export uploads it from there on); its error is the
+    writer's error.
     """
 
     def __init__(
@@ -130,8 +132,10 @@ class _HfWriter(_ConsolidateWriter):
         ranks: dict[torch.dtype, int],
         adapter: Adapter | None,
         dtype: torch.dtype | None,
+        on_shard: Callable[[str], None] | None = None,
     ) -> None:
         self.tmp = tmp
+        self.on_shard = on_shard  # called with a shard's file name once it is complete, fsync-ed and closed
         self.checkpoint_id = checkpoint_id
         self.names = names  # fqn -> name after strip_prefix
         self.planned = planned  # fqn -> its outputs as planned
@@ -214,6 +218,8 @@ class _HfWriter(_ConsolidateWriter):
             if shard.write(o, outs[o.name]):
                 del self.open[o.shard]
                 self.done.add(o.shard)
+                if self.on_shard is not None:
+                    self.on_shard(o.shard)
             self.bytes += o.nbytes
             self.tensors += 1
 

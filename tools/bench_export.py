@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark of the Hugging Face export (``restore/export.py``, ``[export] every``), side by side in one run.
 
-    python tools/bench_export.py [--hidden 1024] [--layers 8] [--vocab 32000] [--steps 16] [--pairs 2] [--parts export,stall] [--dir DIR]
+    python tools/bench_export.py [--hidden 1024] [--layers 8] [--vocab 32000] [--steps 16] [--pairs 2]
+        [--parts export,consolidate,stall] [--dir DIR] [--export-dir DIR]
 
 1. A ``LlamaForCausalLM`` built from a config (float32, random init, no download) is saved with
    ``dcp.save`` through ``TieredWriter`` into a local tier (fsync on; a 256 MiB host pool, smaller
@@ -13,10 +14,18 @@
 4. *Anchor*: what a user does today: the full state gathered into the model (``dcp.load`` into a
    ``LlamaForCausalLM`` in a fresh process), then ``model.save_pretrained`` (200 MB shards); its
    files are compared byte for byte with the export's.
-5. *Stall*: a loop of ``--steps`` steps (a fixed amount of matmul work, then ``dcp.save`` of a
+5. *Anchor, DCP* (``--parts consolidate``): torch's own route, ``dcp.save`` through
+   ``HuggingFaceStorageWriter(save_distributed=True)`` (per-rank safetensors with DCP's sharding
+   metadata, one process here) then
+   ``torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files`` into
+   the same 200 MB split as the export (its ``fqn_to_index_mapping`` from the export's index), in a
+   fresh process: wall time and peak RSS of the consolidation alone (the save is not counted).
+6. *Stall*: a loop of ``--steps`` steps (a fixed amount of matmul work, then ``dcp.save`` of a
    64 MiB state + ``wait_captured``; ``wait()`` at the end) with ``[export] every = 1`` and
-   without, in fresh processes, alternated A B A B (``--pairs``); wall time of the loop, and
-   which checkpoints were exported (the last worker outlives the loop and is waited for).
+   without, in fresh processes, alternated A B A B (``--pairs``); wall time of the loop, the
+   trainer's CPU seconds and its children's (the export workers it reaped), the CPU seconds of the
+   whole tree (trainer and every worker: this process is made their subreaper), and which
+   checkpoints were exported (the last worker outlives the loop and is waited for).
 
 Prints one JSON document. Numbers depend on the machine: say which one ran them.
 """
@@ -109,7 +118,34 @@ def child_save_pretrained(spec: dict) -> dict:
     return {"gather_seconds": gathered, "save_seconds": sec, "rss_before": mem.base, "rss_peak": mem.peak}
 
 
+def child_hf_save(spec: dict) -> dict:
+    """The model's state saved by DCP's ``HuggingFaceStorageWriter`` (sharded, as on N ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model = _llama(spec)
+    t0 = time.perf_counter()
+    w = HuggingFaceStorageWriter(spec["out"], fqn_to_index_mapping=spec["mapping"], save_distributed=True)
+    dcp.save(model.state_dict(), storage_writer=w, no_dist=True)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def child_consolidate(spec: dict) -> dict:
+    from benchlib.common import RssPeak
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)  # it writes into an existing directory
+    with RssPeak() as mem:
+        t0 = time.perf_counter()
+        consolidate_safetensors_files(spec["src"], spec["out"], spec["mapping"], num_threads=1)
+        sec = time.perf_counter() - t0
+    nbytes = sum(p.stat().st_size for p in Path(spec["out"]).glob("*.safetensors"))
+    return {"seconds": sec, "bytes": nbytes, "rss_before": mem.base, "rss_peak": mem.peak}
+
+
 def child_train(spec: dict) -> dict:
+    import resource
+
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -132,10 +168,18 @@ def child_train(spec: dict) -> dict:
         w.wait_captured()
     assert w is not None
     w.wait()
-    return {"seconds": time.perf_counter() - t0}
+    sec = time.perf_counter() - t0
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"seconds": sec, "cpu": me.ru_utime + me.ru_stime, "cpu_children": kids.ru_utime + kids.ru_stime}
 
 
-CHILDREN = {"export": child_export, "save_pretrained": child_save_pretrained, "train": child_train}
+CHILDREN = {
+    "export": child_export,
+    "save_pretrained": child_save_pretrained,
+    "train": child_train,
+    "hf_save": child_hf_save,
+    "consolidate": child_consolidate,
+}
 
 
 def _run_child(kind: str, spec: dict) -> dict:
@@ -189,7 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--pairs", type=int, default=2, help="stall: runs with and without, alternated")
     ap.add_argument("--dir", default="")
-    ap.add_argument("--parts", default="export,stall", help="export (throughput, RSS, anchor), stall, or both")
+    ap.add_argument(
+        "--export-dir", default="", help="stall: where the exports go (e.g. /dev/shm: not the training's disk)"
+    )
+    ap.add_argument(
+        "--parts",
+        default="export,stall",
+        help="export (throughput, RSS, save_pretrained anchor), consolidate (DCP's anchor; needs export), stall",
+    )
     ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -206,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     dims = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}
     out: dict = {"model": dims}
     try:
-        if "export" in parts:
-            _bench_export(work, dims, out, dcp, TieredWriter, load_config)
+        if "export" in parts or "consolidate" in parts:
+            _bench_export(work, dims, out, dcp, TieredWriter, load_config, parts)
         if "stall" in parts:
-            _bench_stall(work, args.steps, args.pairs, out)
+            _bench_stall(work, args.steps, args.pairs, out, args.export_dir)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -217,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bench_export(work: Path, dims: dict, out: dict, dcp, TieredWriter, load_config) -> None:
+def _bench_export(work: Path, dims: dict, out: dict, dcp, TieredWriter, load_config, parts: set[str]) -> None:
     cfg = _toml(work, "256MiB")
     model = _llama(dims)
     model.config.save_pretrained(work / "hfconfig")
@@ -236,32 +287,102 @@ def _bench_export(work: Path, dims: dict, out: dict, dcp, TieredWriter, load_con
     ex["vs_source_read"] = ex["gbps"] / out["source_read"]["gbps"]
     ex["vs_dest_write"] = ex["gbps"] / out["dest_write"]["gbps"]
     ex["rss_over_start"] = ex["rss_peak"] - ex["rss_before"]
-    out["save_pretrained"] = _run_child("save_pretrained", {**spec, "out": str(work / "anchor")})
-    out["same_shard_bytes"] = all(
-        (work / "export" / p.name).read_bytes() == p.read_bytes() for p in (work / "anchor").glob("*.safetensors")
-    )
+    if "consolidate" in parts:
+        _bench_consolidate(work, spec, out)
+    if "export" in parts:
+        out["save_pretrained"] = _run_child("save_pretrained", {**spec, "out": str(work / "anchor")})
+        out["same_shard_bytes"] = all(
+            (work / "export" / p.name).read_bytes() == p.read_bytes() for p in (work / "anchor").glob("*.safetensors")
+        )
+        shutil.rmtree(work / "anchor")
     shutil.rmtree(work / "export")
-    shutil.rmtree(work / "anchor")
 
 
-def _bench_stall(work: Path, steps: int, pairs: int, out: dict) -> None:
+def _bench_consolidate(work: Path, spec: dict, out: dict) -> None:
+    """DCP's route (module docstring, 5.), into the export's shard split; compared tensor by tensor."""
+    from safetensors import safe_open
+
+    idx = work / "export" / "model.safetensors.index.json"
+    if idx.exists():
+        weight_map = json.loads(idx.read_text())["weight_map"]
+    else:  # one shard: model.safetensors
+        with safe_open(work / "export" / "model.safetensors", "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    mapping = {k: int(v.split("-")[1]) if "-" in v else 1 for k, v in weight_map.items()}
+    src, dst = work / "dcp-hf", work / "dcp-consolidated"
+    saved = _run_child("hf_save", {**spec, "out": str(src), "mapping": mapping})
+    res = out["dcp_consolidate"] = _run_child("consolidate", {"src": str(src), "out": str(dst), "mapping": mapping})
+    res["save_seconds"] = saved["seconds"]
+    res["gbps"] = res["bytes"] / res["seconds"] / 1e9
+    res["rss_over_start"] = res["rss_peak"] - res["rss_before"]
+    same = True
+    theirs = sorted(dst.glob("*.safetensors"))
+    for name, other in zip(sorted(set(weight_map.values())), theirs, strict=True):
+        with safe_open(work / "export" / name, "pt") as a, safe_open(other, "pt") as b:
+            same = same and sorted(a.keys()) == sorted(b.keys())
+            same = same and all(a.get_tensor(k).equal(b.get_tensor(k)) for k in a.keys())
+    res["same_tensors_as_export"] = same
+    shutil.rmtree(src)
+    shutil.rmtree(dst)
+
+
+def _subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``),
+    so that an export worker outliving its trainer is reaped here and its CPU time counted in
+    ``RUSAGE_CHILDREN``. False where that is not available."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _tree_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _bench_stall(work: Path, steps: int, pairs: int, out: dict, export_root: str = "") -> None:
+    out["cpu_tree_counted"] = _subreaper()
     runs: dict[str, list[float]] = {"without": [], "every_1": []}
+    tree: dict[str, list[float]] = {"without": [], "every_1": []}  # trainer + every export worker, CPU s
+    cpu: dict[str, list[list[float]]] = {"without": [], "every_1": []}  # [trainer, its reaped children]
     for i in range(pairs):
         for name in ("without", "every_1"):
             d = work / f"train-{name}-{i}"
             d.mkdir()
-            export = f'[export]\nevery = 1\npath = "{d / "hf" / "{checkpoint_id}"}"\n' if name == "every_1" else ""
+            hf = Path(export_root) / d.name if export_root else d / "hf"
+            export = f'[export]\nevery = 1\npath = "{hf / "{checkpoint_id}"}"\n' if name == "every_1" else ""
             c = _toml(d, "256MiB", export)
-            runs[name].append(_run_child("train", {"cfg": str(c), "steps": steps})["seconds"])
+            cpu0 = _tree_cpu()
+            r = _run_child("train", {"cfg": str(c), "steps": steps})
+            runs[name].append(r["seconds"])
+            cpu[name].append([round(r["cpu"], 2), round(r["cpu_children"], 2)])
             if name == "every_1":  # the last worker outlives the loop: let it finish before counting
                 deadline = time.monotonic() + 120
-                while time.monotonic() < deadline and not (d / "hf" / f"step-{steps}").exists():
+                while time.monotonic() < deadline and not (hf / f"step-{steps}").exists():
                     time.sleep(0.5)
-                out.setdefault("exported", []).append(sorted(p.name for p in (d / "hf").iterdir()))
+                out.setdefault("exported", []).append(sorted(p.name for p in hf.iterdir()))
+                shutil.rmtree(hf, ignore_errors=True)
+            _reap_all()  # the orphaned worker, if any (this process is their subreaper)
+            tree[name].append(round(_tree_cpu() - cpu0, 2))
             shutil.rmtree(d, ignore_errors=True)
     out["stall"] = {
         "steps": steps,
         "seconds": runs,
+        "cpu_seconds": cpu,
+        "cpu_seconds_tree": tree,
         "ratio_best": min(runs["every_1"]) / min(runs["without"]),
         "ratio_median": sorted(runs["every_1"])[pairs // 2] / sorted(runs["without"])[pairs // 2],
         "ratio_each": [a / b for a, b in zip(runs["every_1"], runs["without"])],

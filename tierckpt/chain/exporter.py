@@ -8,8 +8,8 @@ on the first tier (one small write, so that the next commit's retention cannot d
 the export reads it) and queues it; it never waits for an export and never raises, so a commit is
 never failed and barely delayed. The ``tierckpt-export`` thread starts one worker *process*
 (``python -m restore.exportworker``, in its own process group) and waits for it. The worker gets
-the configuration on its standard input, lowers its own priority (``nice`` 19, and the idle I/O
-class through ``ionice`` where it exists), and runs :func:`restore.export.export_hf`, which reads
+the configuration on its standard input, lowers its own priority (``nice`` 19, ``SCHED_IDLE``, the
+idle I/O class through ``ionice`` where it exists, one thread), and runs :func:`restore.export.export_hf`, which reads
 the committed checkpoint from the fastest tier holding it (never the training ranks' memory)
 under its own leases, and publishes the folder atomically.
 
@@ -168,6 +168,7 @@ class BackgroundExporter:
         env = dict(os.environ)
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["OMP_NUM_THREADS"] = "1"  # the worker yields its CPU to training (restore.exportworker)
         proc = self._spawn(
             [sys.executable, "-m", "restore.exportworker"],
             stdin=subprocess.PIPE,

@@ -330,6 +330,8 @@ class Config:
                 _coerce_section(name, section)
             for _name, section in present:
                 section.validate()
+            if self.s3 is not None:
+                self.export.check_s3(self.s3.bucket, self.s3.prefix)
             if self.local is None and self.s3 is not None:
                 for key, on in (
                     ("compression", self.s3.compression != "none"),
