@@ -517,3 +517,24 @@ def test_fsdp2_two_ranks_exported_in_the_background(saved, tmp_path):
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "fsdp-save":
     _fsdp_worker(sys.argv[2], sys.argv[3])
+
+
+def test_one_exporter_per_job_unless_the_path_names_the_node(tmp_path):
+    """Node-local disks: each node has a metadata writer (ranks 0 and 2 of 4 here). Exports into
+    one S3 prefix or directory come from rank 0 alone (two nodes' workers would each abort and
+    replace the other's files); with ``{node}`` in the path each node writes its own folder."""
+    from tierckpt.chain.exporter import BackgroundExporter
+    from tierckpt.config import config_from_dict
+
+    def exporters(path: str) -> list[int]:
+        cfg = config_from_dict({"local": {"path": str(tmp_path / "{node}")}, "export": {"every": 2, "path": path}})
+        ex = BackgroundExporter(cfg)
+        return [r for r in range(4) if ex.wants("step-4", 4, r, 0 if r < 2 else 2)]
+
+    assert exporters("s3://bucket/exports/{checkpoint_id}") == [0]
+    assert exporters(str(tmp_path / "exports" / "{checkpoint_id}")) == [0]
+    assert exporters(str(tmp_path / "exports" / "{node}" / "{checkpoint_id}")) == [0, 2]
+    cfg = config_from_dict(
+        {"local": {"path": str(tmp_path / "x")}, "export": {"every": 2, "path": "/e/{checkpoint_id}"}}
+    )
+    assert not BackgroundExporter(cfg).wants("step-3", 3, 0, 0)  # not a multiple of every

@@ -1,8 +1,8 @@
 """``[export] every = N``: a Hugging Face folder of every Nth committed checkpoint, in the background.
 
 The engine calls :meth:`BackgroundExporter.after_commit` on its commit thread once a checkpoint
-is committed on the first tier. On the rank that writes the checkpoint's metadata on its node (one
-per node for a node-local first tier, rank 0 for a shared one: the commit's metadata writer), for
+is committed on the first tier. On rank 0 (one export per job; with ``{node}`` in ``[export] path``,
+on each node's metadata writer instead: a folder per node), for
 checkpoints whose commit sequence number is a multiple of ``every``, that leases the checkpoint
 on the first tier (one small write, so that the next commit's retention cannot delete it before
 the export reads it) and queues it; it never waits for an export and never raises, so a commit is
@@ -13,7 +13,7 @@ idle I/O class through ``ionice`` where it exists, one thread), and runs :func:`
 the committed checkpoint from the fastest tier holding it (never the training ranks' memory)
 under its own leases, and publishes the folder atomically.
 
-One export runs at a time per node; when checkpoints commit faster than they export, only the
+One export runs at a time per exporting rank; when checkpoints commit faster than they export, only the
 newest waiting one is kept (the others are skipped, logged, their leases released). A worker that
 fails (its exit status and the last lines of its standard error) is logged at WARNING at once and
 reported at the next ``wait()`` as an :class:`ExportWarning`: the checkpoint itself is committed
@@ -86,6 +86,7 @@ class BackgroundExporter:
         self._on_done = on_done  # (checkpoint id, wall start, wall end, the worker's result, error): telemetry
         self._first_tier = first_tier
         self.every = cfg.export.every
+        self.per_node = "{node}" in cfg.export.path  # a folder per node, else one export per job
         self._spawn = spawn
         self._cond = threading.Condition()
         self._waiting: tuple[str, leases.Lease | None] | None = None  # the newest waiting export, leased
@@ -98,9 +99,14 @@ class BackgroundExporter:
         self._thread: threading.Thread | None = None
 
     def wants(self, checkpoint_id: str, seq: int, rank: int, writer: int) -> bool:
-        """Whether this rank exports ``checkpoint_id``: it is its node's metadata writer and the
-        commit sequence number ``seq`` is a multiple of ``every``."""
-        return self.every > 0 and rank == writer and seq > 0 and seq % self.every == 0
+        """Whether this rank exports ``checkpoint_id``: the commit sequence number ``seq`` is a
+        multiple of ``every`` and this rank is the job's exporter: rank 0 (one export per job),
+        or, when ``[export] path`` names ``{node}`` (a folder per node), its node's metadata
+        writer. One writer per destination: exports of every node into one S3 prefix or shared
+        directory would each abort and replace the others' files."""
+        if self.every <= 0 or seq <= 0 or seq % self.every != 0:
+            return False
+        return rank == writer if self.per_node else rank == 0
 
     def after_commit(self, checkpoint_id: str, seq: int, rank: int, writer: int) -> None:
         """Called on the commit thread after a commit: if this rank exports the checkpoint, lease it

@@ -36,8 +36,9 @@ def _adapter_ref_ok(ref: str) -> bool:
 class ExportConfig:
     """``[export]``: every Nth committed checkpoint also becomes a Hugging Face folder, in the background.
 
-    One worker process per node (started by the rank that writes the checkpoint's metadata on
-    that node, after the commit, niced, off the commit path) writes what ``save_pretrained``
+    One worker process per job (started by rank 0 after the commit, niced, off the commit path;
+    with ``{node}`` in ``path``, one per node, by the rank that writes the checkpoint's metadata
+    on that node) writes what ``save_pretrained``
     writes, through ``tierckpt-restore export`` (docs/integrations.md). Its errors are logged
     and reach the trainer at the next ``wait()`` as a warning; the checkpoint is not affected.
     Needs ``pip install "tierckpt[hf]"``.
