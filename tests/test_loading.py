@@ -7,6 +7,7 @@ touch waits between slots while a load is in flight, so the resume has the cores
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -122,6 +123,34 @@ def test_unfilled_destinations_are_not_filled_first(deterministic):
     assert t.shape == (1024, 1024) and t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
     assert not torch.isnan(t).all()
     assert unfilled((0, 3), torch.int64).shape == (0, 3)
+
+
+def test_large_unfilled_destinations_are_advised_into_huge_pages():
+    """A destination of at least ``HUGE_MIN`` bytes is an ordinary storage of torch's allocator
+    (resizable) whose whole aligned 2 MiB pages are advised ``MADV_HUGEPAGE`` (where Linux has
+    transparent huge pages: the kernel's own map of the process says so), so the read that fills
+    it faults once per 2 MiB; smaller ones are left alone; the contents are what is written."""
+    from tierckpt.load.deliver import HUGE_MIN, HUGE_PAGE, advise_huge, unfilled
+
+    t = unfilled((2 * HUGE_MIN // 4,), torch.float32)
+    assert t.untyped_storage().resizable()
+    t.fill_(1.5)
+    assert float(t.sum()) == 1.5 * t.numel()
+    assert advise_huge(t.data_ptr(), HUGE_MIN - 1) is False
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        return
+    inside = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first aligned huge page of the tensor
+    vma = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            vma = (lo, hi)
+        elif line.startswith("VmFlags:") and vma is not None and vma[0] <= inside < vma[1]:
+            assert "hg" in line.split(), line
+            return
+    raise AssertionError(f"no mapping of {inside:#x} in /proc/self/smaps")
 
 
 def test_skeleton_load_under_deterministic_algorithms(cfg, deterministic):

@@ -7,8 +7,11 @@ Used by :class:`~tierckpt.load.reader.TieredReader` on the read engine's threads
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
+import mmap
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +23,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..errors import CorruptCheckpoint
 from ..format.metadata import DTYPES, ItemRecord
 
-__all__ = ["Item", "buffer_for", "deliver", "is_whole", "direct_ok", "bytes_view", "unfilled"]
+__all__ = ["Item", "buffer_for", "deliver", "is_whole", "direct_ok", "bytes_view", "unfilled", "advise_huge"]
 
 
 @dataclass
@@ -96,10 +99,49 @@ def unfilled(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     ``deterministic=True``) fills the new memory with NaN or the largest integer
     (``torch.utils.deterministic.fill_uninitialized_memory``): a full write pass of every
     byte a load is about to overwrite anyway (measured: 27 ms of a 47 ms Lightning resume of
-    50 MB). A storage allocated directly is not filled, and no global flag is touched."""
+    50 MB). A storage allocated directly is not filled, and no global flag is touched.
+
+    A storage of at least :data:`HUGE_MIN` bytes is advised into transparent huge pages
+    (:func:`advise_huge`): the read that fills it then takes one page fault per 2 MiB instead
+    of one per 4 KiB (measured: reading 50 MB from the page cache into new memory, 21 ms
+    against 5 ms). It stays an ordinary storage of torch's allocator (resizable, shareable)."""
     n = math.prod(shape)
     t = torch.empty(0, dtype=dtype)
-    return t.set_(torch.UntypedStorage(n * t.element_size()), 0, torch.Size(shape))  # type: ignore[call-overload]
+    storage = torch.UntypedStorage(n * t.element_size())
+    advise_huge(storage.data_ptr(), storage.nbytes())
+    return t.set_(storage, 0, torch.Size(shape))  # type: ignore[call-overload]
+
+
+HUGE_PAGE = 2 << 20
+"""The transparent huge page size :func:`advise_huge` aligns to (x86-64 and arm64 with 4 KiB pages)."""
+HUGE_MIN = 2 * HUGE_PAGE
+"""The smallest allocation :func:`unfilled` advises (it spans at least one whole aligned huge page)."""
+
+_madvise: Any = None  # libc's madvise, or False where there is none (set on first use)
+
+
+def advise_huge(address: int, nbytes: int) -> bool:
+    """Ask the kernel for transparent huge pages (``MADV_HUGEPAGE``) over the whole, 2 MiB-aligned
+    huge pages of the ``nbytes`` at ``address``, memory not touched yet; ``nbytes`` under
+    :data:`HUGE_MIN` are left alone. A hint: it changes how the memory is faulted in, never its
+    contents. Returns whether the advice was given (False: too small, not Linux, no libc
+    ``madvise``, THP not built in); never raises."""
+    global _madvise
+    if nbytes < HUGE_MIN or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise is False:
+        return False
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    return end > start and _madvise(start, end - start, mmap.MADV_HUGEPAGE) == 0
 
 
 def is_whole(ri: ReadItem, rec: ItemRecord) -> bool:
