@@ -36,7 +36,8 @@ What changes against Lightning's ``TorchCheckpointIO`` (``docs/integrations.md``
   and every deletion to run; a background failure is raised there (logged instead when the
   trainer is already handling an exception).
 
-The plugin builds its writer on first use, so it pickles as its configuration (``ddp_spawn``).
+The plugin builds its writer on its first save or removal (a rank that only loads never does), and
+pickles as its configuration (``ddp_spawn``).
 """
 
 from __future__ import annotations
