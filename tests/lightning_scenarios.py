@@ -82,11 +82,52 @@ def _stall_commits() -> None:
     LocalTier.put = stalled  # type: ignore[method-assign]
 
 
+def _hold_commits():  # noqa: ANN202
+    """From now on the first checkpoint to commit in this process waits until the returned
+    event is set (its metadata write, the commit, blocks until then); every later one stalls for
+    good. The job's first save then commits only after its second save returned, and the second
+    never commits."""
+    import threading
+
+    from tierckpt.tiers.local import LocalTier
+
+    release = threading.Event()
+    first = threading.Lock()
+    put = LocalTier.put
+
+    def held(self, key: str, data: bytes, *, if_absent: bool = False) -> None:  # noqa: ANN001
+        if if_absent and key.endswith("metadata.json"):
+            if not first.acquire(blocking=False):
+                threading.Event().wait()
+            release.wait()
+        put(self, key, data, if_absent=if_absent)
+
+    LocalTier.put = held  # type: ignore[method-assign]
+    return release
+
+
+def _await_pointer(dirpath: str, step: int, timeout: float = 120.0) -> None:
+    """Wait until the pointer file of the checkpoint of ``step`` is in ``dirpath`` (a file, not
+    ``ModelCheckpoint``'s ``last.ckpt`` link): that checkpoint committed (the first save of a
+    process is pointed to once it commits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.isdir(dirpath) and any(
+            e.name.endswith(f"step={step}.ckpt") and e.is_file(follow_symlinks=False) for e in os.scandir(dirpath)
+        ):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"no pointer of step {step} in {dirpath} after {timeout} s")
+
+
 def fit(args: dict, rank: int, world: int) -> dict:
     """``args``: strategy ("ddp" | "fsdp2"), io ("tierckpt" | "default": Lightning's own path),
-    tiers (TOML), dirpath, steps, interval, crash_after (a step: stop dead after its save),
-    stall_at (a step: the earlier saves are waited for, then from this step's save on commits stall;
-    with crash_after: killed before the commit),
+    tiers (TOML), dirpath, steps, interval, crash_after (a step: stop dead after its save; without
+    stall_at / hold_first_commit, once the first save (step ``interval``) committed: its pointer is
+    there), stall_at (a step: the earlier saves are waited for, then from this step's save on
+    commits stall; with crash_after: killed before the commit), hold_first_commit (with
+    crash_after: the first save commits only at the kill, the second never; the kill comes once
+    the first one's pointer is written),
     ckpt_path (e.g. "last"), reference_first (first run the uninterrupted job from scratch in
     this process, Lightning's own path, no checkpoints: the state after loading, the losses, the
     loop state and the final state are compared with it), width (model width), save_every_step
@@ -177,6 +218,7 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         }
 
     out: dict = {"losses": {}, "blocked": [], "resumed_from": 0}
+    hold = _hold_commits() if args.get("hold_first_commit") and not args.get("reference") else None
     records: dict = {}
     reference = bool(args.get("reference"))
 
@@ -202,6 +244,11 @@ def _fit(args: dict, rank: int, world: int, ref: dict) -> dict:
         def on_train_batch_start(self, trainer, pl_module, batch, idx) -> None:  # noqa: ANN001
             if not reference and args.get("crash_after") and trainer.global_step == args["crash_after"]:
                 out["losses"] = pl_module.losses
+                if hold is not None:
+                    hold.set()
+                if not args.get("stall_at"):  # commits are asynchronous: on a loaded host the kill could
+                    # otherwise come before any, and the restart would rightly start from scratch
+                    _await_pointer(args["dirpath"], args["interval"])
                 dist.barrier()
                 Path(sys.argv[3]).write_text(json.dumps(out))
                 os._exit(0)  # killed: no teardown, nothing waited for

@@ -178,6 +178,26 @@ def test_real_metadata_parses(real):
     assert parse(seal_doc(doc)) is None  # re-sealing is faithful
 
 
+def test_the_same_metadata_bytes_parse_once_and_nothing_else_is_reused(real):
+    """``parse_checkpoint_doc`` reuses the parse of the very same bytes (a resume reads one
+    checkpoint's metadata for its health check, then for the load); other bytes are parsed
+    (and refused) as ever, a cached document naming another checkpoint is still refused, and
+    bytes that failed are never kept."""
+    from tierckpt.catalog.listing import parse_checkpoint_doc
+
+    raw, doc = real
+    first = parse_checkpoint_doc(raw, WHERE, CID)
+    assert parse_checkpoint_doc(bytearray(raw), WHERE, CID) is first  # the same bytes: the same document
+    with pytest.raises(CorruptCheckpoint, match="names checkpoint"):
+        parse_checkpoint_doc(raw, WHERE, "step-8")
+    other = seal_doc(doc | {"step": 8})
+    assert parse_checkpoint_doc(other, WHERE, CID) is not first
+    flipped = raw[:-2] + bytes([raw[-2] ^ 1]) + raw[-1:]  # one body byte off: its CRC32C fails
+    for _ in range(2):
+        with pytest.raises(CorruptCheckpoint, match="CRC32C"):
+            parse_checkpoint_doc(flipped, WHERE, CID)
+
+
 # -- item 4: the reported case and its relatives ----------------------------------------------
 
 

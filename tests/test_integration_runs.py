@@ -76,6 +76,27 @@ def test_lightning_kill_before_first_commit_restarts_then_resumes_from_fallback(
     assert _steps(_ids(tiers)) == [6, 8]
 
 
+def test_lightning_first_commit_after_second_save_writes_its_pointer_then_resumes(tmp_path):
+    """The first save (step 2) commits only after the second (step 4) returned, and step 4 never
+    commits before the kill: step 4's pointer, held back at its save (nothing committed to fall
+    back to then), is written when step 2 commits, naming it as fallback; so ``last.ckpt``
+    (a link to step 4's pointer) resumes from step 2 (on 826c353: the pointer waited for step
+    4's commit, ``last.ckpt`` dangled and the restart began from scratch)."""
+    pytest.importorskip("lightning")
+    tiers = _tiers(tmp_path)
+    ck = tmp_path / "ckpt"
+    base = {"tiers": tiers, "dirpath": str(ck), "steps": 6, "interval": 2}
+    a = _fit(base | {"crash_after": 5, "hold_first_commit": True}, tmp_path / "a")
+    assert "errors" not in a, a
+    assert _steps(_ids(tiers)) == [2]
+    ptr = read_pointer(ck / "epoch=0-step=4.ckpt")
+    assert ptr is not None and _steps([ptr.id]) == [4] and ptr.fallback == _ids(tiers)[0], ptr
+
+    b = _fit(base | {"ckpt_path": "last"}, tmp_path / "b")
+    assert "errors" not in b, b
+    assert b["resumed_from"] == 2 and b["global_step"] == 6, b
+
+
 # -- 2. runs sharing one configuration; 4. last.ckpt not saved twice --------------------------------
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,9 +253,38 @@ def read_checkpoint_raw(tier: Tier, checkpoint_id: str) -> tuple[bytes, Checkpoi
     return raw, parse_checkpoint_doc(raw, f"{tier.url}/{key}", checkpoint_id)
 
 
+_docs: OrderedDict[bytes, CheckpointDoc] = OrderedDict()
+_docs_lock = threading.Lock()
+DOC_CACHE_ENTRIES = 8
+"""Parsed metadata documents :func:`parse_checkpoint_doc` keeps, the most recently used."""
+DOC_CACHE_MAX_BYTES = 4 << 20
+"""The largest ``metadata.json`` whose parse it keeps."""
+
+
 def parse_checkpoint_doc(raw: bytes, where: str, checkpoint_id: str) -> CheckpointDoc:
-    """Parse ``metadata.json`` bytes read from ``where`` and check they name ``checkpoint_id``."""
-    doc = parse_metadata(raw, where)
+    """Parse ``metadata.json`` bytes read from ``where`` and check they name ``checkpoint_id``.
+
+    The parse of the very same bytes (up to :data:`DOC_CACHE_MAX_BYTES`) is reused from the last
+    :data:`DOC_CACHE_ENTRIES` documents that parsed, the bytes being the key: a resume reads one
+    checkpoint's metadata for its health check and again for the load, moments apart. The same
+    bytes parse to the same document, so nothing is skipped (the CRC32C in the header covered
+    them the first time); bytes that fail are never kept. Callers do not modify the document
+    (the load sets each record's ``chunk_size`` to the manifest's, the value it has)."""
+    raw = bytes(raw)
+    if len(raw) <= DOC_CACHE_MAX_BYTES:
+        with _docs_lock:
+            doc = _docs.get(raw)
+            if doc is not None:
+                _docs.move_to_end(raw)
+    else:
+        doc = None
+    if doc is None:
+        doc = parse_metadata(raw, where)
+        if len(raw) <= DOC_CACHE_MAX_BYTES:
+            with _docs_lock:
+                _docs[raw] = doc
+                while len(_docs) > DOC_CACHE_ENTRIES:
+                    _docs.popitem(last=False)
     if doc.manifest.checkpoint_id != checkpoint_id:
         raise CorruptCheckpoint(f"{where}: metadata names checkpoint {doc.manifest.checkpoint_id!r}")
     return doc

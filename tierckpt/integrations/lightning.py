@@ -36,7 +36,8 @@ What changes against Lightning's ``TorchCheckpointIO`` (``docs/integrations.md``
   and every deletion to run; a background failure is raised there (logged instead when the
   trainer is already handling an exception).
 
-The plugin builds its writer on first use, so it pickles as its configuration (``ddp_spawn``).
+The plugin builds its writer on its first save or removal (a rank that only loads never does), and
+pickles as its configuration (``ddp_spawn``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         f'tierckpt.integrations.lightning needs Lightning ({e}); install it with: pip install "tierckpt[lightning]"'
     ) from e
 
-from ..config import TierConfig
+from ..config import TierConfig, load_config
 from ..load.deliver import unfilled
 from ..load.reader import TieredReader
 from ..save.writer import TieredWriter
@@ -108,9 +109,11 @@ class TierckptCheckpointIO(CheckpointIO):
 
     @property
     def paths(self) -> PathMap:
-        """The path map (and its writer), made on first use in this process."""
+        """The path map, made on first use in this process; its writer is made on the first save
+        or removal (a rank that only loads, every DDP rank but 0, never makes one)."""
         if self._paths is None:
-            self._paths = PathMap(TieredWriter(self.config, no_dist=True), self.run)
+            cfg = self.config if isinstance(self.config, TierConfig) else load_config(self.config)
+            self._paths = PathMap(lambda: TieredWriter(cfg, no_dist=True), self.run, cfg=cfg)
         return self._paths
 
     @property

@@ -19,10 +19,12 @@ pointers name them, and a path with no pointer tries ``<run>@<name>``, then ``<n
 
 **When the pointer is written.** A save's pointer is written when the save returns if this
 process knows a committed checkpoint to fall back to (one it saved or loaded, recorded in the
-pointer as ``fallback``); the first save of a process with none is pointed to only once it is
-committed on the first tier. So a job killed between a save and its commit leaves either no
-pointer (no older checkpoint: Lightning starts from scratch, as it does without a checkpoint)
-or a pointer whose fallback is committed: there is no crash loop on restart.
+pointer as ``fallback``); a save of a process with none is pointed to once it is committed on
+the first tier, or as soon as an earlier save of the process commits (which is then its
+fallback). So a job killed between a save and its commit leaves either no pointer (nothing of
+the process committed: Lightning starts from scratch, as it does without a checkpoint) or a
+pointer whose fallback is committed: there is no crash loop on restart, and a link such as
+``last.ckpt`` to the newest save names a pointer as soon as any save of the process committed.
 
 Saving again to a path whose pointer names a checkpoint (``save_last=True`` rewrites
 ``last.ckpt``) makes a new id, ``<id>+<n>`` (tierckpt never overwrites a checkpoint); the
@@ -62,9 +64,10 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -73,9 +76,11 @@ from ..capture.ranksave import RankSave
 from ..catalog.checkpoints import list_checkpoints
 from ..catalog.health import unhealthy
 from ..catalog.listing import is_committed
+from ..config import TierConfig
 from ..errors import CheckpointMarkedBad, CheckpointNotFound, CommitConflict, TierckptError
 from ..format.layout import check_checkpoint_id
 from ..save.writer import TieredWriter
+from ..tiers import Tier, make_tiers
 from .deletions import Deletions
 from .pointers import (  # noqa: F401 - the pointer file, served from here as before
     LAST_NAME,
@@ -135,24 +140,72 @@ class Resolved:
 class PathMap:
     """Paths <-> tierckpt checkpoints for one framework plugin (see the module docstring).
 
-    ``writer``: the plugin's writer (its engine's tiers are where deletions run). ``run``: the
-    run key of every id (``None``: :func:`run_key` of each path's directory).
+    ``writer``: the plugin's writer (its engine's tiers are where deletions run), or a callable
+    making it with ``cfg``, the configuration, given: then the writer is made on the first save,
+    removal or deletion, and a process that only loads (Lightning's DDP ranks but rank 0) never
+    makes one (a writer starts the engine's threads and installs the SIGTERM handler; resolving
+    needs only the tiers). ``run``: the run key of every id (``None``: :func:`run_key` of each
+    path's directory).
     """
 
-    def __init__(self, writer: TieredWriter, run: str | None = None) -> None:
-        self.writer = writer
-        self.cfg = writer.cfg
+    def __init__(
+        self,
+        writer: TieredWriter | Callable[[], TieredWriter],
+        run: str | None = None,
+        *,
+        cfg: TierConfig | None = None,
+    ) -> None:
+        if isinstance(writer, TieredWriter):
+            self._writer: TieredWriter | None = writer
+            self._make_writer: Callable[[], TieredWriter] | None = None
+            self.cfg = writer.cfg
+        else:
+            if cfg is None:
+                raise TypeError("PathMap(make_writer, ...) needs cfg=, the writer's configuration")
+            self._writer, self._make_writer, self.cfg = None, writer, cfg
+        self._tiers: list[Tier] | None = None  # the tiers resolve() reads, while there is no writer
+        self._deletions: Deletions | None = None
         self.run = check_run(run) if run is not None else None
-        self.deletions = Deletions(writer)
         self._saves: dict[str, RankSave] = {}  # id -> its save in this process
         self._lock = threading.Lock()
         self._unwritten: dict[str, str] = {}  # path -> the id whose pointer waits for its commit
+        self._deferred: dict[str, tuple[Pointer, int]] = {}  # path -> (that pointer, its save's order)
         self._last_saved: dict[str, str] = {}  # path -> the id saved (or aliased) there by this process
         self._newest: tuple[str, tuple] | None = None  # (id, fingerprint) of this process's last save
         self._known: tuple[int, str] | None = None  # (save order, id) of the newest committed one known here
         self._seq = 0
         self._background: list[Future] = []  # deferred pointer writes and orphan sweeps
         self._swept: set[str] = set()
+
+    @property
+    def writer(self) -> TieredWriter:
+        """The writer of this process's saves (made on first use when a factory was given)."""
+        with self._lock:
+            if self._writer is None:
+                assert self._make_writer is not None
+                self._writer = self._make_writer()
+            return self._writer
+
+    @property
+    def deletions(self) -> Deletions:
+        """The background deletions, over the writer's tiers (made on first use)."""
+        writer = self.writer
+        with self._lock:
+            if self._deletions is None:
+                self._deletions = Deletions(writer)
+            return self._deletions
+
+    def tiers(self) -> list[Tier]:
+        """The tier chain, fastest first: the writer's engine's once there is a writer, else the
+        configured tiers opened for reading."""
+        with self._lock:
+            writer = self._writer
+            if writer is None:
+                if self._tiers is None:
+                    self._tiers = make_tiers(self.cfg)
+                return self._tiers
+        chain = writer.engine.chain
+        return [chain[i] for i in range(len(chain))]
 
     # -- ids -----------------------------------------------------------------------------------
     def run_of(self, path: str | os.PathLike) -> str:
@@ -241,6 +294,7 @@ class PathMap:
         if job is None or fallback is not None or (job.committed.done() and job.committed.exception() is None):
             with self._lock:
                 self._unwritten.pop(key, None)
+                self._deferred.pop(key, None)
             write_pointer(path, ptr)
         else:
             fs, d = _fs(_split_path(path)[0])
@@ -248,6 +302,7 @@ class PathMap:
             done: Future = Future()
             with self._lock:
                 self._unwritten[key] = checkpoint_id
+                self._deferred[key] = (ptr, seq)
                 self._background.append(done)
             job.committed.add_done_callback(lambda f: self._write_when_committed(f, key, ptr, done))
             log.info(
@@ -260,10 +315,32 @@ class PathMap:
         self._sweep_once(_split_path(path)[0])
 
     def _on_commit(self, f: Future, seq: int, cid: str) -> None:
-        if f.exception() is None:
+        """The writer's thread, once save number ``seq`` (``cid``) committed on the first tier or
+        failed. Committed: it is the newest one known here if no later save committed; and the
+        pointers still waiting for the commit of a later save (deferred: nothing to fall back to
+        when it returned) are written now, with ``cid`` as their fallback. Otherwise a job killed
+        before those later commits would leave ``last.ckpt`` linked to a pointer never written,
+        and the restart would start from scratch although ``cid`` is committed."""
+        if f.exception() is not None:
+            return
+        with self._lock:
+            if self._known is None or self._known[0] < seq:
+                self._known = (seq, cid)
+            ready = [(k, p) for k, (p, s) in self._deferred.items() if s > seq and self._unwritten.get(k) == p.id]
+            for k, _ in ready:
+                del self._deferred[k]
+                del self._unwritten[k]
+        for k, p in ready:
+            done: Future = Future()
+            try:
+                write_pointer(k, replace(p, fallback=cid))
+                log.info("the pointer %s to %s is written: checkpoint %s committed, its fallback", k, p.id, cid)
+                done.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - close() raises it
+                log.error("writing the tierckpt pointer %s failed: %s", k, e)
+                done.set_exception(e)
             with self._lock:
-                if self._known is None or self._known[0] < seq:
-                    self._known = (seq, cid)
+                self._background.append(done)
 
     def _write_when_committed(self, f: Future, key: str, ptr: Pointer, done: Future) -> None:
         """The writer's thread, once ``ptr.id`` committed on the first tier (or failed)."""
@@ -272,9 +349,13 @@ class PathMap:
                 current = self._unwritten.get(key) == ptr.id
                 if current:
                     del self._unwritten[key]
+                    self._deferred.pop(key, None)
             if f.exception() is not None:
                 log.warning(
-                    "checkpoint %s was not committed (%s): no pointer written at %s", ptr.id, f.exception(), key
+                    "checkpoint %s was not committed (%s)%s",
+                    ptr.id,
+                    f.exception(),
+                    f": no pointer written at {key}" if current else "",
                 )
             elif current:  # not removed, nor saved again, since
                 write_pointer(key, ptr)
@@ -294,6 +375,7 @@ class PathMap:
             return
         with self._lock:
             pending = self._unwritten.pop(key, None)
+            self._deferred.pop(key, None)
         self._last_saved.pop(key, None)
         cid = pending or (ptr.id if ptr is not None else self.id_for(path))
         fs, p = _fs(path)
@@ -376,13 +458,11 @@ class PathMap:
         """Why ``checkpoint_id`` is unfit to resume from (None: fit, or ``healthy`` is False)."""
         if not self.healthy:
             return None
-        chain = self.writer.engine.chain
-        return unhealthy([chain[i] for i in range(len(chain))], checkpoint_id)
+        return unhealthy(self.tiers(), checkpoint_id)
 
     def committed(self, checkpoint_id: str) -> bool:
         """Whether some tier of the chain holds ``checkpoint_id`` committed."""
-        chain = self.writer.engine.chain
-        return any(is_committed(chain[i], checkpoint_id) for i in range(len(chain)))
+        return any(is_committed(t, checkpoint_id) for t in self.tiers())
 
     def newest_of_run(self, path: str | os.PathLike) -> str | None:
         """The newest committed checkpoint of the run saving to ``path``: ids with its run key,
@@ -478,11 +558,15 @@ class PathMap:
         """Wait for every save of the writer to commit, every pointer and deletion asked for to
         be written or run, and the orphan sweeps; raise the first failure (with ``quietly``: log it)."""
         try:
-            self.writer.close()
+            with self._lock:
+                writer, deletions = self._writer, self._deletions
+            if writer is not None:
+                writer.close()
             with self._lock:
                 pending, self._background = self._background, []
             futures_wait(pending)
-            self.deletions.wait()
+            if deletions is not None:
+                deletions.wait()
             for f in pending:
                 if f.exception() is not None:
                     raise f.exception()  # type: ignore[misc]
