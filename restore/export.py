@@ -153,7 +153,7 @@ def load_adapter(adapter: str | Adapter | None) -> Adapter | None:
     (``pkg.mod.func`` or ``pkg.mod:func``; attributes may be nested: ``pkg.mod:Class.method``,
     for a static method), or torchtitan's ``StateDictAdapter.to_hf`` bound to the model it names:
     ``torchtitan:MODEL/FLAVOR`` or ``torchtitan:pkg.mod:config_function``
-    (:mod:`tierckpt.integrations.torchtitan_hf`). ``None`` or ``""``: no adapter (names and
+    (:mod:`restore.titanadapter`). ``None`` or ``""``: no adapter (names and
     tensors kept). Raises :class:`UsageError` naming the path when it cannot be imported or built,
     or is not callable."""
     if adapter is None or adapter == "":
@@ -163,7 +163,8 @@ def load_adapter(adapter: str | Adapter | None) -> Adapter | None:
     path = str(adapter)
     if path.startswith("torchtitan:"):
         from tierckpt.errors import ConfigError
-        from tierckpt.integrations.torchtitan_hf import PREFIX, hf_adapter
+
+        from .titanadapter import PREFIX, hf_adapter
 
         try:
             return hf_adapter(path[len(PREFIX) :])

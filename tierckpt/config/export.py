@@ -65,7 +65,7 @@ class ExportConfig:
             tensor at a time; or torchtitan's own ``StateDictAdapter.to_hf`` for a model:
             ``"torchtitan:llama3/8B"`` (torchtitan's model and flavor) or
             ``"torchtitan:my_configs:llama3_8b_tierckpt"`` (a torchtitan config function;
-            :mod:`tierckpt.integrations.torchtitan_hf`); empty: names kept.
+            :mod:`restore.titanadapter`); empty: names kept.
         max_shard_size: the largest shard, as ``save_pretrained`` spells it (``"5GB"``, ``"500MB"``).
     """
 

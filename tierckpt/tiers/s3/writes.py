@@ -18,7 +18,6 @@ from typing import Any
 
 from ...config.redact import redact
 from ...errors import CommitConflict, CorruptCheckpoint, TierckptError, TierError
-from ...format.layout import split_key
 from ..base import DataSink, Spare, spared_ids
 from .client import (
     BotoCoreError,
@@ -316,8 +315,8 @@ class S3Writes(S3Requests):
         candidate), so that a long promotion still sending parts is never aborted. With
         ``older_than_s=0`` every upload under the prefix is aborted without ListParts. (moto
         reports a fixed 2010 initiation time, so there only part times protect an upload.)
-        Uploads of the checkpoint ids in ``spare`` (leased; data files under ``_XX/ID/`` too) are
-        left alone; a callable ``spare`` is called after the listing (see :data:`Spare`).
+        Uploads whose key has a checkpoint id of ``spare`` (leased) as a directory (``ID/...``, and
+        data files' ``_XX/ID/...``, as :meth:`LocalTier.abort_stale` prunes them) are left alone; a callable ``spare`` is called after the listing (see :data:`Spare`).
         """
         full_prefix = self._check_prefix(prefix)
         url = self._url_of(full_prefix)
@@ -333,9 +332,8 @@ class S3Writes(S3Requests):
         spared = set(spared_ids(spare))
         for page in pages:
             for up in page.get("Uploads", ()) or ():
-                where = split_key(up["Key"][len(self._root) :])
-                if where is not None and where[0] in spared:
-                    continue
+                if spared and not spared.isdisjoint(up["Key"][len(self._root) :].split("/")[:-1]):
+                    continue  # a directory of the key is a spared id (ID/... or _XX/ID/...)
                 initiated = up.get("Initiated")
                 age = now - initiated.timestamp() if initiated is not None else float("inf")
                 if age < older_than_s:

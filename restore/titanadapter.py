@@ -30,7 +30,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigError
+from tierckpt.errors import ConfigError
 
 __all__ = ["PREFIX", "hf_adapter", "model_spec"]
 
