@@ -40,7 +40,8 @@ class S3Config:
         concurrency: concurrent part uploads / ranged GETs per process.
         keep: committed checkpoints kept on this tier (0 keeps all).
         keep_every: additionally keep forever every checkpoint whose step is a multiple of this (0: off).
-        max_attempts: botocore retry attempts for transient errors.
+        max_attempts: botocore retry attempts for transient errors (also caps tierckpt's own
+            retries of uploads and resumed downloads, at most 4 tries).
         connect_timeout, read_timeout: seconds.
         conditional_commit: write the commit object with ``If-None-Match: *``; servers that
             reject the header fall back to check-then-put automatically.

@@ -51,7 +51,8 @@ except ImportError as _e:  # pragma: no cover - exercised only without boto3
 log = logging.getLogger("tierckpt.tiers.s3")
 
 _OWN_ATTEMPTS = 4
-"""Tries (first one included) of this module's own retry loop, on top of botocore's."""
+"""Tries (first one included) of this module's own retry loop, on top of botocore's; fewer when
+``[s3] max_attempts`` is lower (:meth:`S3Requests._own_attempts`)."""
 _BACKOFF_BASE_S = 0.2
 _BACKOFF_MAX_S = 5.0
 _READ_CHUNK = 8 * MiB
@@ -255,6 +256,12 @@ class S3Requests(Tier):
         """The boto3 client (for tests and tools)."""
         return self._client
 
+    @property
+    def _own_attempts(self) -> int:
+        """Tries of this module's own retry loops: :data:`_OWN_ATTEMPTS`, or ``[s3] max_attempts``
+        when lower (a configuration that asks for one attempt gets one, not four more of ours)."""
+        return max(1, min(_OWN_ATTEMPTS, self.cfg.max_attempts))
+
     # -- error handling -------------------------------------------------------------------
     def _client_error(self, e: ClientError, what: str, url: str) -> TierckptError:
         code, status = _err_code(e), _err_status(e)
@@ -290,7 +297,7 @@ class S3Requests(Tier):
         """Run ``fn`` (one boto3 call, already retried by botocore).
 
         ``ClientError`` propagates unchanged for the caller to classify. Connection-level errors
-        that outlived botocore's attempts are retried here ``_OWN_ATTEMPTS`` times in all when
+        that outlived botocore's attempts are retried here (:attr:`_own_attempts` tries in all) when
         ``own_retry`` (for idempotent uploads), then raised as :class:`TierError`.
         """
         attempt = 0
@@ -301,7 +308,7 @@ class S3Requests(Tier):
                 raise
             except (BotoConnectionError, HTTPClientError, IncompleteReadError) as e:
                 attempt += 1
-                if not own_retry or attempt >= _OWN_ATTEMPTS:
+                if not own_retry or attempt >= self._own_attempts:
                     raise self._transport_error(e, what, url) from e
                 delay = _backoff(attempt)
                 log.debug("%s %s: %s; retrying in %.2fs", what, url, type(e).__name__, delay)

@@ -10,7 +10,6 @@ from typing import Any
 from ...config.redact import redact
 from ...errors import CheckpointNotFound, CorruptCheckpoint, TierError
 from .client import (
-    _OWN_ATTEMPTS,
     _READ_CHUNK,
     ClientError,
     HTTPClientError,
@@ -79,7 +78,7 @@ class S3Reads(S3Requests):
         of buffers is filled one after the other (a scatter read: no temporary buffer).
 
         A body that breaks while streaming is resumed from the first missing byte (with
-        ``If-Match`` on the first response's ETag), at most ``_OWN_ATTEMPTS`` times in all.
+        ``If-Match`` on the first response's ETag), at most :attr:`_own_attempts` times in all.
         """
         full = self._full(key)
         url = self._url_of(full)
@@ -122,7 +121,7 @@ class S3Reads(S3Requests):
                 return result
             except (HTTPClientError, IncompleteReadError, Urllib3HTTPError, ConnectionError) as e:
                 attempt += 1
-                if attempt >= _OWN_ATTEMPTS:
+                if attempt >= self._own_attempts:
                     raise TierError(
                         f"get {url} [{start}, {start + (want or 0)}): the download broke {attempt} times, "
                         f"last at byte {start + got}: {type(e).__name__}: {redact(e)}"
