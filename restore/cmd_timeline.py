@@ -61,6 +61,7 @@ def _row(run: CheckpointRun, before: CheckpointRun | None) -> list[str]:
         " ".join(f"{h[4:]}={worst(h):.2f}" for h in hops) or "-",
         f"{run.end - run.start:.2f}",
         ("failed" if run.failed else "ok")
+        + (f", copy to {', '.join(run.copies_failed)} failed" if run.copies_failed and not run.failed else "")
         + (", job restarted before it" if before and run.restarted_after(before) else ""),
     ]
 

@@ -82,3 +82,27 @@ def test_wait_timeout_names_the_tier_behind(tmp_path: Path) -> None:
             w.wait()
     finally:
         stop()
+
+
+def test_a_checkpoint_whose_copy_to_s3_failed_is_committed_not_failed():
+    """The timeline's status: a record whose error is a failed copy to a later tier (S3 down) is a
+    checkpoint committed on its first tier, pending on S3 ("ok, copy to s3 failed"); an error no
+    failed copy explains (capture, flush, commit) is a failed checkpoint."""
+    from tierckpt.telemetry.history import CheckpointRun, RankRecord
+    from tierckpt.telemetry.phases import Phase
+
+    def rec(rank: int, error: str | None, *phases: Phase) -> RankRecord:
+        return RankRecord("step-4", "t", 4, rank, 2, rank, "0", 10, error, {}, list(phases), "p")
+
+    ok = [Phase("capture", 0, 1), Phase("commit", 1, 2)]
+    copy_failed = CheckpointRun(
+        "step-4",
+        "t",
+        4,
+        [rec(0, "replication to s3 failed", *ok, Phase("hop:s3", 2, 3, error="reset")), rec(1, None, *ok)],
+    )
+    assert not copy_failed.failed and copy_failed.copies_failed == ["s3"]
+    lost = CheckpointRun(
+        "step-4", "t", 4, [rec(0, "flush failed", Phase("flush", 0, 1, error="EIO")), rec(1, None, *ok)]
+    )
+    assert lost.failed and lost.copies_failed == []

@@ -145,7 +145,16 @@ class CheckpointRun:
 
     @property
     def failed(self) -> bool:
-        return any(r.error for r in self.ranks)
+        """Not committed: a rank's record holds an error that no failed copy to a later tier
+        explains (a checkpoint committed on its first tier whose copy to S3 failed is not failed:
+        it is pending there, see :attr:`copies_failed`)."""
+        return any(r.error and not any(p.tier and p.error for p in r.phases) for r in self.ranks)
+
+    @property
+    def copies_failed(self) -> list[str]:
+        """The later tiers whose copy of this checkpoint failed on some rank (committed on the first
+        tier, pending on those: pushed by the next job or ``tierckpt-restore push``)."""
+        return sorted({p.tier for r in self.ranks for p in r.phases if p.tier and p.error})
 
     @property
     def processes(self) -> frozenset[str]:
