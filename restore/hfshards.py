@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .errors import UsageError
-from .outfiles import SAFETENSORS_DTYPES, _bytes_of, _pwrite_all, _Tensor
+from .outfiles import SAFETENSORS_DTYPES, _bytes_of, _pwrite_all, _Tensor, nbytes_of
 from .outfiles import _Writer as _ConsolidateWriter
 
 __all__ = ["WRITE_BEHIND", "Adapter"]
@@ -60,10 +60,7 @@ class _Out:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return nbytes_of(self.dtype, self.shape)
 
 
 class _Shard:

@@ -7,6 +7,7 @@ offsets (``os.pwrite``), so that memory stays near one batch of tensors. Who cal
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zipfile
@@ -55,10 +56,12 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return nbytes_of(self.dtype, self.shape)
+
+
+def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``."""
+    return dtype.itemsize * math.prod(shape)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
